@@ -1,0 +1,312 @@
+"""FusedAdam / FusedAdamW / FusedSGD against torch.optim (kernels through the interpreter on CPU)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+import trainfuse
+from tests.optim.reference import SHAPES, TOL, TORCH_CLASS, assert_step_matches, random_hparams, snapshot
+
+OPTIMIZERS = [trainfuse.FusedAdam, trainfuse.FusedAdamW, trainfuse.FusedSGD]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _params(shapes, dtype, device, memory_format=None):
+    ps = []
+    for s in shapes:
+        p = torch.randn(s, device=device).to(dtype)
+        if memory_format is not None and p.dim() == 4:
+            p = p.to(memory_format=memory_format)
+        ps.append(torch.nn.Parameter(p))
+    return ps
+
+
+def _fresh_grads(params, none_at=()):
+    grads = []
+    for i, p in enumerate(params):
+        g = None if i in none_at else torch.randn_like(p)
+        p.grad = g
+        grads.append(g)
+    return grads
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", range(3))
+def test_each_step_matches_torch_in_float64(cls, dtype, config, kernels, device):
+    rng = random.Random(torch.initial_seed() + config)
+    params = _params(SHAPES, dtype, device)
+    hp_a, hp_b = random_hparams(cls, rng), random_hparams(cls, rng)
+    opt = cls([{"params": params[:4], **hp_a}, {"params": params[4:], **hp_b}])
+    for step in range(3):
+        before = snapshot(opt)
+        grads = _fresh_grads(params, none_at=(2,) if step == 1 else ())
+        opt.step()
+        assert_step_matches(opt, *before, grads, dtype, msg=f"{hp_a} {hp_b} step {step}")
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_float32_trajectory_matches_torch_optim(cls, kernels, device):
+    hp = random_hparams(cls, random.Random(torch.initial_seed()))
+    ours = _params(SHAPES, torch.float32, device)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    a, b = cls(ours, **hp), TORCH_CLASS[cls](theirs, **hp)
+    for _ in range(5):
+        for p, q in zip(ours, theirs):
+            q.grad = torch.randn_like(p)
+            p.grad = q.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_cpu_default_path_is_identical_to_torch_optim(cls, monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "auto")
+    hp = random_hparams(cls, random.Random(torch.initial_seed()))
+    ours = _params(SHAPES, torch.float32, "cpu")
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    a, b = cls(ours, **hp), TORCH_CLASS[cls](theirs, **hp)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            q.grad = torch.randn_like(p)
+            p.grad = q.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+    sa, sb = a.state_dict(), b.state_dict()
+    for i in sb["state"]:
+        for key, v in sb["state"][i].items():
+            assert torch.equal(sa["state"][i][key], v), key
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_thousand_tiny_tensors_in_one_launch(cls, kernels, device):
+    shapes = [(1 + i % 7,) for i in range(1100)] + [(0,)]
+    dtype = torch.float32
+    params = _params(shapes, dtype, device)
+    opt = cls(params, lr=0.01, **({"momentum": 0.9} if cls is trainfuse.FusedSGD else {}))
+    before = snapshot(opt)
+    grads = _fresh_grads(params)
+    opt.step()
+    assert_step_matches(opt, *before, grads, dtype)
+    (plan,) = opt._engine._plans.values()
+    assert plan.nchunks == len(shapes)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_state_dict_loads_into_torch_and_training_continues(cls, dtype, kernels, device):
+    hp = random_hparams(cls, random.Random(torch.initial_seed()))
+    ours = _params(SHAPES, dtype, device)
+    opt = cls(ours, **hp)
+    for _ in range(2):
+        _fresh_grads(ours)
+        opt.step()
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    topt = TORCH_CLASS[cls](theirs, **hp)
+    sd = opt.state_dict()
+    topt.load_state_dict(copy.deepcopy(sd))  # as if saved and loaded: no shared tensors
+    assert set(topt.state_dict()["param_groups"][0]) == set(sd["param_groups"][0])
+    for _ in range(2):
+        before = snapshot(opt)
+        grads = _fresh_grads(ours)
+        for q, g in zip(theirs, grads):
+            q.grad = g.clone()
+        opt.step()
+        topt.step()
+        assert_step_matches(opt, *before, grads, dtype)
+    for p, q in zip(ours, theirs):
+        # torch.optim rounds every intermediate to bf16/fp16, we round once: the two runs may drift
+        # apart by a few ulps of the params' scale (~1); the float64 check above is the exact one
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(p.float(), q.float(), rtol=4 * eps, atol=eps)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_torch_state_dict_loads_into_ours_and_training_continues(cls, kernels, device):
+    hp = random_hparams(cls, random.Random(torch.initial_seed()))
+    theirs = _params(SHAPES, torch.float32, device)
+    topt = TORCH_CLASS[cls](theirs, **hp)
+    for _ in range(2):
+        _fresh_grads(theirs)
+        topt.step()
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    opt = cls(ours, **hp)
+    opt.load_state_dict(copy.deepcopy(topt.state_dict()))
+    for _ in range(2):
+        before = snapshot(opt)
+        grads = _fresh_grads(ours)
+        for q, g in zip(theirs, grads):
+            q.grad = g.clone()
+        opt.step()
+        topt.step()
+        assert_step_matches(opt, *before, grads, torch.float32)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    expected_keys = {k: set(v) for k, v in topt.state_dict()["state"].items()}
+    assert {k: set(v) for k, v in opt.state_dict()["state"].items()} == expected_keys
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_state_dict_layout_is_torchs(cls, kernels, device):
+    params = _params([(4, 3), (5,)], torch.float32, device)
+    opt = cls(params, lr=0.1, **({"momentum": 0.9} if cls is trainfuse.FusedSGD else {}))
+    _fresh_grads(params)
+    opt.step()
+    sd = opt.state_dict()
+    ref = TORCH_CLASS[cls]([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.1,
+                           **({"momentum": 0.9} if cls is trainfuse.FusedSGD else {}))
+    assert set(sd["param_groups"][0]) == set(ref.state_dict()["param_groups"][0])
+    for i, p in enumerate(params):
+        st = sd["state"][i]
+        if cls is trainfuse.FusedSGD:
+            assert set(st) == {"momentum_buffer"}
+        else:
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
+            assert torch.is_tensor(st["step"]) and st["step"].dim() == 0 and float(st["step"]) == 1
+            assert st["step"].dtype in (torch.float32, torch.float64)
+        for key, v in st.items():
+            if key != "step":
+                assert v.shape == p.shape and v.dtype == p.dtype and v.device == p.device
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grad_scaler_unscales_and_skips_on_inf(cls, dtype, kernels, device):
+    hp = random_hparams(cls, random.Random(torch.initial_seed()))
+    params = _params(SHAPES, dtype, device)
+    opt = cls(params, **hp)
+    scaler = torch.amp.GradScaler(device.type, init_scale=256.0, growth_interval=1)
+    for step in range(3):
+        before = snapshot(opt)
+        grads = _fresh_grads(params)
+        unscaled = [g.clone() for g in grads]
+        scale = float(scaler.scale(torch.ones((), device=device)))  # what loss.backward() scales by
+        for g in grads:
+            g.mul_(scale)
+        if step == 1:  # an overflow: nothing may change, and the scale backs off
+            grads[4].view(-1)[3] = float("inf")
+        scale_before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if step == 1:
+            assert scaler.get_scale() == scale_before * 0.5
+            after = snapshot(opt)
+            for a, b in zip(after[0], before[0]):
+                assert torch.equal(a, b)
+            for sa, sb in zip(after[1], before[1]):
+                assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        else:
+            assert scaler.get_scale() == scale_before * 2.0
+            assert_step_matches(opt, *before, unscaled, dtype, msg=f"step {step}")
+            for g, u in zip(grads, unscaled):  # left unscaled, like torch's fused optimizers
+                torch.testing.assert_close(g.float(), u.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_lr_scheduler_changes_lr_every_step(cls, kernels, device):
+    ours = _params(SHAPES, torch.float32, device)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kw = {"momentum": 0.9, "nesterov": True} if cls is trainfuse.FusedSGD else {}
+    a, b = cls(ours, lr=0.1, **kw), TORCH_CLASS[cls](theirs, lr=0.1, **kw)
+    sa = torch.optim.lr_scheduler.OneCycleLR(a, max_lr=0.2, total_steps=6)
+    sb = torch.optim.lr_scheduler.OneCycleLR(b, max_lr=0.2, total_steps=6)
+    for _ in range(5):
+        for p, q in zip(ours, theirs):
+            q.grad = torch.randn_like(p)
+            p.grad = q.grad.clone()
+        a.step()
+        b.step()
+        sa.step()
+        sb.step()
+        assert a.param_groups[0]["lr"] == b.param_groups[0]["lr"]
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_add_param_group_joins_the_launch(cls, kernels, device):
+    first, second = _params([(5, 3)], torch.float32, device), _params([(70,)], torch.float32, device)
+    opt = cls(first, lr=0.1)
+    _fresh_grads(first)
+    opt.step()
+    opt.add_param_group({"params": second, "lr": 0.01, "weight_decay": 0.1})
+    before = snapshot(opt)
+    grads = _fresh_grads(first + second)
+    opt.step()
+    assert_step_matches(opt, *before, grads, torch.float32)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_channels_last_params_with_contiguous_grads(cls, kernels, device):
+    params = _params([(4, 3, 3, 5), (6, 2, 1, 3)], torch.float32, device, torch.channels_last)
+    opt = cls(params, lr=0.05, weight_decay=0.01)
+    for _ in range(2):
+        before = snapshot(opt)
+        grads = []
+        for p in params:
+            p.grad = torch.randn(p.shape, device=device).contiguous()
+            grads.append(p.grad)
+        opt.step()
+        assert_step_matches(opt, *before, grads, torch.float32)
+    assert params[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_unaligned_param_views(cls, kernels, device):
+    base = torch.randn(1000, device=device)
+    params = [torch.nn.Parameter(base[1:301]), torch.nn.Parameter(base[303:310].view(7, 1))]
+    opt = cls(params, lr=0.05)
+    before = snapshot(opt)
+    grads = _fresh_grads(params)
+    opt.step()
+    assert not next(iter(opt._engine._plans.values())).aligned
+    assert_step_matches(opt, *before, grads, torch.float32)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_tables_are_reused_and_rebuilt_when_storage_moves(cls, kernels, device):
+    params = _params(SHAPES, torch.float32, device)
+    opt = cls(params, lr=0.05)
+    _fresh_grads(params)
+    opt.step()
+    (plan,) = opt._engine._plans.values()
+    opt.step()  # same grads, same addresses
+    assert next(iter(opt._engine._plans.values())) is plan
+    params[2].data = params[2].data.clone()  # the param's storage moves
+    before = snapshot(opt)
+    grads = [p.grad for p in params]
+    opt.step()
+    assert next(iter(opt._engine._plans.values())) is not plan
+    assert_step_matches(opt, *before, grads, torch.float32)
+
+
+def test_multi_chunk_tensors_bump_step_exactly_once(kernels, device):
+    params = _params([(kernels.block * 5 + 3,), (kernels.block,), (0,)], torch.float32, device)
+    opt = trainfuse.FusedAdamW(params)
+    for n in range(1, 4):
+        _fresh_grads(params)
+        opt.step()
+        assert [float(opt.state[p]["step"]) for p in params] == [n, n, n]
+    assert int(next(iter(opt._engine._plans.values())).arrivals.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_mixed_dtypes_share_one_launch(dtype, kernels, device):
+    params = [torch.nn.Parameter(torch.randn(n, device=device, dtype=d))
+              for n, d in ((257, torch.float32), (130, dtype), (9, torch.float32))]
+    opt = trainfuse.FusedAdamW(params, lr=0.1)
+    for _ in range(2):
+        before = snapshot(opt)
+        grads = _fresh_grads(params)
+        opt.step()
+        assert_step_matches(opt, *before, grads, dtype)
+    (plan,) = opt._engine._plans.values()
+    assert plan.dtypes == 0b1 | (0b10 if dtype == torch.bfloat16 else 0b100)

@@ -1,0 +1,8 @@
+"""trainfuse: fused kernels for the parts of a PyTorch training step around the big matmuls."""
+
+from trainfuse._backend import backend, describe
+from trainfuse.optim import FusedAdam, FusedAdamW, FusedSGD
+
+__version__ = "0.1.0"
+
+__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "__version__", "backend", "describe"]

@@ -1,0 +1,135 @@
+"""Triton building blocks shared by every multi-tensor kernel (optimizers, EMA, clipping).
+
+A launch walks *work items*: one program per (tensor, chunk). The host side (``table.py``) writes
+two int64 tables on the device:
+
+- ``rows[t, :]`` — one row per tensor: operand addresses, numel, group, dtype code, step address.
+- ``chunks[pid]`` — ``(t << 32) | chunk`` for program ``pid``.
+
+Each client kernel reads its work item with :func:`work_item`, its hyperparameters from a float64
+per-group table, and applies its own elementwise math with :func:`load` / :func:`store`.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+ROW = tl.constexpr(16)  # int64 columns per tensor row; 16 keeps the chunk table 128-byte aligned
+COL_OPERAND0 = tl.constexpr(0)  # operands 0..5: param, grad, up to four state tensors
+COL_STEP = tl.constexpr(6)  # address of the tensor's float32 step counter
+COL_NUMEL = tl.constexpr(7)
+COL_GROUP = tl.constexpr(8)
+COL_DTYPE = tl.constexpr(9)  # 0 float32, 1 bfloat16, 2 float16
+COL_NCHUNKS = tl.constexpr(10)
+
+# The interpreter (triton <= 3.9) truncates float32 -> bfloat16 instead of rounding to nearest even;
+# round by hand there so CPU tests see the bits the GPU writes. Compiled kernels use the native cvt.
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def work_item(chunks_ptr, rows_ptr, CHUNK: tl.constexpr):
+    """This program's tensor row ``r``, row pointer, first element and element count (<= CHUNK)."""
+    item = tl.load(chunks_ptr + tl.program_id(0))
+    r = item >> 32
+    c = item - (r << 32)
+    row = rows_ptr + r * ROW
+    numel = tl.load(row + COL_NUMEL)
+    start = c * CHUNK
+    n = tl.minimum(numel - start, CHUNK)
+    return r, row, start, n
+
+
+@triton.jit
+def operand(row, k: tl.constexpr, start, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer to element ``start`` of operand ``k``; ALIGNED promises 16-byte aligned bases so
+    loads vectorize (the host checks every address before it sets it)."""
+    addr = tl.load(row + COL_OPERAND0 + k)
+    if ALIGNED:
+        addr = tl.multiple_of(addr, 16)
+    return addr.to(tl.pointer_type(DT)) + start
+
+
+@triton.jit
+def load(ptr, offs, n, MASKED: tl.constexpr):
+    """Load as float32; full chunks skip the mask so the compiler can use 16-byte accesses."""
+    if MASKED:
+        x = tl.load(ptr + offs, mask=offs < n, other=0.0)
+    else:
+        x = tl.load(ptr + offs)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _round_bf16_rne(x):
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = ((bits + 0x7FFF + lsb) >> 16) << 16
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def store(ptr, offs, n, x, MASKED: tl.constexpr):
+    """Store float32 ``x`` rounded to the operand's dtype (round to nearest even)."""
+    ty = ptr.dtype.element_ty
+    if _INTERPRET:
+        if ty == tl.bfloat16:
+            x = _round_bf16_rne(x)
+    if MASKED:
+        tl.store(ptr + offs, x.to(ty), mask=offs < n)
+    else:
+        tl.store(ptr + offs, x.to(ty))
+
+
+@triton.jit
+def live(inf_ptr, HAS_INF: tl.constexpr):
+    """False when GradScaler found an inf/NaN: the whole step is then skipped."""
+    if HAS_INF:
+        ok = tl.load(inf_ptr) == 0.0
+    else:
+        ok = True
+    return ok
+
+
+@triton.jit
+def advance_step(row, r, arrivals_ptr, ok):
+    """Return this tensor's step count after the update (old + 1) and write it back once.
+
+    Every program of a tensor must read the old count, so the write waits for the last one to
+    arrive: each program bumps ``arrivals[r]`` (acq_rel, after its read) and the last resets it.
+    """
+    step_ptr = tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32))
+    new = tl.load(step_ptr) + 1.0
+    if ok:
+        nchunks = tl.load(row + COL_NCHUNKS)
+        if nchunks == 1:
+            tl.store(step_ptr, new)
+        else:
+            arrived = tl.atomic_add(arrivals_ptr + r, 1)
+            if arrived == nchunks - 1:
+                tl.store(step_ptr, new)
+                tl.store(arrivals_ptr + r, 0)
+    return new
+
+
+@triton.jit
+def hparam(hp_ptr, row, k: tl.constexpr, WIDTH: tl.constexpr):
+    """Hyperparameter ``k`` (float64) of this tensor's param group."""
+    group = tl.load(row + COL_GROUP)
+    return tl.load(hp_ptr + group * WIDTH + k)
+
+
+@triton.jit
+def pow_f64(base, step):
+    """base ** step for a float64 base and an integer-valued step, by repeated squaring: exact to a
+    few ulps of float64 where exp2(step * log2(base)) in float32 would lose 1e-4 of 1 - beta2**1."""
+    e = step.to(tl.int64)
+    result = base * 0.0 + 1.0
+    b = base
+    while e > 0:
+        if e % 2 == 1:
+            result = result * b
+        b = b * b
+        e = e // 2
+    return result

@@ -1,0 +1,332 @@
+"""Host side of the multi-tensor engine: pointer tables, caching, hyperparameters, launch.
+
+Per device the engine keeps a *plan*: an int64 row per tensor (operand addresses, numel, group,
+dtype, step address) and one work item per (tensor, chunk), both on the device. A plan is keyed by
+the data pointers of the params and grads, so it survives ``zero_grad(set_to_none=True)`` as long
+as the caching allocator hands the grads back at the same addresses (it usually does); anything
+else (a new param layout, ``load_state_dict``, ``add_param_group``, a grad that became ``None``)
+rebuilds it. Per-group hyperparameters live in a float64 device table that is re-uploaded only when
+a value changes, so LR schedules neither recompile nor synchronize.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainfuse._backend import use_triton
+
+if TYPE_CHECKING:
+    from trainfuse.optim._base import FusedOptimizer
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ROW = 16  # must match kernels.ROW
+MAX_OPERANDS = 6  # param, grad and up to four states (kernels.COL_STEP == 6)
+COL_STEP, COL_NUMEL, COL_GROUP, COL_DTYPE, COL_NCHUNKS = 6, 7, 8, 9, 10
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """Elements per program (``block``) and warps per program; tests shrink ``block`` so that
+    small tensors span several chunks."""
+
+    block: int = 4096
+    num_warps: int = 8
+
+
+config = LaunchConfig()
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers its memory without gaps or overlap, whatever the dim order."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when element k of ``a``'s memory is element k of ``b``'s (both dense, same order)."""
+    if a.stride() == b.stride():
+        return True
+    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``like``'s dtype, device and memory layout (a copy only where needed)."""
+    if t.dtype == like.dtype and t.device == like.device and same_layout(t, like):
+        return t
+    out = torch.empty_like(like)
+    out.copy_(t)
+    return out
+
+
+class _Plan:
+    __slots__ = ("pkey", "gkey", "rows", "chunks", "arrivals", "nchunks", "dtypes", "aligned",
+                 "volatile", "keepalive", "copy_back")
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class MultiTensorEngine:
+    """Runs one optimizer's step over all its params: Triton plans per device, or the torch path."""
+
+    def __init__(self, client: FusedOptimizer):
+        self.client = client
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget every table (param groups, states or layouts changed)."""
+        self._indexed = False
+        self._plans: dict[torch.device, _Plan] = {}
+        self._hp: dict[torch.device, tuple[list[float], torch.Tensor]] = {}
+
+    # ---- indexing and validation -------------------------------------------------------------
+    def _index(self) -> None:
+        groups = self.client.param_groups
+        self._params = [p for g in groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
+        devices: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(self._params):
+            devices.setdefault(p.device, []).append(i)
+        self._devices = devices
+        self._single = len(devices) == 1
+        self._indexed = True
+
+    def _fail(self, i: int, what: str, exc: type[Exception] = ValueError) -> None:
+        p = self._params[i]
+        raise exc(
+            f"{type(self.client).__name__}: param {i} (group {self._group_of[i]}, shape "
+            f"{tuple(p.shape)}, {p.dtype}, {p.device}) {what}"
+        )
+
+    def validate(self, grads: list[torch.Tensor | None], kernels: bool) -> None:
+        """Raise a clear error for the first unusable param/grad, before anything is modified."""
+        for i, (p, g) in enumerate(zip(self._params, grads)):
+            if g is None:
+                continue
+            if g.layout != torch.strided or g.is_sparse:
+                self._fail(i, "has a sparse gradient; sparse gradients are not supported "
+                              "(use torch.optim.SparseAdam)", RuntimeError)
+            if p.is_complex():
+                self._fail(i, "is complex; complex params are not supported "
+                              "(view them as real with torch.view_as_real)")
+            if not p.is_floating_point():
+                self._fail(i, "is not floating point")
+            if g.dtype != p.dtype:
+                self._fail(i, f"has a {g.dtype} gradient; the gradient must have the param's dtype")
+            if g.shape != p.shape:
+                self._fail(i, f"has a gradient of shape {tuple(g.shape)}; expected the param's shape")
+            if g.device != p.device:
+                self._fail(i, f"has its gradient on {g.device}; expected the param's device")
+            if kernels and use_triton(p.device):
+                if p.dtype not in DTYPE_CODES:
+                    self._fail(i, "has a dtype the kernels do not take (float32, bfloat16, float16); "
+                                  "TRAINFUSE_BACKEND=torch runs the torch path for it", TypeError)
+                if not is_dense(p):
+                    self._fail(i, "is a view with gaps or overlaps in memory; the fused update "
+                                  "works over a param's storage, so pass a dense param")
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        if not self._indexed:
+            self._index()
+        params = self._params
+        grads = [p.grad for p in params]
+        if self._single:
+            (device,) = self._devices
+            if use_triton(device):
+                self._triton_step(device, None, grads, grad_scale, found_inf)
+            else:
+                self._torch_step(device, range(len(params)), grads, grad_scale, found_inf)
+            return
+        plans_ok = all(self._plan_valid(d, idx, grads) for d, idx in self._devices.items()
+                       if use_triton(d))
+        if not plans_ok:
+            self._index()
+            self.validate(grads, kernels=True)
+        for device, idx in self._devices.items():
+            if use_triton(device):
+                self._triton_step(device, idx, grads, grad_scale, found_inf)
+            else:
+                self._torch_step(device, idx, grads, grad_scale, found_inf)
+
+    # ---- torch path ----------------------------------------------------------------------------
+    def _torch_step(self, device, idx, grads, grad_scale, found_inf) -> None:
+        self.validate(grads, kernels=False)
+        if found_inf is not None and float(found_inf) != 0.0:  # the reference path may sync
+            return
+        groups = self.client.param_groups
+        by_group: dict[int, tuple[list, list]] = {}
+        for i in idx:
+            g = grads[i]
+            if g is None:
+                continue
+            ps, gs = by_group.setdefault(self._group_of[i], ([], []))
+            ps.append(self._params[i])
+            gs.append(g)
+        for gi, (ps, gs) in by_group.items():
+            if grad_scale is not None:  # like torch's fused kernels, leave the grads unscaled
+                torch._foreach_div_(gs, grad_scale.to(gs[0].device))
+            self.client._torch_group_step(groups[gi], ps, gs)
+
+    # ---- triton path ---------------------------------------------------------------------------
+    def _keys(self, idx, grads):
+        params = self._params
+        if idx is not None:
+            params = [params[i] for i in idx]
+            grads = [grads[i] for i in idx]
+        pkey = [p.data_ptr() for p in params]
+        try:
+            gkey = [g.data_ptr() for g in grads]
+        except AttributeError:  # some grads are None
+            gkey = [0 if g is None else g.data_ptr() for g in grads]
+        return pkey, gkey
+
+    def _plan_valid(self, device, idx, grads) -> bool:
+        plan = self._plans.get(device)
+        if plan is None or plan.volatile:
+            return False
+        try:
+            pkey, gkey = self._keys(idx, grads)
+        except RuntimeError:  # e.g. a sparse grad has no data pointer
+            return False
+        return pkey == plan.pkey and gkey == plan.gkey
+
+    def _triton_step(self, device, idx, grads, grad_scale, found_inf) -> None:
+        plan = self._plans.get(device)
+        try:
+            pkey, gkey = self._keys(idx, grads)
+        except RuntimeError:
+            pkey = gkey = None
+        if plan is None or plan.volatile or pkey != plan.pkey or gkey != plan.gkey:
+            if idx is None:  # single-device fast path: re-check what the key cannot see
+                self._index()
+                self.validate(grads, kernels=True)
+                if not self._single or device not in self._devices:  # params moved devices
+                    self.step(grad_scale, found_inf)
+                    return
+            plan = self._build(device, idx, grads)
+            plan.pkey, plan.gkey = self._keys(idx, grads)
+            self._plans[device] = plan
+        if plan.nchunks == 0:
+            return
+        hp = self._hparams(device)
+        if grad_scale is not None and grad_scale.device != device:
+            grad_scale = grad_scale.to(device, non_blocking=True)
+        if found_inf is not None and found_inf.device != device:
+            found_inf = found_inf.to(device, non_blocking=True)
+        self.client._launch(
+            (plan.nchunks,), plan.rows, plan.chunks, hp, plan.arrivals,
+            hp if grad_scale is None else grad_scale, hp if found_inf is None else found_inf,
+            CHUNK=config.block, DTYPES=plan.dtypes, ALIGNED=plan.aligned,
+            HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
+            num_warps=config.num_warps,
+        )
+        if grad_scale is not None:
+            for g, tmp in plan.copy_back:
+                g.copy_(tmp)
+
+    def _hparams(self, device) -> torch.Tensor:
+        values: list[float] = []
+        tensors = []
+        width = self.client.HP_WIDTH
+        for group in self.client.param_groups:
+            row = self.client._hparams(group)
+            for v in row:
+                if isinstance(v, torch.Tensor):
+                    tensors.append((len(values), v))
+                    values.append(0.0)
+                else:
+                    values.append(float(v))
+            values.extend([0.0] * (width - len(row)))  # rows are HP_WIDTH wide in the kernel
+        cached = self._hp.get(device)
+        if cached is None or cached[0] != values:
+            self.client._check_hparams()
+            hp = _upload(torch.tensor(values, dtype=torch.float64), device)
+            self._hp[device] = (values, hp)
+        else:
+            hp = cached[1]
+        for k, t in tensors:  # tensor hyperparameters (e.g. a CUDA lr): device copy, no sync
+            hp[k : k + 1].copy_(t.reshape(1), non_blocking=True)
+        return hp
+
+    def _build(self, device, idx, grads) -> _Plan:
+        client = self.client
+        groups = client.param_groups
+        plan = _Plan()
+        plan.volatile = False
+        plan.keepalive = []
+        plan.copy_back = []
+        rows: list[list[int]] = []
+        numels: list[int] = []
+        aligned = True
+        dtypes = 0
+        for i in idx if idx is not None else range(len(self._params)):
+            g = grads[i]
+            if g is None:
+                continue
+            p = self._params[i]
+            group = groups[self._group_of[i]]
+            states, step = client._prepare_state(p, group, kernels=True)
+            if not same_layout(g, p):  # e.g. a contiguous grad for a channels_last weight
+                tmp = conform(g, p)
+                plan.keepalive.append(tmp)
+                plan.copy_back.append((g, tmp))
+                plan.volatile = True
+                g = tmp
+            addrs = [t.data_ptr() for t in (p, g, *states)]
+            aligned = aligned and all(a % 16 == 0 for a in addrs)
+            numel = p.numel()
+            nchunks = max(1, -(-numel // config.block))  # empty tensors still count a step
+            code = DTYPE_CODES[p.dtype]
+            dtypes |= 1 << code
+            row = addrs + [0] * (MAX_OPERANDS - len(addrs))
+            row += [step.data_ptr(), numel, self._group_of[i], code, nchunks]
+            rows.append(row + [0] * (ROW - len(row)))
+            numels.append(nchunks)
+        plan.dtypes = dtypes
+        plan.aligned = aligned
+        ntensors = len(rows)
+        if ntensors == 0:
+            plan.nchunks = 0
+            return plan
+        counts = torch.tensor(numels, dtype=torch.int64)
+        total = int(counts.sum())
+        tensor_of = torch.repeat_interleave(torch.arange(ntensors, dtype=torch.int64), counts)
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
+        host = torch.cat([torch.tensor(rows, dtype=torch.int64).flatten(), items])
+        buf = _upload(host, device)
+        plan.rows = buf[: ntensors * ROW]
+        plan.chunks = buf[ntensors * ROW :]
+        plan.nchunks = total
+        plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
+        return plan
+
+
+def describe_plan(engine: MultiTensorEngine) -> dict[str, Any]:
+    """Sizes of the cached tables, for benchmarks and debugging."""
+    out = {}
+    for device, plan in engine._plans.items():
+        out[str(device)] = {
+            "tensors": 0 if plan.nchunks == 0 else plan.rows.numel() // ROW,
+            "work_items": plan.nchunks,
+            "aligned": plan.aligned,
+            "rebuilt_every_step": plan.volatile,
+        }
+    return out
+
+
+__all__ = ["DTYPE_CODES", "LaunchConfig", "MultiTensorEngine", "config", "conform", "describe_plan",
+           "is_dense", "same_layout"]

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m trainfuse.bench optim`` (one module per op family)."""

@@ -1,0 +1,17 @@
+"""``python -m trainfuse.bench optim [--sweep] [--no-compile] [--out DIR]``"""
+
+import sys
+
+
+def main() -> None:
+    families = {"optim": "trainfuse.bench.optim"}
+    if len(sys.argv) < 2 or sys.argv[1] not in families:
+        print(f"usage: python -m trainfuse.bench {{{','.join(families)}}} [options]")
+        raise SystemExit(2)
+    import importlib
+
+    importlib.import_module(families[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Timing helpers shared by the benchmarks: kernel time, wall time with host work, bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def kernel_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median of triton.testing.do_bench (device events, L2 flushed between calls). The flush
+    kernel runs before each call, so part of the host time hides behind it: see :func:`wall_ms`."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def wall_ms(fn, iters: int = 200, repeats: int = 5) -> float:
+    """Back-to-back calls, synchronized at the end: what a training loop pays per call, host work
+    included (median over ``repeats`` runs of ``iters`` calls)."""
+    fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) / iters * 1e3)
+    return statistics.median(runs)
+
+
+def host_ms(fn, iters: int = 200) -> float:
+    """Median host time of one call (launch work only, the GPU is not waited for)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if len(times) % 20 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write), as ../shared/bench/anchors.py measures."""
+    n = 1 << 28
+    a = torch.empty(n, device="cuda")
+    b = torch.empty(n, device="cuda")
+    ms = kernel_ms(lambda: b.copy_(a))
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))

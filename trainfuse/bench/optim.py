@@ -1,0 +1,248 @@
+"""Optimizer step benchmark: torch (for-loop, foreach, fused, compiled) against trainfuse.
+
+Workloads: the GPT-2 124M layout, the 216-tensor YOLO-like layout of shared/bench/anchors.py and,
+when ultralytics is installed, yolov5n's real parameters. Columns: kernel ms (do_bench median),
+wall ms (back-to-back steps, host work included), host ms (launch work alone), % of the
+copy-bandwidth floor (bytes the update must move over the measured copy rate) and the speedup
+over torch's fused step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+import trainfuse
+from trainfuse._engine import config
+from trainfuse.bench._common import copy_bandwidth, host_ms, kernel_ms, print_table, wall_ms
+
+
+def gpt2_shapes() -> list[tuple[int, ...]]:
+    d, layers, vocab = 768, 12, 50304
+    shapes = [(vocab, d), (1024, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,),
+                   (d, 4 * d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def yolo_like_shapes() -> list[tuple[int, ...]]:
+    shapes = []
+    chans = [16, 32, 32, 64, 64, 128, 128, 256, 256, 256, 128, 128, 64, 64, 128, 128, 256]
+    for i, c in enumerate(chans):
+        cin = chans[i - 1] if i else 3
+        for _ in range(3):
+            shapes += [(c, cin, 3, 3), (c,), (c,)]
+            cin = c
+        shapes += [(c, c, 1, 1), (c,), (c,)]
+    return shapes + [(64, 64, 3, 3), (64,), (80, 64, 1, 1), (80,)] * 3
+
+
+def yolov5n_params() -> list[torch.Tensor] | None:
+    try:
+        os.environ.setdefault("YOLO_OFFLINE", "1")
+        from ultralytics.nn.tasks import DetectionModel
+    except Exception:  # noqa: BLE001 - any import problem means "not available"
+        return None
+    model = DetectionModel("yolov5n.yaml", verbose=False).cuda()
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _params(shapes, dtype=torch.float32):
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype)) for s in shapes]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    return ps
+
+
+def _clone_params(params):
+    ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    return ps
+
+
+def _torch_variants(kind):
+    if kind == "adamw":
+        make = lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw)  # noqa: E731
+    else:
+        make = lambda ps, **kw: torch.optim.SGD(  # noqa: E731
+            ps, lr=1e-2, momentum=0.937, nesterov=True, weight_decay=5e-4, **kw)
+    return make
+
+
+def _ours(kind, ps):
+    if kind == "adamw":
+        return trainfuse.FusedAdamW(ps, lr=1e-3, weight_decay=0.01)
+    return trainfuse.FusedSGD(ps, lr=1e-2, momentum=0.937, nesterov=True, weight_decay=5e-4)
+
+
+def bench_workload(name, params, kind, bw, compile_torch=True):
+    nparam = sum(p.numel() for p in params)
+    esize = params[0].element_size()
+    per_param = (4 if kind == "adamw" else 3) * esize + (3 if kind == "adamw" else 2) * esize
+    floor = per_param * nparam / bw * 1e3
+    make = _torch_variants(kind)
+    results = {}
+    impls = [("torch for-loop", dict(foreach=False)), ("torch foreach", dict(foreach=True)),
+             ("torch fused", dict(fused=True))]
+    if compile_torch and kind == "adamw":
+        impls.append(("torch compiled", None))
+    for label, kw in impls:
+        ps = _clone_params(params)
+        try:
+            if kw is None:
+                opt = make(ps, foreach=True)
+                step = torch.compile(opt.step)
+            else:
+                opt = make(ps, **kw)
+                step = opt.step
+            step()
+            step()
+            results[label] = (kernel_ms(step), wall_ms(step), host_ms(step))
+        except Exception as e:  # noqa: BLE001 - a torch variant missing on this version
+            print(f"  {label}: skipped ({type(e).__name__}: {str(e)[:80]})")
+        del ps
+    ps = _clone_params(params)
+    opt = _ours(kind, ps)
+    opt.step()
+    results["trainfuse"] = (kernel_ms(opt.step), wall_ms(opt.step), host_ms(opt.step))
+    fused = results.get("torch fused", (float("nan"),) * 3)
+    rows = []
+    for label, (k, w, h) in results.items():
+        rows.append([label, f"{k:.3f}", f"{w:.3f}", f"{h:.3f}", f"{floor / k * 100:.0f}%",
+                     f"{floor / w * 100:.0f}%", f"{fused[0] / k:.2f}x", f"{fused[1] / w:.2f}x"])
+    title = (f"{kind.upper()} {name}: {nparam / 1e6:.1f}M params in {len(params)} tensors "
+             f"({params[0].dtype}), floor {floor:.3f} ms")
+    print_table(title, ["impl", "kernel ms", "wall ms", "host ms", "% floor (kernel)",
+                        "% floor (wall)", "vs fused (kernel)", "vs fused (wall)"], rows)
+    return {"name": name, "kind": kind, "params": nparam, "tensors": len(params), "floor_ms": floor,
+            "results": results}, opt, ps
+
+
+def bench_rebuild(opt, params):
+    """Cost of zero_grad(set_to_none=True): new grad tensors at the same addresses (the usual
+    case with the caching allocator) and at new addresses (tables rebuilt)."""
+    grads = [p.grad for p in params]
+
+    def same_addresses():
+        for p in params:
+            p.grad = None
+        for p, g in zip(params, grads):
+            p.grad = g.view_as(g)  # a new tensor object over the same storage
+        opt.step()
+
+    spare = [torch.empty_like(g) for g in grads]
+    state = {"flip": False}
+
+    def new_addresses():
+        state["flip"] = not state["flip"]
+        for p, g, s in zip(params, grads, spare):
+            p.grad = s if state["flip"] else g
+        opt.step()
+
+    base = wall_ms(opt.step, iters=50)
+    same = wall_ms(same_addresses, iters=50)
+    moved = wall_ms(new_addresses, iters=50)
+    rows = [["step, same grads", f"{base:.3f}"],
+            ["set_to_none, grads back at the same addresses", f"{same:.3f}"],
+            ["set_to_none, grads at new addresses (tables rebuilt)", f"{moved:.3f}"]]
+    print_table(f"table rebuild cost ({len(params)} tensors, wall ms per step)", ["case", "ms"],
+                rows)
+    return {"step": base, "same_addresses": same, "rebuilt": moved}
+
+
+def sweep_launch(params, bw):
+    """Block size / warps for the big workload (the defaults come from this table)."""
+    nparam = sum(p.numel() for p in params)
+    floor = 28 * nparam / bw * 1e3
+    rows = []
+    best = None
+    keep = (config.block, config.num_warps)
+    for block in (1024, 2048, 4096, 8192):
+        for warps in (4, 8):
+            config.block, config.num_warps = block, warps
+            ps = _clone_params(params)
+            opt = _ours("adamw", ps)
+            opt.step()
+            ms = kernel_ms(opt.step)
+            rows.append([block, warps, f"{ms:.3f}", f"{floor / ms * 100:.1f}%"])
+            if best is None or ms < best[0]:
+                best = (ms, block, warps)
+            del opt, ps
+    config.block, config.num_warps = keep
+    print_table("AdamW GPT-2 launch sweep", ["block", "warps", "kernel ms", "% floor"], rows)
+    return best
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for png/json")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
+    parser.add_argument("--sweep", action="store_true", help="also sweep block size and warps")
+    args = parser.parse_args(argv)
+    print(trainfuse.describe())
+    if not torch.cuda.is_available():
+        print("optimizer benchmark needs a CUDA GPU; nothing to measure here")
+        return
+    bw = copy_bandwidth()
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_GBps": bw / 1e9}
+    import triton
+
+    report["triton"] = triton.__version__
+    if args.sweep:
+        report["sweep_best"] = sweep_launch(_params(gpt2_shapes()), bw)
+    workloads = [("GPT-2 124M", _params(gpt2_shapes())),
+                 ("216-tensor YOLO-like", _params(yolo_like_shapes()))]
+    y5 = yolov5n_params()
+    if y5 is not None:
+        workloads.append(("yolov5n", _clone_params(y5)))
+    else:
+        print("ultralytics not installed: yolov5n row skipped")
+    workloads.append(("GPT-2 124M bf16", _params(gpt2_shapes(), torch.bfloat16)))
+    report["workloads"] = []
+    for name, params in workloads:
+        for kind in ("adamw", "sgd"):
+            res, opt, ps = bench_workload(name, params, kind, bw, compile_torch=not args.no_compile)
+            report["workloads"].append(res)
+            if name.startswith("216") and kind == "adamw":
+                report["rebuild"] = bench_rebuild(opt, ps)
+            del opt, ps
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_optim.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    _plot(report, os.path.join(args.out, "bench_optim.png"))
+
+
+def _plot(report, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    wl = report["workloads"]
+    fig, axes = plt.subplots(1, len(wl), figsize=(3.2 * len(wl), 3.6), squeeze=False)
+    for ax, w in zip(axes[0], wl):
+        labels = list(w["results"])
+        vals = [w["results"][k][1] for k in labels]
+        ax.bar(range(len(labels)), vals, color=["#999"] * (len(labels) - 1) + ["#d62"])
+        ax.axhline(w["floor_ms"], color="k", ls="--", lw=0.8)
+        ax.set_xticks(range(len(labels)), [s.replace("torch ", "") for s in labels], rotation=60,
+                      fontsize=7)
+        ax.set_title(f"{w['kind']} {w['name']}", fontsize=8)
+        ax.set_ylabel("wall ms / step", fontsize=7)
+    fig.suptitle(f"{report['device']} torch {report['torch']} triton {report['triton']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"saved {path}")
+
+
+__all__ = ["gpt2_shapes", "main", "yolo_like_shapes"]

@@ -1,0 +1,285 @@
+r"""FusedAdam and FusedAdamW: torch.optim.Adam/AdamW in one multi-tensor launch.
+
+For each param :math:`\theta` with gradient :math:`g` at step :math:`t` (maximize negates
+:math:`g`; ``grad_scale`` from GradScaler divides it first):
+
+.. math::
+    g &\leftarrow g + \lambda\theta \quad\text{(Adam, L2 decay)} \qquad
+    \theta \leftarrow \theta(1 - \gamma\lambda) \quad\text{(AdamW, decoupled decay)} \\
+    m &\leftarrow \mathrm{lerp}(m, g, 1-\beta_1) \qquad v \leftarrow \beta_2 v + (1-\beta_2) g^2
+    \qquad \hat v = \max(\hat v, v) \text{ if amsgrad} \\
+    \theta &\leftarrow \theta - \frac{\gamma}{1-\beta_1^t}\,
+    \frac{m}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon}
+
+Elementwise math is float32 with IEEE division and square root (as torch's CUDA kernels); the
+per-step scalars (bias corrections, step size) are float64 as in torch. States are stored in the
+param's dtype, like torch.optim. This file holds the kernel, the optimizer classes and the torch
+reference path (torch.optim's own functional Adam/AdamW, so CPU results are identical to torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch.optim.adam import adam as _torch_adam
+from torch.optim.adamw import adamw as _torch_adamw
+
+from trainfuse._engine import kernels as mt
+from trainfuse.optim._base import FusedOptimizer, _as_float, scalar
+
+# hyperparameter row: lr, beta1, beta2, eps, weight_decay, maximize, amsgrad, decoupled
+_LR, _B1, _B2, _EPS, _WD, _MAX, _AMS, _DEC = range(8)
+
+
+@triton.jit
+def _adam_block(row, hp, start, n, step, scale, DT: tl.constexpr, CHUNK: tl.constexpr,
+                MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                WIDTH: tl.constexpr):
+    lr = mt.hparam(hp, row, 0, WIDTH)
+    beta1 = mt.hparam(hp, row, 1, WIDTH)
+    beta2 = mt.hparam(hp, row, 2, WIDTH)
+    eps = mt.hparam(hp, row, 3, WIDTH).to(tl.float32)
+    wd = mt.hparam(hp, row, 4, WIDTH)
+    maximize = mt.hparam(hp, row, 5, WIDTH)
+    amsgrad = mt.hparam(hp, row, 6, WIDTH)
+    decoupled = mt.hparam(hp, row, 7, WIDTH)
+    step_size = (lr / (1.0 - mt.pow_f64(beta1, step))).to(tl.float32)
+    bc2_sqrt = tl.sqrt(1.0 - mt.pow_f64(beta2, step)).to(tl.float32)
+    w1 = (1.0 - beta1).to(tl.float32)
+    w2 = (1.0 - beta2).to(tl.float32)
+    b2 = beta2.to(tl.float32)
+
+    offs = tl.arange(0, CHUNK)
+    p_ptr = mt.operand(row, 0, start, DT, ALIGNED)
+    g_ptr = mt.operand(row, 1, start, DT, ALIGNED)
+    m_ptr = mt.operand(row, 2, start, DT, ALIGNED)
+    v_ptr = mt.operand(row, 3, start, DT, ALIGNED)
+    p = mt.load(p_ptr, offs, n, MASKED)
+    g = mt.load(g_ptr, offs, n, MASKED)
+    m = mt.load(m_ptr, offs, n, MASKED)
+    v = mt.load(v_ptr, offs, n, MASKED)
+    if HAS_SCALE:
+        g = tl.div_rn(g, scale)
+        mt.store(g_ptr, offs, n, g, MASKED)
+    if maximize != 0.0:
+        g = -g
+    if wd != 0.0:
+        if decoupled != 0.0:
+            p = p * (1.0 - lr * wd).to(tl.float32)
+        else:
+            g = g + wd.to(tl.float32) * p
+    # torch.lerp's two-sided formula, so m matches torch bit for bit on either side of 0.5
+    if w1 < 0.5:
+        m = m + w1 * (g - m)
+    else:
+        m = g - (g - m) * (1.0 - w1)
+    v = v * b2 + w2 * (g * g)
+    if amsgrad != 0.0:
+        vmax_ptr = mt.operand(row, 4, start, DT, ALIGNED)
+        vmax = tl.maximum(mt.load(vmax_ptr, offs, n, MASKED), v, propagate_nan=tl.PropagateNan.ALL)
+        mt.store(vmax_ptr, offs, n, vmax, MASKED)
+        denom = tl.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    mt.store(p_ptr, offs, n, p, MASKED)
+    mt.store(m_ptr, offs, n, m, MASKED)
+    mt.store(v_ptr, offs, n, v, MASKED)
+
+
+@triton.jit
+def _adam_dispatch(row, hp, start, n, step, scale, CHUNK: tl.constexpr, DTYPES: tl.constexpr,
+                   MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                   WIDTH: tl.constexpr):
+    code = tl.load(row + mt.COL_DTYPE)
+    if DTYPES & 1:
+        if code == 0:
+            _adam_block(row, hp, start, n, step, scale, tl.float32, CHUNK, MASKED, ALIGNED,
+                        HAS_SCALE, WIDTH)
+    if DTYPES & 2:
+        if code == 1:
+            _adam_block(row, hp, start, n, step, scale, tl.bfloat16, CHUNK, MASKED, ALIGNED,
+                        HAS_SCALE, WIDTH)
+    if DTYPES & 4:
+        if code == 2:
+            _adam_block(row, hp, start, n, step, scale, tl.float16, CHUNK, MASKED, ALIGNED,
+                        HAS_SCALE, WIDTH)
+
+
+@triton.jit
+def _adam_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, CHUNK: tl.constexpr,
+                 DTYPES: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
+    r, row, start, n = mt.work_item(chunks, rows, CHUNK)
+    ok = mt.live(inf_ptr, HAS_INF)
+    step = mt.advance_step(row, r, arrivals, ok).to(tl.float64)
+    if ok:
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr).to(tl.float32)
+        else:
+            scale = 1.0
+        if n == CHUNK:
+            _adam_dispatch(row, hp, start, n, step, scale, CHUNK, DTYPES, False, ALIGNED,
+                           HAS_SCALE, WIDTH)
+        else:
+            _adam_dispatch(row, hp, start, n, step, scale, CHUNK, DTYPES, True, ALIGNED,
+                           HAS_SCALE, WIDTH)
+
+
+class FusedAdam(FusedOptimizer):
+    """Drop-in ``torch.optim.Adam``: same arguments, defaults, param groups and state_dict.
+
+    Args:
+        params: iterable of params or param-group dicts.
+        lr: learning rate, a float or a 1-element tensor (a CUDA tensor is read on the device, so
+            a step can be captured in a CUDA graph and the lr changed in place between replays).
+        betas: coefficients for the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: L2 penalty (decoupled, as in AdamW, when ``decoupled_weight_decay``).
+        amsgrad: use the running maximum of the second moment.
+        maximize: maximize the objective instead of minimizing.
+        foreach, capturable, differentiable, fused: accepted for torch compatibility. The CUDA
+            path is always fused and capturable; ``differentiable=True`` is not supported.
+        decoupled_weight_decay: AdamW's weight decay.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = FusedAdam(model.parameters(), lr=1e-3)
+        >>> model(torch.randn(8, 4)).sum().backward()
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+    ):
+        if differentiable:
+            raise RuntimeError(f"{type(self).__name__} does not support differentiable=True")
+        defaults = {
+            "lr": scalar(lr, "lr"),
+            "betas": (_as_float(betas[0]), _as_float(betas[1])),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        }
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group.setdefault("decoupled_weight_decay", isinstance(self, FusedAdamW))
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor) or lr.device.type == "cpu":
+            if not 0.0 <= float(lr):
+                raise ValueError(f"Invalid learning rate: {float(lr)}")
+        if not 0.0 <= group["eps"]:
+            raise ValueError(f"Invalid epsilon value: {group['eps']}")
+        for k in (0, 1):
+            if not 0.0 <= group["betas"][k] < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {k}: {group['betas'][k]}")
+        if not 0.0 <= group["weight_decay"]:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+
+    def _state_keys(self, group):
+        if group["amsgrad"]:
+            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        return ("exp_avg", "exp_avg_sq")
+
+    def _init_state(self, p, group, state):
+        state.setdefault("step", 0.0)  # made a tensor by _step_tensor, first key as in torch
+        for k in self._state_keys(group):
+            if state.get(k) is None:
+                state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _step_tensor(self, p, state, kernels):
+        step = self._conform_step(state.get("step", 0.0), p, kernels)
+        state["step"] = step
+        return step
+
+    def _hparams(self, group):
+        beta1, beta2 = group["betas"]
+        return [group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                float(group["maximize"]), float(group["amsgrad"]),
+                float(group["decoupled_weight_decay"])]
+
+    def _launch(self, grid, rows, chunks, hp, arrivals, scale, inf, **meta):
+        _adam_kernel[grid](rows, chunks, hp, arrivals, scale, inf, WIDTH=self.HP_WIDTH, **meta)
+
+    def _torch_group_step(self, group, params, grads):
+        exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
+        for p in params:
+            states, step = self._prepare_state(p, group, kernels=False)
+            exp_avgs.append(states[0])
+            exp_avg_sqs.append(states[1])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(states[2])
+            steps.append(step)
+        fn = _torch_adamw if group["decoupled_weight_decay"] else _torch_adam
+        beta1, beta2 = group["betas"]
+        fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+           foreach=group["foreach"], capturable=False, differentiable=False, fused=None,
+           amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+           weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+
+
+class FusedAdamW(FusedAdam):
+    """Drop-in ``torch.optim.AdamW`` (Adam with decoupled weight decay, default 1e-2).
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = FusedAdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+        >>> model(torch.randn(8, 4)).sum().backward()
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable,
+                         differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)
+
+
+__all__ = ["FusedAdam", "FusedAdamW"]

@@ -1,0 +1,224 @@
+r"""FusedSGD: torch.optim.SGD (momentum, dampening, Nesterov, weight decay) in one launch.
+
+For each param :math:`\theta` with gradient :math:`g` (maximize negates :math:`g`; GradScaler's
+``grad_scale`` divides it first):
+
+.. math::
+    g &\leftarrow g + \lambda\theta \\
+    b &\leftarrow g \ \text{(first step)}, \qquad b \leftarrow \mu b + (1-\tau) g \ \text{(after)} \\
+    g &\leftarrow g + \mu b \ \text{(Nesterov)} \quad\text{or}\quad g \leftarrow b \\
+    \theta &\leftarrow \theta - \gamma g
+
+The state_dict holds ``momentum_buffer`` per param exactly as torch.optim.SGD (no ``step``). The
+kernel needs to know a buffer's first step on the device (GradScaler may skip it), so the engine
+keeps a private float32 counter per param, outside the state_dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch.optim.sgd import sgd as _torch_sgd
+
+from trainfuse._engine import kernels as mt
+from trainfuse.optim._base import FusedOptimizer, scalar
+
+# hyperparameter row: lr, momentum, dampening, weight_decay, nesterov, maximize
+_LR, _MOM, _DAMP, _WD, _NEST, _MAX = range(6)
+
+
+@triton.jit
+def _sgd_block(row, hp, start, n, step, scale, DT: tl.constexpr, CHUNK: tl.constexpr,
+               MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+               WIDTH: tl.constexpr):
+    lr = mt.hparam(hp, row, 0, WIDTH).to(tl.float32)
+    momentum = mt.hparam(hp, row, 1, WIDTH)
+    dampening = mt.hparam(hp, row, 2, WIDTH)
+    wd = mt.hparam(hp, row, 3, WIDTH)
+    nesterov = mt.hparam(hp, row, 4, WIDTH)
+    maximize = mt.hparam(hp, row, 5, WIDTH)
+
+    offs = tl.arange(0, CHUNK)
+    p_ptr = mt.operand(row, 0, start, DT, ALIGNED)
+    g_ptr = mt.operand(row, 1, start, DT, ALIGNED)
+    p = mt.load(p_ptr, offs, n, MASKED)
+    g = mt.load(g_ptr, offs, n, MASKED)
+    if HAS_SCALE:
+        g = tl.div_rn(g, scale)
+        mt.store(g_ptr, offs, n, g, MASKED)
+    if maximize != 0.0:
+        g = -g
+    if wd != 0.0:
+        g = g + wd.to(tl.float32) * p
+    if momentum != 0.0:
+        mu = momentum.to(tl.float32)
+        b_ptr = mt.operand(row, 2, start, DT, ALIGNED)
+        if step == 1.0:  # torch: the first buffer is a clone of the (decayed) gradient
+            buf = g
+        else:
+            buf = mt.load(b_ptr, offs, n, MASKED) * mu + (1.0 - dampening).to(tl.float32) * g
+        mt.store(b_ptr, offs, n, buf, MASKED)
+        if nesterov != 0.0:
+            g = g + mu * buf
+        else:
+            g = buf
+    p = p - lr * g
+    mt.store(p_ptr, offs, n, p, MASKED)
+
+
+@triton.jit
+def _sgd_dispatch(row, hp, start, n, step, scale, CHUNK: tl.constexpr, DTYPES: tl.constexpr,
+                  MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  WIDTH: tl.constexpr):
+    code = tl.load(row + mt.COL_DTYPE)
+    if DTYPES & 1:
+        if code == 0:
+            _sgd_block(row, hp, start, n, step, scale, tl.float32, CHUNK, MASKED, ALIGNED,
+                       HAS_SCALE, WIDTH)
+    if DTYPES & 2:
+        if code == 1:
+            _sgd_block(row, hp, start, n, step, scale, tl.bfloat16, CHUNK, MASKED, ALIGNED,
+                       HAS_SCALE, WIDTH)
+    if DTYPES & 4:
+        if code == 2:
+            _sgd_block(row, hp, start, n, step, scale, tl.float16, CHUNK, MASKED, ALIGNED,
+                       HAS_SCALE, WIDTH)
+
+
+@triton.jit
+def _sgd_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, CHUNK: tl.constexpr,
+                DTYPES: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
+    r, row, start, n = mt.work_item(chunks, rows, CHUNK)
+    ok = mt.live(inf_ptr, HAS_INF)
+    step = mt.advance_step(row, r, arrivals, ok)
+    if ok:
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr).to(tl.float32)
+        else:
+            scale = 1.0
+        if n == CHUNK:
+            _sgd_dispatch(row, hp, start, n, step, scale, CHUNK, DTYPES, False, ALIGNED,
+                          HAS_SCALE, WIDTH)
+        else:
+            _sgd_dispatch(row, hp, start, n, step, scale, CHUNK, DTYPES, True, ALIGNED,
+                          HAS_SCALE, WIDTH)
+
+
+class FusedSGD(FusedOptimizer):
+    """Drop-in ``torch.optim.SGD``: same arguments, defaults, param groups and state_dict.
+
+    Args:
+        params: iterable of params or param-group dicts.
+        lr: learning rate (float or 1-element tensor, see :class:`FusedAdam`).
+        momentum: momentum factor.
+        dampening: dampening for momentum.
+        weight_decay: L2 penalty.
+        nesterov: Nesterov momentum (needs momentum > 0 and zero dampening).
+        maximize: maximize the objective instead of minimizing.
+        foreach, differentiable, fused: accepted for torch compatibility.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = FusedSGD(model.parameters(), lr=0.01, momentum=0.937, nesterov=True)
+        >>> model(torch.randn(8, 4)).sum().backward()
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ):
+        if differentiable:
+            raise RuntimeError(f"{type(self).__name__} does not support differentiable=True")
+        defaults = {
+            "lr": scalar(lr, "lr"),
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+            "foreach": foreach,
+            "differentiable": differentiable,
+            "fused": fused,
+        }
+        self._counters: dict[torch.Tensor, torch.Tensor] = {}
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._counters = {}
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._counters = {}
+
+    def _validate_group(self, group):
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor) or lr.device.type == "cpu":
+            if float(lr) < 0.0:
+                raise ValueError(f"Invalid learning rate: {float(lr)}")
+        if group["momentum"] < 0.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']}")
+        if group["weight_decay"] < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def _state_keys(self, group):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _init_state(self, p, group, state):
+        # contents are irrelevant: a counter of 0 makes the first step write the gradient
+        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self._counters[p] = self._new_step(p, True, 0.0)
+
+    def _step_tensor(self, p, state, kernels):
+        counter = self._counters.get(p)
+        if counter is None:  # a loaded buffer, or one the torch path made, holds real data
+            started = state.get("momentum_buffer") is not None
+            counter = self._new_step(p, True, 1.0 if started else 0.0)
+        elif counter.device != p.device:
+            counter = counter.to(p.device)
+        self._counters[p] = counter
+        return counter
+
+    def _hparams(self, group):
+        return [group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
+                float(group["nesterov"]), float(group["maximize"])]
+
+    def _launch(self, grid, rows, chunks, hp, arrivals, scale, inf, **meta):
+        _sgd_kernel[grid](rows, chunks, hp, arrivals, scale, inf, WIDTH=self.HP_WIDTH, **meta)
+
+    def _torch_group_step(self, group, params, grads):
+        bufs = [self.state[p].get("momentum_buffer") for p in params]
+        _torch_sgd(params, grads, bufs, has_sparse_grad=False, foreach=group["foreach"],
+                   fused=None, weight_decay=group["weight_decay"], momentum=group["momentum"],
+                   lr=group["lr"], dampening=group["dampening"], nesterov=group["nesterov"],
+                   maximize=group["maximize"])
+        if group["momentum"] != 0:
+            for p, buf in zip(params, bufs):
+                self.state[p]["momentum_buffer"] = buf
+                self._counters.pop(p, None)
+
+
+__all__ = ["FusedSGD"]
