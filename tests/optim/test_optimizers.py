@@ -180,6 +180,8 @@ def test_state_dict_layout_is_torchs(cls, kernels, device):
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grad_scaler_unscales_and_skips_on_inf(cls, dtype, kernels, device):
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        pytest.skip("torch's GradScaler has no CUDA bf16 unscale; test_grad_scale_protocol covers it")
     hp = random_hparams(cls, random.Random(torch.initial_seed()))
     params = _params(SHAPES, dtype, device)
     opt = cls(params, **hp)
@@ -310,3 +312,51 @@ def test_mixed_dtypes_share_one_launch(dtype, kernels, device):
         assert_step_matches(opt, *before, grads, dtype)
     (plan,) = opt._engine._plans.values()
     assert plan.dtypes == 0b1 | (0b10 if dtype == torch.bfloat16 else 0b100)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_closure_and_step_hooks_run_like_torch(cls, kernels, device):
+    params = _params([(6, 5)], torch.float32, device)
+    opt = cls(params, lr=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    x = torch.randn(5, device=device)
+
+    def closure():
+        opt.zero_grad()
+        loss = (params[0] @ x).pow(2).sum()
+        loss.backward()
+        calls.append("closure")
+        return loss
+
+    before = snapshot(opt)
+    loss = opt.step(closure)
+    assert calls == ["pre", "closure", "post"]
+    assert torch.is_tensor(loss) and loss.requires_grad
+    assert_step_matches(opt, *before, [params[0].grad], torch.float32)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grad_scale_protocol(cls, dtype, kernels, device):
+    """The attributes GradScaler sets: grad_scale divides the grads, found_inf != 0 skips all."""
+    params = _params(SHAPES, dtype, device)
+    opt = cls(params, **random_hparams(cls, random.Random(torch.initial_seed())))
+    for found in (0.0, 1.0, 0.0):
+        before = snapshot(opt)
+        grads = _fresh_grads(params)
+        unscaled = [g.clone() for g in grads]
+        for g in grads:
+            g.mul_(64.0)
+        opt.grad_scale = torch.tensor(64.0, device=device)
+        opt.found_inf = torch.tensor(found, device=device)
+        opt.step()
+        del opt.grad_scale, opt.found_inf
+        if found:
+            after = snapshot(opt)
+            assert all(torch.equal(a, b) for a, b in zip(after[0], before[0]))
+            for sa, sb in zip(after[1], before[1]):
+                assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        else:
+            assert_step_matches(opt, *before, unscaled, dtype)

@@ -93,31 +93,30 @@ def live(inf_ptr, HAS_INF: tl.constexpr):
 
 
 @triton.jit
-def advance_step(row, r, arrivals_ptr, ok):
+def advance_step(row, r, arrivals_ptr):
     """Return this tensor's step count after the update (old + 1) and write it back once.
 
     Every program of a tensor must read the old count, so the write waits for the last one to
     arrive: each program bumps ``arrivals[r]`` (acq_rel, after its read) and the last resets it.
+    Called after the operand loads are issued, so its latency hides behind theirs.
     """
     step_ptr = tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32))
     new = tl.load(step_ptr) + 1.0
-    if ok:
-        nchunks = tl.load(row + COL_NCHUNKS)
-        if nchunks == 1:
+    nchunks = tl.load(row + COL_NCHUNKS)
+    if nchunks == 1:
+        tl.store(step_ptr, new)
+    else:
+        arrived = tl.atomic_add(arrivals_ptr + r, 1)
+        if arrived == nchunks - 1:
             tl.store(step_ptr, new)
-        else:
-            arrived = tl.atomic_add(arrivals_ptr + r, 1)
-            if arrived == nchunks - 1:
-                tl.store(step_ptr, new)
-                tl.store(arrivals_ptr + r, 0)
+            tl.store(arrivals_ptr + r, 0)
     return new
 
 
 @triton.jit
-def hparam(hp_ptr, row, k: tl.constexpr, WIDTH: tl.constexpr):
-    """Hyperparameter ``k`` (float64) of this tensor's param group."""
-    group = tl.load(row + COL_GROUP)
-    return tl.load(hp_ptr + group * WIDTH + k)
+def hparams_row(hp_ptr, row, WIDTH: tl.constexpr):
+    """Pointer to this tensor's param-group row in the float64 hyperparameter table."""
+    return hp_ptr + tl.load(row + COL_GROUP) * WIDTH
 
 
 @triton.jit

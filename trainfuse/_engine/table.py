@@ -12,15 +12,19 @@ a value changes, so LR schedules neither recompile nor synchronize.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainfuse._backend import use_triton
+from trainfuse._engine.launch import CachedLauncher
 
 if TYPE_CHECKING:
     from trainfuse.optim._base import FusedOptimizer
 
+_grad = operator.attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ROW = 16  # must match kernels.ROW
 MAX_OPERANDS = 6  # param, grad and up to four states (kernels.COL_STEP == 6)
@@ -68,8 +72,8 @@ def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _Plan:
-    __slots__ = ("pkey", "gkey", "rows", "chunks", "arrivals", "nchunks", "dtypes", "aligned",
-                 "volatile", "keepalive", "copy_back")
+    __slots__ = ("pkey", "gkey", "host", "rows", "chunks", "arrivals", "nchunks", "ntensors",
+                 "dtypes", "aligned", "volatile", "keepalive", "copy_back", "slots", "gstrides")
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -87,6 +91,7 @@ class MultiTensorEngine:
 
     def invalidate(self) -> None:
         """Forget every table (param groups, states or layouts changed)."""
+        self._launcher = CachedLauncher()
         self._indexed = False
         self._plans: dict[torch.device, _Plan] = {}
         self._hp: dict[torch.device, tuple[list[float], torch.Tensor]] = {}
@@ -142,14 +147,26 @@ class MultiTensorEngine:
         if not self._indexed:
             self._index()
         params = self._params
-        grads = [p.grad for p in params]
         if self._single:
             (device,) = self._devices
             if use_triton(device):
+                plan = self._plans.get(device)
+                if plan is not None and not plan.volatile:
+                    # the hot path: one pass over the params, then launch
+                    try:
+                        gkey = list(map(_data_ptr, map(_grad, params)))
+                    except (TypeError, RuntimeError):  # a None or sparse grad
+                        gkey = None
+                    if gkey == plan.gkey and list(map(_data_ptr, params)) == plan.pkey:
+                        self._launch(device, plan, grad_scale, found_inf)
+                        return
+                grads = [p.grad for p in params]
                 self._triton_step(device, None, grads, grad_scale, found_inf)
             else:
+                grads = [p.grad for p in params]
                 self._torch_step(device, range(len(params)), grads, grad_scale, found_inf)
             return
+        grads = [p.grad for p in params]
         plans_ok = all(self._plan_valid(d, idx, grads) for d, idx in self._devices.items()
                        if use_triton(d))
         if not plans_ok:
@@ -175,10 +192,11 @@ class MultiTensorEngine:
             ps, gs = by_group.setdefault(self._group_of[i], ([], []))
             ps.append(self._params[i])
             gs.append(g)
-        for gi, (ps, gs) in by_group.items():
-            if grad_scale is not None:  # like torch's fused kernels, leave the grads unscaled
-                torch._foreach_div_(gs, grad_scale.to(gs[0].device))
-            self.client._torch_group_step(groups[gi], ps, gs)
+        with torch.no_grad():
+            for gi, (ps, gs) in by_group.items():
+                if grad_scale is not None:  # like torch's fused kernels, leave the grads unscaled
+                    torch._foreach_div_(gs, grad_scale.to(gs[0].device))
+                self.client._torch_group_step(groups[gi], ps, gs)
 
     # ---- triton path ---------------------------------------------------------------------------
     def _keys(self, idx, grads):
@@ -210,15 +228,41 @@ class MultiTensorEngine:
         except RuntimeError:
             pkey = gkey = None
         if plan is None or plan.volatile or pkey != plan.pkey or gkey != plan.gkey:
-            if idx is None:  # single-device fast path: re-check what the key cannot see
-                self._index()
-                self.validate(grads, kernels=True)
-                if not self._single or device not in self._devices:  # params moved devices
-                    self.step(grad_scale, found_inf)
-                    return
-            plan = self._build(device, idx, grads)
-            plan.pkey, plan.gkey = self._keys(idx, grads)
-            self._plans[device] = plan
+            if not self._refresh_grads(plan, pkey, gkey, idx, grads):
+                if idx is None:  # single-device path: re-check what the key cannot see
+                    self._index()
+                    self.validate(grads, kernels=True)
+                    if not self._single or device not in self._devices:  # params moved devices
+                        self.step(grad_scale, found_inf)
+                        return
+                plan = self._build(device, idx, grads)
+                plan.pkey, plan.gkey = self._keys(idx, grads)
+                self._plans[device] = plan
+        self._launch(device, plan, grad_scale, found_inf)
+
+    def _refresh_grads(self, plan, pkey, gkey, idx, grads) -> bool:
+        """Only grad addresses changed (``zero_grad(set_to_none=True)`` and a backward that
+        allocated elsewhere): patch the grad column instead of rebuilding. False when more changed.
+        """
+        if plan is None or plan.volatile or pkey is None or pkey != plan.pkey:
+            return False
+        if [k == 0 for k in gkey] != [k == 0 for k in plan.gkey]:  # a grad appeared or vanished
+            return False
+        if idx is not None:
+            grads = [grads[i] for i in idx]
+        live = [grads[i] for i in plan.slots]
+        # autograd and the .grad setter pin dtype, shape and device; the layout is all that can
+        # still differ (a user-assigned grad), and the plan assumed the param's
+        if [g.stride() for g in live] != plan.gstrides:
+            return False
+        addrs = torch.tensor([g.data_ptr() for g in live], dtype=torch.int64)
+        plan.aligned = plan.aligned and bool((addrs % 16 == 0).all())
+        plan.host[: plan.ntensors * ROW].view(plan.ntensors, ROW)[:, 1] = addrs
+        self._place(plan, plan.host, plan.rows.device)
+        plan.gkey = gkey
+        return True
+
+    def _launch(self, device, plan, grad_scale, found_inf) -> None:
         if plan.nchunks == 0:
             return
         hp = self._hparams(device)
@@ -226,12 +270,12 @@ class MultiTensorEngine:
             grad_scale = grad_scale.to(device, non_blocking=True)
         if found_inf is not None and found_inf.device != device:
             found_inf = found_inf.to(device, non_blocking=True)
-        self.client._launch(
-            (plan.nchunks,), plan.rows, plan.chunks, hp, plan.arrivals,
+        self._launcher(
+            self.client._kernel, (plan.nchunks,), plan.rows, plan.chunks, hp, plan.arrivals,
             hp if grad_scale is None else grad_scale, hp if found_inf is None else found_inf,
             CHUNK=config.block, DTYPES=plan.dtypes, ALIGNED=plan.aligned,
             HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
-            num_warps=config.num_warps,
+            WIDTH=self.client.HP_WIDTH, num_warps=config.num_warps,
         )
         if grad_scale is not None:
             for g, tmp in plan.copy_back:
@@ -270,9 +314,11 @@ class MultiTensorEngine:
         plan.copy_back = []
         rows: list[list[int]] = []
         numels: list[int] = []
+        plan.slots = []
+        plan.gstrides = []
         aligned = True
         dtypes = 0
-        for i in idx if idx is not None else range(len(self._params)):
+        for pos, i in enumerate(idx if idx is not None else range(len(self._params))):
             g = grads[i]
             if g is None:
                 continue
@@ -295,9 +341,11 @@ class MultiTensorEngine:
             row += [step.data_ptr(), numel, self._group_of[i], code, nchunks]
             rows.append(row + [0] * (ROW - len(row)))
             numels.append(nchunks)
+            plan.slots.append(pos)
+            plan.gstrides.append(grads[i].stride())
         plan.dtypes = dtypes
         plan.aligned = aligned
-        ntensors = len(rows)
+        plan.ntensors = ntensors = len(rows)
         if ntensors == 0:
             plan.nchunks = 0
             return plan
@@ -306,13 +354,18 @@ class MultiTensorEngine:
         tensor_of = torch.repeat_interleave(torch.arange(ntensors, dtype=torch.int64), counts)
         first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
-        host = torch.cat([torch.tensor(rows, dtype=torch.int64).flatten(), items])
-        buf = _upload(host, device)
-        plan.rows = buf[: ntensors * ROW]
-        plan.chunks = buf[ntensors * ROW :]
+        plan.host = torch.cat([torch.tensor(rows, dtype=torch.int64).flatten(), items])
         plan.nchunks = total
+        self._place(plan, plan.host, device)
         plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
         return plan
+
+    @staticmethod
+    def _place(plan, host, device) -> None:
+        """Upload the tables (a fresh device buffer: the previous launch may still read the old)."""
+        buf = _upload(host, device) if device.type != "cpu" else host.clone()
+        plan.rows = buf[: plan.ntensors * ROW]
+        plan.chunks = buf[plan.ntensors * ROW :]
 
 
 def describe_plan(engine: MultiTensorEngine) -> dict[str, Any]:

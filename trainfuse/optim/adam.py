@@ -31,27 +31,14 @@ from trainfuse._engine import kernels as mt
 from trainfuse.optim._base import FusedOptimizer, _as_float, scalar
 
 # hyperparameter row: lr, beta1, beta2, eps, weight_decay, maximize, amsgrad, decoupled
-_LR, _B1, _B2, _EPS, _WD, _MAX, _AMS, _DEC = range(8)
+_LR, _B1, _B2, _EPS, _WD, _MAX, _AMS, _DEC = (tl.constexpr(k) for k in range(8))
 
 
 @triton.jit
-def _adam_block(row, hp, start, n, step, scale, DT: tl.constexpr, CHUNK: tl.constexpr,
+def _adam_block(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, CHUNK: tl.constexpr,
                 MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
                 WIDTH: tl.constexpr):
-    lr = mt.hparam(hp, row, 0, WIDTH)
-    beta1 = mt.hparam(hp, row, 1, WIDTH)
-    beta2 = mt.hparam(hp, row, 2, WIDTH)
-    eps = mt.hparam(hp, row, 3, WIDTH).to(tl.float32)
-    wd = mt.hparam(hp, row, 4, WIDTH)
-    maximize = mt.hparam(hp, row, 5, WIDTH)
-    amsgrad = mt.hparam(hp, row, 6, WIDTH)
-    decoupled = mt.hparam(hp, row, 7, WIDTH)
-    step_size = (lr / (1.0 - mt.pow_f64(beta1, step))).to(tl.float32)
-    bc2_sqrt = tl.sqrt(1.0 - mt.pow_f64(beta2, step)).to(tl.float32)
-    w1 = (1.0 - beta1).to(tl.float32)
-    w2 = (1.0 - beta2).to(tl.float32)
-    b2 = beta2.to(tl.float32)
-
+    # operand loads first: everything below (step, hyperparameters) overlaps their latency
     offs = tl.arange(0, CHUNK)
     p_ptr = mt.operand(row, 0, start, DT, ALIGNED)
     g_ptr = mt.operand(row, 1, start, DT, ALIGNED)
@@ -61,6 +48,23 @@ def _adam_block(row, hp, start, n, step, scale, DT: tl.constexpr, CHUNK: tl.cons
     g = mt.load(g_ptr, offs, n, MASKED)
     m = mt.load(m_ptr, offs, n, MASKED)
     v = mt.load(v_ptr, offs, n, MASKED)
+
+    step = mt.advance_step(row, r, arrivals).to(tl.float64)
+    hp_row = mt.hparams_row(hp, row, WIDTH)
+    lr = tl.load(hp_row + _LR)
+    beta1 = tl.load(hp_row + _B1)
+    beta2 = tl.load(hp_row + _B2)
+    eps = tl.load(hp_row + _EPS).to(tl.float32)
+    wd = tl.load(hp_row + _WD)
+    maximize = tl.load(hp_row + _MAX)
+    amsgrad = tl.load(hp_row + _AMS)
+    decoupled = tl.load(hp_row + _DEC)
+    step_size = (lr / (1.0 - mt.pow_f64(beta1, step))).to(tl.float32)
+    bc2_sqrt = tl.sqrt(1.0 - mt.pow_f64(beta2, step)).to(tl.float32)
+    w1 = (1.0 - beta1).to(tl.float32)
+    w2 = (1.0 - beta2).to(tl.float32)
+    b2 = beta2.to(tl.float32)
+
     if HAS_SCALE:
         g = tl.div_rn(g, scale)
         mt.store(g_ptr, offs, n, g, MASKED)
@@ -91,22 +95,22 @@ def _adam_block(row, hp, start, n, step, scale, DT: tl.constexpr, CHUNK: tl.cons
 
 
 @triton.jit
-def _adam_dispatch(row, hp, start, n, step, scale, CHUNK: tl.constexpr, DTYPES: tl.constexpr,
-                   MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   WIDTH: tl.constexpr):
+def _adam_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK: tl.constexpr,
+                   DTYPES: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr):
     code = tl.load(row + mt.COL_DTYPE)
     if DTYPES & 1:
         if code == 0:
-            _adam_block(row, hp, start, n, step, scale, tl.float32, CHUNK, MASKED, ALIGNED,
-                        HAS_SCALE, WIDTH)
+            _adam_block(row, r, hp, arrivals, start, n, scale, tl.float32, CHUNK, MASKED,
+                        ALIGNED, HAS_SCALE, WIDTH)
     if DTYPES & 2:
         if code == 1:
-            _adam_block(row, hp, start, n, step, scale, tl.bfloat16, CHUNK, MASKED, ALIGNED,
-                        HAS_SCALE, WIDTH)
+            _adam_block(row, r, hp, arrivals, start, n, scale, tl.bfloat16, CHUNK, MASKED,
+                        ALIGNED, HAS_SCALE, WIDTH)
     if DTYPES & 4:
         if code == 2:
-            _adam_block(row, hp, start, n, step, scale, tl.float16, CHUNK, MASKED, ALIGNED,
-                        HAS_SCALE, WIDTH)
+            _adam_block(row, r, hp, arrivals, start, n, scale, tl.float16, CHUNK, MASKED,
+                        ALIGNED, HAS_SCALE, WIDTH)
 
 
 @triton.jit
@@ -114,18 +118,16 @@ def _adam_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, CHUNK: tl.const
                  DTYPES: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
     r, row, start, n = mt.work_item(chunks, rows, CHUNK)
-    ok = mt.live(inf_ptr, HAS_INF)
-    step = mt.advance_step(row, r, arrivals, ok).to(tl.float64)
-    if ok:
+    if mt.live(inf_ptr, HAS_INF):
         if HAS_SCALE:
             scale = tl.load(scale_ptr).to(tl.float32)
         else:
             scale = 1.0
         if n == CHUNK:
-            _adam_dispatch(row, hp, start, n, step, scale, CHUNK, DTYPES, False, ALIGNED,
+            _adam_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK, DTYPES, False, ALIGNED,
                            HAS_SCALE, WIDTH)
         else:
-            _adam_dispatch(row, hp, start, n, step, scale, CHUNK, DTYPES, True, ALIGNED,
+            _adam_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK, DTYPES, True, ALIGNED,
                            HAS_SCALE, WIDTH)
 
 
@@ -151,6 +153,8 @@ class FusedAdam(FusedOptimizer):
         >>> model(torch.randn(8, 4)).sum().backward()
         >>> opt.step()
     """
+
+    _kernel = _adam_kernel
 
     def __init__(
         self,
@@ -230,9 +234,6 @@ class FusedAdam(FusedOptimizer):
         return [group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                 float(group["maximize"]), float(group["amsgrad"]),
                 float(group["decoupled_weight_decay"])]
-
-    def _launch(self, grid, rows, chunks, hp, arrivals, scale, inf, **meta):
-        _adam_kernel[grid](rows, chunks, hp, arrivals, scale, inf, WIDTH=self.HP_WIDTH, **meta)
 
     def _torch_group_step(self, group, params, grads):
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []

@@ -27,25 +27,29 @@ from trainfuse._engine import kernels as mt
 from trainfuse.optim._base import FusedOptimizer, scalar
 
 # hyperparameter row: lr, momentum, dampening, weight_decay, nesterov, maximize
-_LR, _MOM, _DAMP, _WD, _NEST, _MAX = range(6)
+_LR, _MOM, _DAMP, _WD, _NEST, _MAX = (tl.constexpr(k) for k in range(6))
 
 
 @triton.jit
-def _sgd_block(row, hp, start, n, step, scale, DT: tl.constexpr, CHUNK: tl.constexpr,
+def _sgd_block(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, CHUNK: tl.constexpr,
                MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
                WIDTH: tl.constexpr):
-    lr = mt.hparam(hp, row, 0, WIDTH).to(tl.float32)
-    momentum = mt.hparam(hp, row, 1, WIDTH)
-    dampening = mt.hparam(hp, row, 2, WIDTH)
-    wd = mt.hparam(hp, row, 3, WIDTH)
-    nesterov = mt.hparam(hp, row, 4, WIDTH)
-    maximize = mt.hparam(hp, row, 5, WIDTH)
-
+    # operand loads first: everything below (step, hyperparameters) overlaps their latency
     offs = tl.arange(0, CHUNK)
     p_ptr = mt.operand(row, 0, start, DT, ALIGNED)
     g_ptr = mt.operand(row, 1, start, DT, ALIGNED)
     p = mt.load(p_ptr, offs, n, MASKED)
     g = mt.load(g_ptr, offs, n, MASKED)
+
+    step = mt.advance_step(row, r, arrivals)
+    hp_row = mt.hparams_row(hp, row, WIDTH)
+    lr = tl.load(hp_row + _LR).to(tl.float32)
+    momentum = tl.load(hp_row + _MOM)
+    dampening = tl.load(hp_row + _DAMP)
+    wd = tl.load(hp_row + _WD)
+    nesterov = tl.load(hp_row + _NEST)
+    maximize = tl.load(hp_row + _MAX)
+
     if HAS_SCALE:
         g = tl.div_rn(g, scale)
         mt.store(g_ptr, offs, n, g, MASKED)
@@ -70,21 +74,21 @@ def _sgd_block(row, hp, start, n, step, scale, DT: tl.constexpr, CHUNK: tl.const
 
 
 @triton.jit
-def _sgd_dispatch(row, hp, start, n, step, scale, CHUNK: tl.constexpr, DTYPES: tl.constexpr,
-                  MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  WIDTH: tl.constexpr):
+def _sgd_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK: tl.constexpr,
+                  DTYPES: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr):
     code = tl.load(row + mt.COL_DTYPE)
     if DTYPES & 1:
         if code == 0:
-            _sgd_block(row, hp, start, n, step, scale, tl.float32, CHUNK, MASKED, ALIGNED,
+            _sgd_block(row, r, hp, arrivals, start, n, scale, tl.float32, CHUNK, MASKED, ALIGNED,
                        HAS_SCALE, WIDTH)
     if DTYPES & 2:
         if code == 1:
-            _sgd_block(row, hp, start, n, step, scale, tl.bfloat16, CHUNK, MASKED, ALIGNED,
-                       HAS_SCALE, WIDTH)
+            _sgd_block(row, r, hp, arrivals, start, n, scale, tl.bfloat16, CHUNK, MASKED,
+                       ALIGNED, HAS_SCALE, WIDTH)
     if DTYPES & 4:
         if code == 2:
-            _sgd_block(row, hp, start, n, step, scale, tl.float16, CHUNK, MASKED, ALIGNED,
+            _sgd_block(row, r, hp, arrivals, start, n, scale, tl.float16, CHUNK, MASKED, ALIGNED,
                        HAS_SCALE, WIDTH)
 
 
@@ -93,18 +97,16 @@ def _sgd_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, CHUNK: tl.conste
                 DTYPES: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
                 HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
     r, row, start, n = mt.work_item(chunks, rows, CHUNK)
-    ok = mt.live(inf_ptr, HAS_INF)
-    step = mt.advance_step(row, r, arrivals, ok)
-    if ok:
+    if mt.live(inf_ptr, HAS_INF):
         if HAS_SCALE:
             scale = tl.load(scale_ptr).to(tl.float32)
         else:
             scale = 1.0
         if n == CHUNK:
-            _sgd_dispatch(row, hp, start, n, step, scale, CHUNK, DTYPES, False, ALIGNED,
+            _sgd_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK, DTYPES, False, ALIGNED,
                           HAS_SCALE, WIDTH)
         else:
-            _sgd_dispatch(row, hp, start, n, step, scale, CHUNK, DTYPES, True, ALIGNED,
+            _sgd_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK, DTYPES, True, ALIGNED,
                           HAS_SCALE, WIDTH)
 
 
@@ -127,6 +129,8 @@ class FusedSGD(FusedOptimizer):
         >>> model(torch.randn(8, 4)).sum().backward()
         >>> opt.step()
     """
+
+    _kernel = _sgd_kernel
 
     def __init__(
         self,
@@ -205,9 +209,6 @@ class FusedSGD(FusedOptimizer):
     def _hparams(self, group):
         return [group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
                 float(group["nesterov"]), float(group["maximize"])]
-
-    def _launch(self, grid, rows, chunks, hp, arrivals, scale, inf, **meta):
-        _sgd_kernel[grid](rows, chunks, hp, arrivals, scale, inf, WIDTH=self.HP_WIDTH, **meta)
 
     def _torch_group_step(self, group, params, grads):
         bufs = [self.state[p].get("momentum_buffer") for p in params]

@@ -1,0 +1,51 @@
+"""Kernel launch with the host work cut to the bone.
+
+Triton's ``kernel[grid](...)`` binds and specializes every argument and hashes a cache key on each
+call: tens of microseconds, as much as a whole 10M-param optimizer update takes on the GPU. Our
+launches repeat the same specialization every step (the same constexprs, device-allocated 16-byte
+aligned buffers), so after Triton has compiled and launched one the normal way we keep its compiled
+kernel and call its launcher directly. Any surprise (launch hooks set, the interpreter, an API this
+Triton lacks) takes the normal path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class CachedLauncher:
+    """``launcher(fn, grid, *tensors, num_warps=..., **constexprs)``."""
+
+    def __init__(self) -> None:
+        self._kernels: dict[tuple, Any] = {}
+        self._usable = True
+
+    def __call__(self, fn, grid: tuple[int], *args: torch.Tensor, num_warps: int, **constexprs) -> None:
+        device = args[0].device
+        if not self._usable or device.type != "cuda":
+            fn[grid](*args, num_warps=num_warps, **constexprs)
+            return
+        import triton
+
+        hooks = triton.knobs.runtime
+        aligned = all(a.data_ptr() % 16 == 0 for a in args)
+        key = (fn, device.index, num_warps, aligned, *constexprs.items())
+        kernel = self._kernels.get(key)
+        if kernel is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+            kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
+            if hasattr(kernel, "result"):
+                kernel = kernel.result()
+            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+                self._kernels[key] = (kernel, [constexprs[n] for n in fn.arg_names[len(args):]])
+            else:
+                self._usable = False
+            return
+        kernel, consts = kernel
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   *args, *consts)
+
+
+__all__ = ["CachedLauncher"]
