@@ -39,7 +39,9 @@ def kernels(monkeypatch):
     from trainfuse._engine import config
 
     monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")
-    monkeypatch.setattr(config, "block", 64 if DEVICE.type == "cpu" else config.block)
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(config, "block", 32)
+        monkeypatch.setattr(config, "unroll", 2)
     return config
 
 

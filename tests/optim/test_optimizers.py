@@ -291,7 +291,7 @@ def test_tables_are_reused_and_rebuilt_when_storage_moves(cls, kernels, device):
 
 
 def test_multi_chunk_tensors_bump_step_exactly_once(kernels, device):
-    params = _params([(kernels.block * 5 + 3,), (kernels.block,), (0,)], torch.float32, device)
+    params = _params([(kernels.chunk * 5 + 3,), (kernels.chunk,), (0,)], torch.float32, device)
     opt = trainfuse.FusedAdamW(params)
     for n in range(1, 4):
         _fresh_grads(params)

@@ -1,6 +1,8 @@
 """Triton building blocks shared by every multi-tensor kernel (optimizers, EMA, clipping).
 
-A launch walks *work items*: one program per (tensor, chunk). The host side (``table.py``) writes
+A launch walks *work items*: one program per (tensor, chunk of ``NB`` blocks of ``BLOCK`` elements;
+each program loads block b + 1 before it computes and stores block b, so the scalar work of a
+program and the latency of its loads overlap). The host side (``table.py``) writes
 two int64 tables on the device:
 
 - ``rows[t, :]`` — one row per tensor: operand addresses, numel, group, dtype code, step address.
@@ -62,6 +64,22 @@ def load(ptr, offs, n, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _optional_mask(offs, n, flag, MASKED: tl.constexpr):
+    # A scalar mask keeps full blocks vectorized when compiled; the interpreter (triton <= 3.9)
+    # rejects scalar masks and scalar & block, so it gets the equivalent element mask.
+    if MASKED or _INTERPRET:
+        return offs < tl.where(flag, n, 0)
+    else:
+        return flag
+
+
+@triton.jit
+def load_if(ptr, offs, n, flag, MASKED: tl.constexpr):
+    """:func:`load` of an optional operand: nothing is read (zeros come back) unless ``flag``."""
+    return tl.load(ptr + offs, mask=_optional_mask(offs, n, flag, MASKED), other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _round_bf16_rne(x):
     bits = x.to(tl.uint32, bitcast=True)
     lsb = (bits >> 16) & 1
@@ -80,6 +98,16 @@ def store(ptr, offs, n, x, MASKED: tl.constexpr):
         tl.store(ptr + offs, x.to(ty), mask=offs < n)
     else:
         tl.store(ptr + offs, x.to(ty))
+
+
+@triton.jit
+def store_if(ptr, offs, n, x, flag, MASKED: tl.constexpr):
+    """:func:`store` of an optional operand, skipped unless ``flag``."""
+    ty = ptr.dtype.element_ty
+    if _INTERPRET:
+        if ty == tl.bfloat16:
+            x = _round_bf16_rne(x)
+    tl.store(ptr + offs, x.to(ty), mask=_optional_mask(offs, n, flag, MASKED))
 
 
 @triton.jit

@@ -33,11 +33,17 @@ COL_STEP, COL_NUMEL, COL_GROUP, COL_DTYPE, COL_NCHUNKS = 6, 7, 8, 9, 10
 
 @dataclasses.dataclass
 class LaunchConfig:
-    """Elements per program (``block``) and warps per program; tests shrink ``block`` so that
-    small tensors span several chunks."""
+    """Elements per loop iteration (``block``), iterations per program (``unroll``) and warps per
+    program; a work item is ``block * unroll`` elements. Tests shrink ``block`` so that small
+    tensors span several work items."""
 
-    block: int = 4096
-    num_warps: int = 8
+    block: int = 1024
+    unroll: int = 4
+    num_warps: int = 4
+
+    @property
+    def chunk(self) -> int:
+        return self.block * self.unroll
 
 
 config = LaunchConfig()
@@ -273,7 +279,7 @@ class MultiTensorEngine:
         self._launcher(
             self.client._kernel, (plan.nchunks,), plan.rows, plan.chunks, hp, plan.arrivals,
             hp if grad_scale is None else grad_scale, hp if found_inf is None else found_inf,
-            CHUNK=config.block, DTYPES=plan.dtypes, ALIGNED=plan.aligned,
+            BLOCK=config.block, NB=config.unroll, DTYPES=plan.dtypes, ALIGNED=plan.aligned,
             HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
             WIDTH=self.client.HP_WIDTH, num_warps=config.num_warps,
         )
@@ -334,7 +340,7 @@ class MultiTensorEngine:
             addrs = [t.data_ptr() for t in (p, g, *states)]
             aligned = aligned and all(a % 16 == 0 for a in addrs)
             numel = p.numel()
-            nchunks = max(1, -(-numel // config.block))  # empty tensors still count a step
+            nchunks = max(1, -(-numel // config.chunk))  # empty tensors still count a step
             code = DTYPE_CODES[p.dtype]
             dtypes |= 1 << code
             row = addrs + [0] * (MAX_OPERANDS - len(addrs))

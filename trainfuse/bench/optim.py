@@ -163,14 +163,12 @@ def bench_rebuild(opt, params):
 def sweep_launch(workloads, bw):
     """Elements per program and warps, over the big and the many-small workload (the defaults in
     trainfuse/_engine/table.py come from this table)."""
-    keep = (config.block, config.num_warps)
+    keep = (config.block, config.unroll, config.num_warps)
     rows = []
-    for block in (256, 512, 1024, 2048, 4096):
-        for warps in (1, 2, 4, 8):
-            if block // (32 * warps) < 4:  # under 16 bytes per thread
-                continue
-            config.block, config.num_warps = block, warps
-            row = [block, warps]
+    for block, warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)):
+        for unroll in (1, 2, 4, 8):
+            config.block, config.unroll, config.num_warps = block, unroll, warps
+            row = [block, unroll, warps]
             for _, params in workloads:
                 for kind in ("adamw", "sgd"):
                     nparam = sum(p.numel() for p in params)
@@ -182,8 +180,8 @@ def sweep_launch(workloads, bw):
                     row.append(f"{ms:.3f} ({floor / ms * 100:.0f}%)")
                     del opt, ps
             rows.append(row)
-    config.block, config.num_warps = keep
-    header = ["block", "warps"] + [f"{k} {n}" for n, _ in workloads for k in ("adamw", "sgd")]
+    config.block, config.unroll, config.num_warps = keep
+    header = ["block", "unroll", "warps"] + [f"{k} {n}" for n, _ in workloads for k in ("adamw", "sgd")]
     print_table("launch sweep: kernel ms (% of floor)", header, rows)
     return rows
 
@@ -192,7 +190,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for png/json")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
-    parser.add_argument("--sweep", action="store_true", help="also sweep block size and warps")
+    parser.add_argument("--sweep", action="store_true", help="also sweep block, unroll and warps")
+    parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
     args = parser.parse_args(argv)
     print(trainfuse.describe())
     if not torch.cuda.is_available():
@@ -207,8 +206,10 @@ def main(argv=None):
     report["triton"] = triton.__version__
     workloads = [("GPT-2 124M", _params(gpt2_shapes())),
                  ("216-tensor YOLO-like", _params(yolo_like_shapes()))]
-    if args.sweep:
+    if args.sweep or args.sweep_only:
         report["sweep"] = sweep_launch(workloads, bw)
+        if args.sweep_only:
+            return
     y5 = yolov5n_params()
     if y5 is not None:
         workloads.append(("yolov5n", _clone_params(y5)))

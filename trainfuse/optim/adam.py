@@ -35,100 +35,106 @@ _LR, _B1, _B2, _EPS, _WD, _MAX, _AMS, _DEC = (tl.constexpr(k) for k in range(8))
 
 
 @triton.jit
-def _adam_block(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, CHUNK: tl.constexpr,
-                MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                WIDTH: tl.constexpr):
-    # operand loads first: everything below (step, hyperparameters) overlaps their latency
-    offs = tl.arange(0, CHUNK)
+def _adam_chunk(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, BLOCK: tl.constexpr,
+                NB: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+                HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr):
+    hp_row = mt.hparams_row(hp, row, WIDTH)
+    amsgrad = tl.load(hp_row + _AMS) != 0.0
+    offs = tl.arange(0, BLOCK)
     p_ptr = mt.operand(row, 0, start, DT, ALIGNED)
     g_ptr = mt.operand(row, 1, start, DT, ALIGNED)
     m_ptr = mt.operand(row, 2, start, DT, ALIGNED)
     v_ptr = mt.operand(row, 3, start, DT, ALIGNED)
+    vmax_ptr = mt.operand(row, 4, start, DT, ALIGNED)
+    # block 0's loads first: the step, hyperparameter and bias-correction work overlaps them
     p = mt.load(p_ptr, offs, n, MASKED)
     g = mt.load(g_ptr, offs, n, MASKED)
     m = mt.load(m_ptr, offs, n, MASKED)
     v = mt.load(v_ptr, offs, n, MASKED)
+    vmax = mt.load_if(vmax_ptr, offs, n, amsgrad, MASKED)
 
     step = mt.advance_step(row, r, arrivals).to(tl.float64)
-    hp_row = mt.hparams_row(hp, row, WIDTH)
     lr = tl.load(hp_row + _LR)
     beta1 = tl.load(hp_row + _B1)
     beta2 = tl.load(hp_row + _B2)
     eps = tl.load(hp_row + _EPS).to(tl.float32)
     wd = tl.load(hp_row + _WD)
-    maximize = tl.load(hp_row + _MAX)
-    amsgrad = tl.load(hp_row + _AMS)
-    decoupled = tl.load(hp_row + _DEC)
+    maximize = tl.load(hp_row + _MAX) != 0.0
+    decoupled = tl.load(hp_row + _DEC) != 0.0
     step_size = (lr / (1.0 - mt.pow_f64(beta1, step))).to(tl.float32)
     bc2_sqrt = tl.sqrt(1.0 - mt.pow_f64(beta2, step)).to(tl.float32)
     w1 = (1.0 - beta1).to(tl.float32)
     w2 = (1.0 - beta2).to(tl.float32)
     b2 = beta2.to(tl.float32)
+    # AdamW scales the param, Adam adds wd * param to the grad (only where wd != 0, so an inf
+    # param does not turn the grad into 0 * inf = NaN)
+    decay = tl.where(decoupled, 1.0 - lr * wd, 1.0).to(tl.float32)
+    l2 = tl.where(decoupled, 0.0, wd).to(tl.float32)
 
-    if HAS_SCALE:
-        g = tl.div_rn(g, scale)
-        mt.store(g_ptr, offs, n, g, MASKED)
-    if maximize != 0.0:
-        g = -g
-    if wd != 0.0:
-        if decoupled != 0.0:
-            p = p * (1.0 - lr * wd).to(tl.float32)
-        else:
-            g = g + wd.to(tl.float32) * p
-    # torch.lerp's two-sided formula, so m matches torch bit for bit on either side of 0.5
-    if w1 < 0.5:
-        m = m + w1 * (g - m)
-    else:
-        m = g - (g - m) * (1.0 - w1)
-    v = v * b2 + w2 * (g * g)
-    if amsgrad != 0.0:
-        vmax_ptr = mt.operand(row, 4, start, DT, ALIGNED)
-        vmax = tl.maximum(mt.load(vmax_ptr, offs, n, MASKED), v, propagate_nan=tl.PropagateNan.ALL)
-        mt.store(vmax_ptr, offs, n, vmax, MASKED)
-        denom = tl.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
-    else:
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
-    mt.store(p_ptr, offs, n, p, MASKED)
-    mt.store(m_ptr, offs, n, m, MASKED)
-    mt.store(v_ptr, offs, n, v, MASKED)
+    for b in tl.static_range(NB):
+        o = offs + b * BLOCK
+        if b + 1 < NB:  # prefetch the next block before this one's math and stores
+            o_next = o + BLOCK
+            p_next = mt.load(p_ptr, o_next, n, MASKED)
+            g_next = mt.load(g_ptr, o_next, n, MASKED)
+            m_next = mt.load(m_ptr, o_next, n, MASKED)
+            v_next = mt.load(v_ptr, o_next, n, MASKED)
+            vmax_next = mt.load_if(vmax_ptr, o_next, n, amsgrad, MASKED)
+        if HAS_SCALE:
+            g = tl.div_rn(g, scale)
+            mt.store(g_ptr, o, n, g, MASKED)
+        g = tl.where(maximize, -g, g)
+        g = tl.where(l2 != 0.0, g + l2 * p, g)
+        p = p * decay
+        # torch.lerp's two-sided formula, so m matches torch on either side of weight 0.5
+        m = tl.where(w1 < 0.5, m + w1 * (g - m), g - (g - m) * (1.0 - w1))
+        v = v * b2 + w2 * (g * g)
+        vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
+        mt.store_if(vmax_ptr, o, n, vmax, amsgrad, MASKED)
+        denom = tl.div_rn(tl.sqrt_rn(tl.where(amsgrad, vmax, v)), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        mt.store(p_ptr, o, n, p, MASKED)
+        mt.store(m_ptr, o, n, m, MASKED)
+        mt.store(v_ptr, o, n, v, MASKED)
+        if b + 1 < NB:
+            p, g, m, v, vmax = p_next, g_next, m_next, v_next, vmax_next
 
 
 @triton.jit
-def _adam_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK: tl.constexpr,
+def _adam_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK: tl.constexpr, NB: tl.constexpr,
                    DTYPES: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
                    HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr):
     code = tl.load(row + mt.COL_DTYPE)
     if DTYPES & 1:
         if code == 0:
-            _adam_block(row, r, hp, arrivals, start, n, scale, tl.float32, CHUNK, MASKED,
+            _adam_chunk(row, r, hp, arrivals, start, n, scale, tl.float32, BLOCK, NB, MASKED,
                         ALIGNED, HAS_SCALE, WIDTH)
     if DTYPES & 2:
         if code == 1:
-            _adam_block(row, r, hp, arrivals, start, n, scale, tl.bfloat16, CHUNK, MASKED,
+            _adam_chunk(row, r, hp, arrivals, start, n, scale, tl.bfloat16, BLOCK, NB, MASKED,
                         ALIGNED, HAS_SCALE, WIDTH)
     if DTYPES & 4:
         if code == 2:
-            _adam_block(row, r, hp, arrivals, start, n, scale, tl.float16, CHUNK, MASKED,
+            _adam_chunk(row, r, hp, arrivals, start, n, scale, tl.float16, BLOCK, NB, MASKED,
                         ALIGNED, HAS_SCALE, WIDTH)
 
 
 @triton.jit
-def _adam_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, CHUNK: tl.constexpr,
-                 DTYPES: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
-    r, row, start, n = mt.work_item(chunks, rows, CHUNK)
+def _adam_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, BLOCK: tl.constexpr,
+                 NB: tl.constexpr, DTYPES: tl.constexpr, ALIGNED: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
+    r, row, start, n = mt.work_item(chunks, rows, BLOCK * NB)
     if mt.live(inf_ptr, HAS_INF):
         if HAS_SCALE:
             scale = tl.load(scale_ptr).to(tl.float32)
         else:
             scale = 1.0
-        if n == CHUNK:
-            _adam_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK, DTYPES, False, ALIGNED,
-                           HAS_SCALE, WIDTH)
+        if n == BLOCK * NB:
+            _adam_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, False,
+                           ALIGNED, HAS_SCALE, WIDTH)
         else:
-            _adam_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK, DTYPES, True, ALIGNED,
-                           HAS_SCALE, WIDTH)
+            _adam_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, True,
+                           ALIGNED, HAS_SCALE, WIDTH)
 
 
 class FusedAdam(FusedOptimizer):

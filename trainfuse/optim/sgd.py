@@ -31,83 +31,88 @@ _LR, _MOM, _DAMP, _WD, _NEST, _MAX = (tl.constexpr(k) for k in range(6))
 
 
 @triton.jit
-def _sgd_block(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, CHUNK: tl.constexpr,
-               MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
-               WIDTH: tl.constexpr):
-    # operand loads first: everything below (step, hyperparameters) overlaps their latency
-    offs = tl.arange(0, CHUNK)
+def _sgd_chunk(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, BLOCK: tl.constexpr,
+               NB: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+               HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr):
+    hp_row = mt.hparams_row(hp, row, WIDTH)
+    momentum = tl.load(hp_row + _MOM)
+    offs = tl.arange(0, BLOCK)
     p_ptr = mt.operand(row, 0, start, DT, ALIGNED)
     g_ptr = mt.operand(row, 1, start, DT, ALIGNED)
+    b_ptr = mt.operand(row, 2, start, DT, ALIGNED)
     p = mt.load(p_ptr, offs, n, MASKED)
     g = mt.load(g_ptr, offs, n, MASKED)
 
-    step = mt.advance_step(row, r, arrivals)
-    hp_row = mt.hparams_row(hp, row, WIDTH)
+    # the first step writes the buffer without reading it (torch clones the gradient)
+    first = mt.advance_step(row, r, arrivals) == 1.0
+    has_buf = momentum != 0.0
+    read_buf = has_buf & (first == 0)
+    buf = mt.load_if(b_ptr, offs, n, read_buf, MASKED)
     lr = tl.load(hp_row + _LR).to(tl.float32)
-    momentum = tl.load(hp_row + _MOM)
     dampening = tl.load(hp_row + _DAMP)
-    wd = tl.load(hp_row + _WD)
-    nesterov = tl.load(hp_row + _NEST)
-    maximize = tl.load(hp_row + _MAX)
+    wd = tl.load(hp_row + _WD).to(tl.float32)
+    nesterov = tl.load(hp_row + _NEST) != 0.0
+    maximize = tl.load(hp_row + _MAX) != 0.0
+    mu = momentum.to(tl.float32)
+    damp = tl.where(first, 1.0, 1.0 - dampening).to(tl.float32)
+    mu_buf = tl.where(first, 0.0, mu)
 
-    if HAS_SCALE:
-        g = tl.div_rn(g, scale)
-        mt.store(g_ptr, offs, n, g, MASKED)
-    if maximize != 0.0:
-        g = -g
-    if wd != 0.0:
-        g = g + wd.to(tl.float32) * p
-    if momentum != 0.0:
-        mu = momentum.to(tl.float32)
-        b_ptr = mt.operand(row, 2, start, DT, ALIGNED)
-        if step == 1.0:  # torch: the first buffer is a clone of the (decayed) gradient
-            buf = g
-        else:
-            buf = mt.load(b_ptr, offs, n, MASKED) * mu + (1.0 - dampening).to(tl.float32) * g
-        mt.store(b_ptr, offs, n, buf, MASKED)
-        if nesterov != 0.0:
-            g = g + mu * buf
-        else:
-            g = buf
-    p = p - lr * g
-    mt.store(p_ptr, offs, n, p, MASKED)
+    for b in tl.static_range(NB):
+        o = offs + b * BLOCK
+        if b + 1 < NB:  # prefetch the next block before this one's math and stores
+            o_next = o + BLOCK
+            p_next = mt.load(p_ptr, o_next, n, MASKED)
+            g_next = mt.load(g_ptr, o_next, n, MASKED)
+            buf_next = mt.load_if(b_ptr, o_next, n, read_buf, MASKED)
+        if HAS_SCALE:
+            g = tl.div_rn(g, scale)
+            mt.store(g_ptr, o, n, g, MASKED)
+        g = tl.where(maximize, -g, g)
+        g = tl.where(wd != 0.0, g + wd * p, g)
+        buf = buf * mu_buf + damp * g  # first step: 0 * 0 + 1 * g, exactly g
+        mt.store_if(b_ptr, o, n, buf, has_buf, MASKED)
+        g = tl.where(has_buf, tl.where(nesterov, g + mu * buf, buf), g)
+        p = p - lr * g
+        mt.store(p_ptr, o, n, p, MASKED)
+        if b + 1 < NB:
+            p, g, buf = p_next, g_next, buf_next
 
 
 @triton.jit
-def _sgd_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK: tl.constexpr,
+def _sgd_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK: tl.constexpr, NB: tl.constexpr,
                   DTYPES: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
                   HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr):
     code = tl.load(row + mt.COL_DTYPE)
     if DTYPES & 1:
         if code == 0:
-            _sgd_block(row, r, hp, arrivals, start, n, scale, tl.float32, CHUNK, MASKED, ALIGNED,
-                       HAS_SCALE, WIDTH)
+            _sgd_chunk(row, r, hp, arrivals, start, n, scale, tl.float32, BLOCK, NB, MASKED,
+                       ALIGNED, HAS_SCALE, WIDTH)
     if DTYPES & 2:
         if code == 1:
-            _sgd_block(row, r, hp, arrivals, start, n, scale, tl.bfloat16, CHUNK, MASKED,
+            _sgd_chunk(row, r, hp, arrivals, start, n, scale, tl.bfloat16, BLOCK, NB, MASKED,
                        ALIGNED, HAS_SCALE, WIDTH)
     if DTYPES & 4:
         if code == 2:
-            _sgd_block(row, r, hp, arrivals, start, n, scale, tl.float16, CHUNK, MASKED, ALIGNED,
-                       HAS_SCALE, WIDTH)
+            _sgd_chunk(row, r, hp, arrivals, start, n, scale, tl.float16, BLOCK, NB, MASKED,
+                       ALIGNED, HAS_SCALE, WIDTH)
 
 
 @triton.jit
-def _sgd_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, CHUNK: tl.constexpr,
-                DTYPES: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
-    r, row, start, n = mt.work_item(chunks, rows, CHUNK)
+def _sgd_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, BLOCK: tl.constexpr,
+                NB: tl.constexpr, DTYPES: tl.constexpr, ALIGNED: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
+    r, row, start, n = mt.work_item(chunks, rows, BLOCK * NB)
     if mt.live(inf_ptr, HAS_INF):
         if HAS_SCALE:
             scale = tl.load(scale_ptr).to(tl.float32)
         else:
             scale = 1.0
-        if n == CHUNK:
-            _sgd_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK, DTYPES, False, ALIGNED,
-                          HAS_SCALE, WIDTH)
+        if n == BLOCK * NB:
+            _sgd_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, False,
+                          ALIGNED, HAS_SCALE, WIDTH)
         else:
-            _sgd_dispatch(row, r, hp, arrivals, start, n, scale, CHUNK, DTYPES, True, ALIGNED,
-                          HAS_SCALE, WIDTH)
+            _sgd_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, True,
+                          ALIGNED, HAS_SCALE, WIDTH)
 
 
 class FusedSGD(FusedOptimizer):
