@@ -192,6 +192,7 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
     parser.add_argument("--sweep", action="store_true", help="also sweep block, unroll and warps")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
+    parser.add_argument("--only", default="", help="run only workloads whose name contains this")
     args = parser.parse_args(argv)
     print(trainfuse.describe())
     if not torch.cuda.is_available():
@@ -218,6 +219,8 @@ def main(argv=None):
     workloads.append(("GPT-2 124M bf16", _params(gpt2_shapes(), torch.bfloat16)))
     report["workloads"] = []
     for name, params in workloads:
+        if args.only.lower() not in name.lower():
+            continue
         for kind in ("adamw", "sgd"):
             res, opt, ps = bench_workload(name, params, kind, bw, compile_torch=not args.no_compile)
             report["workloads"].append(res)
