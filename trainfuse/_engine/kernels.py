@@ -148,6 +148,54 @@ def hparams_row(hp_ptr, row, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _dispatch(chunk_fn, row, r, hp, arrivals, start, n, scale, BLOCK: tl.constexpr,
+              NB: tl.constexpr, DTYPES: tl.constexpr, MASKED: tl.constexpr,
+              ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr,
+              WIDE16: tl.constexpr):
+    # one arm per dtype present in the launch (DTYPES bit mask); WIDE16 gives 16-bit tensors
+    # blocks twice as long (same work item) so each thread still moves 16 bytes per access
+    HALF: tl.constexpr = 2 if WIDE16 and NB % 2 == 0 else 1
+    code = tl.load(row + COL_DTYPE)
+    if DTYPES & 1:
+        if code == 0:
+            chunk_fn(row, r, hp, arrivals, start, n, scale, tl.float32, BLOCK, NB, MASKED, ALIGNED,
+                     HAS_SCALE, WIDTH)
+    if DTYPES & 2:
+        if code == 1:
+            chunk_fn(row, r, hp, arrivals, start, n, scale, tl.bfloat16, BLOCK * HALF, NB // HALF,
+                     MASKED, ALIGNED, HAS_SCALE, WIDTH)
+    if DTYPES & 4:
+        if code == 2:
+            chunk_fn(row, r, hp, arrivals, start, n, scale, tl.float16, BLOCK * HALF, NB // HALF,
+                     MASKED, ALIGNED, HAS_SCALE, WIDTH)
+
+
+@triton.jit
+def run(chunk_fn, rows, chunks, hp, arrivals, scale_ptr, inf_ptr, BLOCK: tl.constexpr,
+        NB: tl.constexpr, DTYPES: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+        HAS_INF: tl.constexpr, WIDTH: tl.constexpr, WIDE16: tl.constexpr):
+    """The body of every multi-tensor kernel: find this program's work item, skip everything on
+    inf/NaN, and hand the chunk to the client's ``chunk_fn`` with the operand dtype as constexpr.
+
+    ``chunk_fn(row, r, hp, arrivals, start, n, scale, DT, BLOCK, NB, MASKED, ALIGNED, HAS_SCALE,
+    WIDTH)`` processes ``n`` (<= BLOCK * NB) elements from ``start``; MASKED is False for full chunks
+    so their accesses need no mask and vectorize.
+    """
+    r, row, start, n = work_item(chunks, rows, BLOCK * NB)
+    if live(inf_ptr, HAS_INF):
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr).to(tl.float32)
+        else:
+            scale = 1.0
+        if n == BLOCK * NB:
+            _dispatch(chunk_fn, row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, False,
+                      ALIGNED, HAS_SCALE, WIDTH, WIDE16)
+        else:
+            _dispatch(chunk_fn, row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, True,
+                      ALIGNED, HAS_SCALE, WIDTH, WIDE16)
+
+
+@triton.jit
 def pow_f64(base, step):
     """base ** step for a float64 base and an integer-valued step, by repeated squaring: exact to a
     few ulps of float64 where exp2(step * log2(base)) in float32 would lose 1e-4 of 1 - beta2**1."""

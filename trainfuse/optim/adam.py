@@ -101,43 +101,13 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def _adam_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK: tl.constexpr, NB: tl.constexpr,
-                   DTYPES: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr):
-    # 16-bit params keep the float32 block here. Doubling it (16-byte accesses, as FusedSGD does)
-    # made bf16 GPT-2 AdamW 1.36 ms instead of 0.90 ms on the H100: five operands prefetched
-    # twice over are too many registers at 8 elements a thread.
-    code = tl.load(row + mt.COL_DTYPE)
-    if DTYPES & 1:
-        if code == 0:
-            _adam_chunk(row, r, hp, arrivals, start, n, scale, tl.float32, BLOCK, NB, MASKED,
-                        ALIGNED, HAS_SCALE, WIDTH)
-    if DTYPES & 2:
-        if code == 1:
-            _adam_chunk(row, r, hp, arrivals, start, n, scale, tl.bfloat16, BLOCK, NB, MASKED,
-                        ALIGNED, HAS_SCALE, WIDTH)
-    if DTYPES & 4:
-        if code == 2:
-            _adam_chunk(row, r, hp, arrivals, start, n, scale, tl.float16, BLOCK, NB, MASKED,
-                        ALIGNED, HAS_SCALE, WIDTH)
-
-
-@triton.jit
 def _adam_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, BLOCK: tl.constexpr,
                  NB: tl.constexpr, DTYPES: tl.constexpr, ALIGNED: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
-    r, row, start, n = mt.work_item(chunks, rows, BLOCK * NB)
-    if mt.live(inf_ptr, HAS_INF):
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr).to(tl.float32)
-        else:
-            scale = 1.0
-        if n == BLOCK * NB:
-            _adam_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, False,
-                           ALIGNED, HAS_SCALE, WIDTH)
-        else:
-            _adam_dispatch(row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, True,
-                           ALIGNED, HAS_SCALE, WIDTH)
+    # WIDE16=False: doubling 16-bit blocks made bf16 GPT-2 AdamW 1.36 ms instead of 0.90 ms on the
+    # H100 (five operands prefetched twice over are too many registers at 8 elements a thread)
+    mt.run(_adam_chunk, rows, chunks, hp, arrivals, scale_ptr, inf_ptr, BLOCK, NB, DTYPES,
+           ALIGNED, HAS_SCALE, HAS_INF, WIDTH, False)
 
 
 class FusedAdam(FusedOptimizer):
