@@ -37,12 +37,13 @@ class LaunchConfig:
     program; a work item is ``block * unroll`` elements. Tests shrink ``block`` so that small
     tensors span several work items."""
 
-    # H100, torch 2.11 / triton 3.6 (`python -m trainfuse.bench optim --sweep`): 1024 x 4 with 8 warps
-    # was within 2% of the best AdamW and SGD configuration on both the GPT-2 and the 216-tensor
-    # layouts; larger work items starve small-tensor layouts, smaller ones hurt GPT-2 AdamW.
-    block: int = 1024
-    unroll: int = 4
-    num_warps: int = 8
+    # From `python -m trainfuse.bench optim --sweep` (torch 2.11, triton 3.6): 512-element blocks,
+    # 8 per program (a 4096-element work item), 4 warps was the best or within 2% of it for GPT-2
+    # AdamW and SGD on both the H100 and the H200 (AdamW 96% / 91% of copy bandwidth), and among
+    # the best for the 216-tensor layout on the H200; deeper prefetch matters most for AdamW.
+    block: int = 512
+    unroll: int = 8
+    num_warps: int = 4
 
     @property
     def chunk(self) -> int:
