@@ -360,3 +360,37 @@ def test_grad_scale_protocol(cls, dtype, kernels, device):
                 assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
         else:
             assert_step_matches(opt, *before, unscaled, dtype)
+
+
+def test_sgd_first_step_skipped_on_inf_still_seeds_the_buffer_next_step(kernels, device):
+    params = _params([(40,), (3, 7)], torch.float32, device)
+    # dampening makes a wrongly "continued" buffer (0.5 * g) differ from a seeded one (g)
+    opt = trainfuse.FusedSGD(params, lr=0.1, momentum=0.9, dampening=0.5)
+    _fresh_grads(params)
+    opt.grad_scale = torch.tensor(1.0, device=device)
+    opt.found_inf = torch.tensor(1.0, device=device)
+    opt.step()  # skipped: the next step must still be a first step (buffer = gradient)
+    del opt.grad_scale, opt.found_inf
+    before = snapshot(opt)
+    before[1][:] = [{} for _ in params]  # torch's view: no momentum buffer yet
+    grads = _fresh_grads(params)
+    opt.step()
+    assert_step_matches(opt, *before, grads, torch.float32)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_torch_backend_and_kernels_agree(cls, monkeypatch, device):
+    hp = random_hparams(cls, random.Random(torch.initial_seed()))
+    a = _params(SHAPES, torch.float32, device)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    oa, ob = cls(a, **hp), cls(b, **hp)
+    for _ in range(3):
+        for p, q in zip(a, b):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")
+        oa.step()
+        monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
+        ob.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

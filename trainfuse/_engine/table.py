@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from trainfuse._backend import use_triton
+from trainfuse._engine import kernels
 from trainfuse._engine.launch import CachedLauncher
 
 if TYPE_CHECKING:
@@ -26,9 +27,11 @@ if TYPE_CHECKING:
 _grad = operator.attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ROW = 16  # must match kernels.ROW
-MAX_OPERANDS = 6  # param, grad and up to four states (kernels.COL_STEP == 6)
-COL_STEP, COL_NUMEL, COL_GROUP, COL_DTYPE, COL_NCHUNKS = 6, 7, 8, 9, 10
+# the row layout the kernels read (trainfuse/_engine/kernels.py)
+ROW = kernels.ROW.value
+MAX_OPERANDS = kernels.COL_STEP.value  # param, grad and up to four states precede the step column
+assert [c.value for c in (kernels.COL_STEP, kernels.COL_NUMEL, kernels.COL_GROUP, kernels.COL_DTYPE,
+                          kernels.COL_NCHUNKS)] == list(range(MAX_OPERANDS, MAX_OPERANDS + 5))
 
 
 @dataclasses.dataclass
@@ -378,18 +381,5 @@ class MultiTensorEngine:
         plan.chunks = buf[plan.ntensors * ROW :]
 
 
-def describe_plan(engine: MultiTensorEngine) -> dict[str, Any]:
-    """Sizes of the cached tables, for benchmarks and debugging."""
-    out = {}
-    for device, plan in engine._plans.items():
-        out[str(device)] = {
-            "tensors": 0 if plan.nchunks == 0 else plan.rows.numel() // ROW,
-            "work_items": plan.nchunks,
-            "aligned": plan.aligned,
-            "rebuilt_every_step": plan.volatile,
-        }
-    return out
-
-
-__all__ = ["DTYPE_CODES", "LaunchConfig", "MultiTensorEngine", "config", "conform", "describe_plan",
-           "is_dense", "same_layout"]
+__all__ = ["DTYPE_CODES", "LaunchConfig", "MultiTensorEngine", "config", "conform", "is_dense",
+           "same_layout"]
