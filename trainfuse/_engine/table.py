@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,7 +54,22 @@ class LaunchConfig:
         return self.block * self.unroll
 
 
-config = LaunchConfig()
+def _config_from_env() -> LaunchConfig:
+    """``TRAINFUSE_LAUNCH=BLOCKxUNROLLxWARPS`` (e.g. ``512x8x4``) overrides the defaults, for tuning
+    on other GPUs with ``python -m trainfuse.bench optim --sweep``."""
+    spec = os.environ.get("TRAINFUSE_LAUNCH", "")
+    if not spec:
+        return LaunchConfig()
+    try:
+        block, unroll, warps = (int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"TRAINFUSE_LAUNCH={spec!r}: expected BLOCKxUNROLLxWARPS, e.g. 512x8x4") from None
+    if block & (block - 1) or block < 16 or unroll < 1 or warps & (warps - 1):
+        raise ValueError(f"TRAINFUSE_LAUNCH={spec!r}: block and warps must be powers of two, block >= 16")
+    return LaunchConfig(block, unroll, warps)
+
+
+config = _config_from_env()
 
 
 def is_dense(t: torch.Tensor) -> bool:

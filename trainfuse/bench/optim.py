@@ -160,26 +160,29 @@ def bench_rebuild(opt, params):
     return res
 
 
-def sweep_launch(workloads, bw):
+DEFAULT_SWEEP = [(b, u, w) for b, w in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8))
+                 for u in (1, 2, 4, 8)]
+
+
+def sweep_launch(workloads, bw, configs=DEFAULT_SWEEP):
     """Elements per program and warps, over the big and the many-small workload (the defaults in
     trainfuse/_engine/table.py come from this table)."""
     keep = (config.block, config.unroll, config.num_warps)
     rows = []
-    for block, warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)):
-        for unroll in (1, 2, 4, 8):
-            config.block, config.unroll, config.num_warps = block, unroll, warps
-            row = [block, unroll, warps]
-            for _, params in workloads:
-                for kind in ("adamw", "sgd"):
-                    nparam = sum(p.numel() for p in params)
-                    floor = (28 if kind == "adamw" else 20) * nparam / bw * 1e3
-                    ps = _clone_params(params)
-                    opt = _ours(kind, ps)
-                    opt.step()
-                    ms = kernel_ms(opt.step)
-                    row.append(f"{ms:.3f} ({floor / ms * 100:.0f}%)")
-                    del opt, ps
-            rows.append(row)
+    for block, unroll, warps in configs:
+        config.block, config.unroll, config.num_warps = block, unroll, warps
+        row = [block, unroll, warps]
+        for _, params in workloads:
+            for kind in ("adamw", "sgd"):
+                nparam = sum(p.numel() for p in params)
+                floor = (28 if kind == "adamw" else 20) * nparam / bw * 1e3
+                ps = _clone_params(params)
+                opt = _ours(kind, ps)
+                opt.step()
+                ms = kernel_ms(opt.step)
+                row.append(f"{ms:.3f} ({floor / ms * 100:.0f}%)")
+                del opt, ps
+        rows.append(row)
     config.block, config.unroll, config.num_warps = keep
     header = ["block", "unroll", "warps"] + [f"{k} {n}" for n, _ in workloads for k in ("adamw", "sgd")]
     print_table("launch sweep: kernel ms (% of floor)", header, rows)
@@ -192,6 +195,8 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
     parser.add_argument("--sweep", action="store_true", help="also sweep block, unroll and warps")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
+    parser.add_argument("--configs", default="",
+                        help="sweep these BLOCKxUNROLLxWARPS configurations, e.g. 512x8x4,512x16x2")
     parser.add_argument("--only", default="", help="run only workloads whose name contains this")
     args = parser.parse_args(argv)
     print(trainfuse.describe())
@@ -208,7 +213,8 @@ def main(argv=None):
     workloads = [("GPT-2 124M", _params(gpt2_shapes())),
                  ("216-tensor YOLO-like", _params(yolo_like_shapes()))]
     if args.sweep or args.sweep_only:
-        report["sweep"] = sweep_launch(workloads, bw)
+        configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
+        report["sweep"] = sweep_launch(workloads, bw, configs or DEFAULT_SWEEP)
         if args.sweep_only:
             return
     y5 = yolov5n_params()
