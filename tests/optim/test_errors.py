@@ -122,3 +122,12 @@ def test_backend_auto_runs_torch_on_cpu_and_triton_on_cuda(monkeypatch):
     assert use_triton(torch.device("cuda"))
     monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
     assert not use_triton(torch.device("cuda"))
+
+
+def test_refused_param_group_is_not_kept():
+    opt = trainfuse.FusedAdamW([torch.nn.Parameter(torch.randn(3))])
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "lr": -1.0})
+    with pytest.raises(ValueError, match="complex"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, dtype=torch.complex64))]})
+    assert len(opt.param_groups) == 1

@@ -62,3 +62,17 @@ def test_params_on_cpu_and_cuda_in_one_optimizer(monkeypatch):
             p.grad = g
         opt.step()
         assert_step_matches(opt, *before, grads, torch.float32)
+
+
+@cuda
+def test_grad_scale_of_another_dtype_after_the_launch_is_cached():
+    params = [torch.nn.Parameter(torch.randn(3000, device="cuda"))]
+    opt = trainfuse.FusedSGD(params, lr=0.1)
+    for scale in (torch.tensor(8.0, device="cuda"), torch.tensor(8.0, device="cuda", dtype=torch.float64)):
+        before = snapshot(opt)
+        g = torch.randn_like(params[0])
+        params[0].grad = g * 8.0
+        opt.grad_scale, opt.found_inf = scale, torch.zeros((), device="cuda")
+        opt.step()
+        del opt.grad_scale, opt.found_inf
+        assert_step_matches(opt, *before, [g], torch.float32, msg=str(scale.dtype))

@@ -30,8 +30,10 @@ class CachedLauncher:
         import triton
 
         hooks = triton.knobs.runtime
+        # what Triton specializes pointer arguments on: element type and 16-byte alignment
+        # (a float64 grad_scale must not reuse the kernel compiled for GradScaler's float32)
         aligned = all(a.data_ptr() % 16 == 0 for a in args)
-        key = (fn, device.index, num_warps, aligned, *constexprs.items())
+        key = (fn, device.index, num_warps, aligned, *(a.dtype for a in args), *constexprs.items())
         kernel = self._kernels.get(key)
         if kernel is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
             kernel = fn[grid](*args, num_warps=num_warps, **constexprs)

@@ -44,6 +44,8 @@ class FusedOptimizer(Optimizer):
     _step_supports_amp_scaling = True
     # Width of one group's row in the float64 hyperparameter table the kernel reads.
     HP_WIDTH = 8
+    # Set once the constructor has validated the first groups; later groups are checked on add.
+    _hparams_checked = False
 
     def __init__(self, params, defaults: dict[str, Any]):
         self._engine = MultiTensorEngine(self)
@@ -53,17 +55,19 @@ class FusedOptimizer(Optimizer):
     # ---- torch.optim contract ----------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            if p.is_complex():
-                raise ValueError(
-                    f"{type(self).__name__}: complex params are not supported (shape "
-                    f"{tuple(p.shape)}); view them as real with torch.view_as_real"
-                )
-        if self._hparams_checked:
-            self._check_hparams()
+        try:  # a refused group must not stay behind in param_groups
+            for p in self.param_groups[-1]["params"]:
+                if p.is_complex():
+                    raise ValueError(
+                        f"{type(self).__name__}: complex params are not supported (shape "
+                        f"{tuple(p.shape)}); view them as real with torch.view_as_real"
+                    )
+            if self._hparams_checked:
+                self._check_hparams()
+        except ValueError:
+            self.param_groups.pop()
+            raise
         self._engine.invalidate()
-
-    _hparams_checked = False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
