@@ -15,14 +15,21 @@ from typing import Any
 import torch
 
 
+def _hooked(hook) -> bool:
+    # triton >= 3.5 keeps launch hooks in a HookChain that is never None: look inside it
+    return hook is not None and getattr(hook, "calls", True) != []
+
+
 class CachedLauncher:
-    """``launcher(fn, grid, *tensors, num_warps=..., **constexprs)``."""
+    """``launcher(fn, grid, *args, num_warps=..., **constexprs)``: ``args`` are tensors and
+    Python floats (float arguments are not specialized by Triton, so any value reuses a kernel)."""
 
     def __init__(self) -> None:
         self._kernels: dict[tuple, Any] = {}
         self._usable = True
 
-    def __call__(self, fn, grid: tuple[int], *args: torch.Tensor, num_warps: int, **constexprs) -> None:
+    def __call__(self, fn, grid: tuple[int], *args: torch.Tensor | float, num_warps: int,
+                 **constexprs) -> None:
         device = args[0].device
         if not self._usable or device.type != "cuda":
             fn[grid](*args, num_warps=num_warps, **constexprs)
@@ -32,10 +39,12 @@ class CachedLauncher:
         hooks = triton.knobs.runtime
         # what Triton specializes pointer arguments on: element type and 16-byte alignment
         # (a float64 grad_scale must not reuse the kernel compiled for GradScaler's float32)
-        aligned = all(a.data_ptr() % 16 == 0 for a in args)
-        key = (fn, device.index, num_warps, aligned, *(a.dtype for a in args), *constexprs.items())
+        key = (fn, device.index, num_warps,
+               *((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else float
+                 for a in args),
+               *constexprs.items())
         kernel = self._kernels.get(key)
-        if kernel is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+        if kernel is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
             kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
