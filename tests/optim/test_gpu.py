@@ -76,3 +76,28 @@ def test_grad_scale_of_another_dtype_after_the_launch_is_cached():
         opt.step()
         del opt.grad_scale, opt.found_inf
         assert_step_matches(opt, *before, [g], torch.float32, msg=str(scale.dtype))
+
+
+@cuda
+def test_fused_grad_scaler_is_three_launches_for_the_ultralytics_phase():
+    """GradScaler + FusedSGD(max_grad_norm) + attached FusedEMA: the optimizer phase launches the
+    statistics pass, the update (EMA included) and torch's scale update, nothing else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).cuda()
+    model(torch.randn(2, 3, 8, 8, device="cuda")).sum().backward()
+    opt = trainfuse.FusedSGD(model.parameters(), lr=0.01, momentum=0.937, nesterov=True, max_grad_norm=10.0)
+    opt.attach_ema(trainfuse.FusedEMA(model))
+    scaler = trainfuse.amp.GradScaler("cuda")
+    scaler.scale(torch.ones((), device="cuda"))
+    for _ in range(2):  # compile and cache first
+        scaler.step(opt)
+        scaler.update()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name]
+    assert len(kernels) <= 3, kernels

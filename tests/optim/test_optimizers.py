@@ -311,7 +311,7 @@ def test_mixed_dtypes_share_one_launch(dtype, kernels, device):
         opt.step()
         assert_step_matches(opt, *before, grads, dtype)
     (plan,) = opt._engine._plans.values()
-    assert plan.dtypes == 0b1 | (0b10 if dtype == torch.bfloat16 else 0b100)
+    assert plan.codes == 0b1 | (0b10 if dtype == torch.bfloat16 else 0b100)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)

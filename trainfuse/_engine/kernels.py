@@ -5,11 +5,14 @@ each program loads block b + 1 before it computes and stores block b, so the sca
 program and the latency of its loads overlap). The host side (``table.py``) writes
 two int64 tables on the device:
 
-- ``rows[t, :]`` — one row per tensor: operand addresses, numel, group, dtype code, step address.
+- ``rows[t, :]`` — one row per tensor: operand addresses by slot (param, grad, float32 master,
+  EMA, states), step address, numel, group, row code (dtypes and what the row does).
 - ``chunks[pid]`` — ``(t << 32) | chunk`` for program ``pid``.
 
-Each client kernel reads its work item with :func:`work_item`, its hyperparameters from a float64
-per-group table, and applies its own elementwise math with :func:`load` / :func:`store`.
+Each client kernel is a ``chunk_fn`` handed to :func:`run`: it reads its hyperparameters from a
+float64 per-group table and applies its own elementwise math with :func:`load` / :func:`store`;
+the pieces every update shares (grad unscale and clip, master weights, EMA) are helpers here.
+:func:`grad_stats_kernel` is the one reduction: global gradient norm and inf/NaN check.
 """
 
 import os
@@ -18,12 +21,28 @@ import triton
 import triton.language as tl
 
 ROW = tl.constexpr(16)  # int64 columns per tensor row; 16 keeps the chunk table 128-byte aligned
-COL_OPERAND0 = tl.constexpr(0)  # operands 0..5: param, grad, up to four state tensors
-COL_STEP = tl.constexpr(6)  # address of the tensor's float32 step counter
-COL_NUMEL = tl.constexpr(7)
-COL_GROUP = tl.constexpr(8)
-COL_DTYPE = tl.constexpr(9)  # 0 float32, 1 bfloat16, 2 float16
-COL_NCHUNKS = tl.constexpr(10)
+COL_OPERAND0 = tl.constexpr(0)  # eight operand addresses, slots below
+OP_PARAM = tl.constexpr(0)  # the param as the model reads it (float32, bfloat16 or float16)
+OP_GRAD = tl.constexpr(1)  # its gradient, same dtype
+OP_MASTER = tl.constexpr(2)  # float32 master copy of a 16-bit param (row code MASTER)
+OP_EMA = tl.constexpr(3)  # EMA copy of the param (row code EMA), or of a buffer (EMA_ONLY)
+OP_STATE = tl.constexpr(4)  # up to four optimizer states, slots 4..7
+COL_STEP = tl.constexpr(8)  # address of the tensor's float32 step counter
+COL_NUMEL = tl.constexpr(9)
+COL_GROUP = tl.constexpr(10)
+COL_CODE = tl.constexpr(11)  # row code, bits below
+COL_NCHUNKS = tl.constexpr(12)
+
+# Row code: bits 0-1 the param dtype (0 float32, 1 bfloat16, 2 float16); MASTER: float32 master
+# weight and float32 states, the param is written as its 16-bit copy; EMA: the updated weight is
+# also folded into OP_EMA; EMA_LOW: that EMA tensor has the param's dtype (else float32);
+# EMA_ONLY: no update, only ema = lerp(ema, OP_PARAM, w) (buffers, frozen params). A launch
+# carries the set of codes present as a bit mask (CODES) and compiles one arm per code.
+CODE_MASTER = tl.constexpr(4)
+CODE_EMA = tl.constexpr(8)
+CODE_EMA_LOW = tl.constexpr(16)
+CODE_EMA_ONLY = tl.constexpr(32)
+NCODES = tl.constexpr(64)
 
 # The interpreter (triton <= 3.9) truncates float32 -> bfloat16 instead of rounding to nearest even;
 # round by hand there so CPU tests see the bits the GPU writes. Compiled kernels use the native cvt.
@@ -112,7 +131,7 @@ def store_if(ptr, offs, n, x, flag, MASKED: tl.constexpr):
 
 @triton.jit
 def live(inf_ptr, HAS_INF: tl.constexpr):
-    """False when GradScaler found an inf/NaN: the whole step is then skipped."""
+    """False when GradScaler found an inf/NaN: the update is then skipped."""
     if HAS_INF:
         ok = tl.load(inf_ptr) == 0.0
     else:
@@ -147,52 +166,279 @@ def hparams_row(hp_ptr, row, WIDTH: tl.constexpr):
     return hp_ptr + tl.load(row + COL_GROUP) * WIDTH
 
 
+# ---- pieces of an update, shared by the optimizers -------------------------------------------
 @triton.jit
-def _dispatch(chunk_fn, row, r, hp, arrivals, start, n, scale, BLOCK: tl.constexpr,
-              NB: tl.constexpr, DTYPES: tl.constexpr, MASKED: tl.constexpr,
-              ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr,
-              WIDE16: tl.constexpr):
-    # one arm per dtype present in the launch (DTYPES bit mask); WIDE16 gives 16-bit tensors
-    # blocks twice as long (same work item) so each thread still moves 16 bytes per access
-    HALF: tl.constexpr = 2 if WIDE16 and NB % 2 == 0 else 1
-    code = tl.load(row + COL_DTYPE)
-    if DTYPES & 1:
-        if code == 0:
-            chunk_fn(row, r, hp, arrivals, start, n, scale, tl.float32, BLOCK, NB, MASKED, ALIGNED,
-                     HAS_SCALE, WIDTH)
-    if DTYPES & 2:
-        if code == 1:
-            chunk_fn(row, r, hp, arrivals, start, n, scale, tl.bfloat16, BLOCK * HALF, NB // HALF,
-                     MASKED, ALIGNED, HAS_SCALE, WIDTH)
-    if DTYPES & 4:
-        if code == 2:
-            chunk_fn(row, r, hp, arrivals, start, n, scale, tl.float16, BLOCK * HALF, NB // HALF,
-                     MASKED, ALIGNED, HAS_SCALE, WIDTH)
+def weight_ptrs(row, start, PD: tl.constexpr, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
+    """(weight the update reads and writes, param the model reads): the float32 master and the
+    16-bit param under MASTER, else the param twice."""
+    p_ptr = operand(row, OP_PARAM, start, PD, ALIGNED)
+    if MASTER:
+        w_ptr = operand(row, OP_MASTER, start, tl.float32, ALIGNED)
+    else:
+        w_ptr = p_ptr
+    return w_ptr, p_ptr
 
 
 @triton.jit
-def run(chunk_fn, rows, chunks, hp, arrivals, scale_ptr, inf_ptr, BLOCK: tl.constexpr,
-        NB: tl.constexpr, DTYPES: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
-        HAS_INF: tl.constexpr, WIDTH: tl.constexpr, WIDE16: tl.constexpr):
-    """The body of every multi-tensor kernel: find this program's work item, skip everything on
-    inf/NaN, and hand the chunk to the client's ``chunk_fn`` with the operand dtype as constexpr.
+def store_weight(w_ptr, p_ptr, offs, n, w, MASTER: tl.constexpr, MASKED: tl.constexpr):
+    """Write the updated weight; under MASTER also its 16-bit copy, the one the next forward reads
+    (this is the cast fusion: no separate cast kernel runs)."""
+    store(w_ptr, offs, n, w, MASKED)
+    if MASTER:
+        store(p_ptr, offs, n, w, MASKED)
 
-    ``chunk_fn(row, r, hp, arrivals, start, n, scale, DT, BLOCK, NB, MASKED, ALIGNED, HAS_SCALE,
-    WIDTH)`` processes ``n`` (<= BLOCK * NB) elements from ``start``; MASKED is False for full chunks
-    so their accesses need no mask and vectorize.
+
+@triton.jit
+def grad_in(g_ptr, offs, n, g, scale, clip, maximize, HAS_SCALE: tl.constexpr,
+            HAS_CLIP: tl.constexpr, MASKED: tl.constexpr):
+    """The gradient an update uses: divided by GradScaler's scale, times the clip coefficient,
+    written back that way (what unscale_ + clip_grad_norm_ leave in .grad), negated to maximize."""
+    if HAS_SCALE:
+        g = tl.div_rn(g, scale)
+    if HAS_CLIP:
+        g = g * clip
+    if HAS_SCALE or HAS_CLIP:
+        store(g_ptr, offs, n, g, MASKED)
+    return tl.where(maximize, -g, g)
+
+
+@triton.jit
+def load_opt(ptr, offs, n, FLAG: tl.constexpr, MASKED: tl.constexpr):
+    """:func:`load` of an operand that a constexpr may leave out (then nothing is read)."""
+    if FLAG:
+        x = load(ptr, offs, n, MASKED)
+    else:
+        x = 0.0
+    return x
+
+
+@triton.jit
+def lerp(a, b, w):
+    """torch.lerp(a, b, w) with its two formulas (a + w (b - a) below w = 0.5, b - (b - a)(1 - w)
+    from 0.5 on), so results agree with torch on both sides of the switch."""
+    d = b - a
+    return tl.where(w < 0.5, a + w * d, b - d * (1.0 - w))
+
+
+@triton.jit
+def as_stored(x, DT: tl.constexpr):
+    """float32 ``x`` as it reads back after a store to ``DT`` (rounded to nearest even)."""
+    if DT == tl.float32:
+        y = x
+    elif _INTERPRET and DT == tl.bfloat16:
+        y = _round_bf16_rne(x)
+    else:
+        y = x.to(DT).to(tl.float32)
+    return y
+
+
+@triton.jit
+def ema_fold(e_ptr, offs, n, e, w, ema_w, SD: tl.constexpr, EMA: tl.constexpr,
+             MASKED: tl.constexpr):
+    """ema = lerp(ema, new weight as stored in ``SD``, ema_w), folded into the update that
+    produced the weight (what ModelEMA.update computes after the step, without reading it again)."""
+    if EMA:
+        store(e_ptr, offs, n, lerp(e, as_stored(w, SD), ema_w), MASKED)
+
+
+@triton.jit
+def ema_chunk(row, start, n, ema_w, SRC: tl.constexpr, SD: tl.constexpr, ED: tl.constexpr,
+              BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):
+    """ema = lerp(ema, operand SRC, ema_w) over one work item (FusedEMA, buffers, skipped steps)."""
+    offs = tl.arange(0, BLOCK)
+    s_ptr = operand(row, SRC, start, SD, ALIGNED)
+    e_ptr = operand(row, OP_EMA, start, ED, ALIGNED)
+    s = load(s_ptr, offs, n, MASKED)
+    e = load(e_ptr, offs, n, MASKED)
+    for b in tl.static_range(NB):
+        o = offs + b * BLOCK
+        if b + 1 < NB:
+            s_next = load(s_ptr, o + BLOCK, n, MASKED)
+            e_next = load(e_ptr, o + BLOCK, n, MASKED)
+        store(e_ptr, o, n, lerp(e, s, ema_w), MASKED)
+        if b + 1 < NB:
+            s, e = s_next, e_next
+
+
+# ---- the launch body ---------------------------------------------------------------------------
+@triton.jit
+def _arm_typed(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok,
+               C: tl.constexpr, PD: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+               MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+               HAS_CLIP: tl.constexpr, WIDTH: tl.constexpr, WIDE16: tl.constexpr):
+    MASTER: tl.constexpr = (CODE_MASTER & C) != 0
+    EMA: tl.constexpr = (CODE_EMA & C) != 0
+    SD: tl.constexpr = tl.float32 if MASTER else PD
+    ED: tl.constexpr = PD if (CODE_EMA_LOW & C) != 0 else tl.float32
+    # WIDE16 gives rows of 16-bit tensors blocks twice as long (same work item), so each thread
+    # still moves 16 bytes per access
+    HALF: tl.constexpr = 2 if WIDE16 and NB % 2 == 0 and SD != tl.float32 else 1
+    if (CODE_EMA_ONLY & C) != 0:
+        ema_chunk(row, start, n, ema_w, OP_PARAM, PD, ED, BLOCK, NB, MASKED, ALIGNED)
+    else:
+        if ok:
+            chunk_fn(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD, SD, ED, MASTER, EMA,
+                     BLOCK * HALF, NB // HALF, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH)
+        elif EMA:  # a skipped step still moves the EMA toward the (unchanged) weight
+            if MASTER:
+                ema_chunk(row, start, n, ema_w, OP_MASTER, tl.float32, ED, BLOCK, NB, MASKED,
+                          ALIGNED)
+            else:
+                ema_chunk(row, start, n, ema_w, OP_PARAM, PD, ED, BLOCK, NB, MASKED, ALIGNED)
+
+
+@triton.jit
+def _arm(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok, C: tl.constexpr,
+         BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+         HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, WIDTH: tl.constexpr,
+         WIDE16: tl.constexpr):
+    if C % 4 == 0:
+        _arm_typed(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok, C,
+                   tl.float32, BLOCK, NB, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH, WIDE16)
+    elif C % 4 == 1:
+        _arm_typed(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok, C,
+                   tl.bfloat16, BLOCK, NB, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH, WIDE16)
+    else:
+        _arm_typed(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok, C,
+                   tl.float16, BLOCK, NB, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH, WIDE16)
+
+
+@triton.jit
+def run(chunk_fn, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
+        BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr, ALIGNED: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_INF: tl.constexpr,
+        WIDTH: tl.constexpr, WIDE16: tl.constexpr):
+    """The body of every multi-tensor update: find this program's work item and hand it to the
+    client's ``chunk_fn`` with the operand dtypes as constexprs (one arm per row code present in
+    ``CODES``). On inf/NaN (GradScaler's ``found_inf``) the update is skipped; EMA rows still move.
+
+    ``chunk_fn(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD, SD, ED, MASTER, EMA, BLOCK,
+    NB, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH)`` updates ``n`` (<= BLOCK * NB) elements from
+    ``start``: PD is the param/grad dtype, SD the dtype of the weight it does math on and of the
+    states, ED the EMA's. MASKED is False for full chunks, whose accesses then vectorize.
     """
     r, row, start, n = work_item(chunks, rows, BLOCK * NB)
-    if live(inf_ptr, HAS_INF):
+    ok = live(inf_ptr, HAS_INF)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    else:
+        scale = 1.0
+    if HAS_CLIP:
+        clip = tl.load(clip_ptr).to(tl.float32)
+    else:
+        clip = 1.0
+    code = tl.load(row + COL_CODE)
+    for c in tl.static_range(NCODES):
+        if (CODES >> c) & 1:
+            if code == c:
+                if n == BLOCK * NB:
+                    _arm(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok, c,
+                         BLOCK, NB, False, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH, WIDE16)
+                else:
+                    _arm(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok, c,
+                         BLOCK, NB, True, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH, WIDE16)
+
+
+# ---- gradient statistics: global norm and inf/NaN check in one launch -----------------------
+NORM_NONE = tl.constexpr(0)  # only the inf/NaN check
+NORM_L1 = tl.constexpr(1)
+NORM_L2 = tl.constexpr(2)
+NORM_INF = tl.constexpr(3)
+
+
+@triton.jit
+def _any_bits(flags):
+    # bit 0: a NaN was seen, bit 1: an inf; OR over the block, one bit at a time
+    return tl.max(flags & 1, 0) | tl.max(flags & 2, 0)
+
+
+@triton.jit
+def _stats_chunk(row, start, n, scale, PD: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+                 MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 NORM: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    g_ptr = operand(row, OP_GRAD, start, PD, ALIGNED)
+    acc = tl.zeros([BLOCK], tl.float32)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for b in tl.static_range(NB):
+        g = load(g_ptr, offs + b * BLOCK, n, MASKED)
         if HAS_SCALE:
-            scale = tl.load(scale_ptr).to(tl.float32)
+            g = tl.div_rn(g, scale)
+        a = tl.abs(g)
+        bad = bad | (a != a).to(tl.int32) | (a == float("inf")).to(tl.int32) * 2
+        if NORM == NORM_L2:
+            acc += a * a
+        elif NORM == NORM_L1:
+            acc += a
+        elif NORM == NORM_INF:
+            acc = tl.maximum(acc, a)
+    if NORM == NORM_INF:
+        part = tl.max(acc, 0)
+    else:
+        part = tl.sum(acc, 0)
+    return part, _any_bits(bad)
+
+
+@triton.jit
+def grad_stats_kernel(rows, chunks, scale_ptr, partials, flags, counter, out, max_norm,
+                      BLOCK: tl.constexpr, NB: tl.constexpr, PDS: tl.constexpr,
+                      ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr):
+    """Global gradient norm (of the unscaled grads) and inf/NaN check over the first ``nparts =
+    counter[1]`` work items (the grid). Each program writes its partial and bumps ``counter[0]``;
+    the last to arrive reduces the partials in a fixed order
+    (float64, deterministic: no float atomics) and writes ``out = [norm, clip coefficient, found
+    inf]`` with torch's ``clip_coef = min(max_norm / (norm + 1e-6), 1)``.
+    """
+    pid = tl.program_id(0)
+    r, row, start, n = work_item(chunks, rows, BLOCK * NB)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    else:
+        scale = 1.0
+    code = tl.load(row + COL_CODE) % 4
+    part = 0.0
+    bad = 0
+    for c in tl.static_range(3):
+        if (PDS >> c) & 1:
+            if code == c:
+                PD: tl.constexpr = tl.float32 if c == 0 else (tl.bfloat16 if c == 1 else tl.float16)
+                if n == BLOCK * NB:
+                    part, bad = _stats_chunk(row, start, n, scale, PD, BLOCK, NB, False, ALIGNED,
+                                             HAS_SCALE, NORM)
+                else:
+                    part, bad = _stats_chunk(row, start, n, scale, PD, BLOCK, NB, True, ALIGNED,
+                                             HAS_SCALE, NORM)
+    nparts = tl.load(counter + 1)
+    tl.store(partials + pid, part)
+    tl.store(flags + pid, bad)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == nparts - 1:
+        RB: tl.constexpr = 1024
+        acc = tl.zeros([RB], tl.float64)
+        anybad = tl.zeros([RB], tl.int32)
+        for i in range(0, nparts, RB):
+            o = i + tl.arange(0, RB)
+            x = tl.load(partials + o, mask=o < nparts, other=0.0, cache_modifier=".cg")
+            anybad = anybad | tl.load(flags + o, mask=o < nparts, other=0, cache_modifier=".cg")
+            if NORM == NORM_INF:
+                acc = tl.maximum(acc, x.to(tl.float64))
+            else:
+                acc += x.to(tl.float64)
+        allbad = _any_bits(anybad)
+        if NORM == NORM_INF:
+            total = tl.max(acc, 0)
         else:
-            scale = 1.0
-        if n == BLOCK * NB:
-            _dispatch(chunk_fn, row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, False,
-                      ALIGNED, HAS_SCALE, WIDTH, WIDE16)
-        else:
-            _dispatch(chunk_fn, row, r, hp, arrivals, start, n, scale, BLOCK, NB, DTYPES, True,
-                      ALIGNED, HAS_SCALE, WIDTH, WIDE16)
+            total = tl.sum(acc, 0)
+        if NORM == NORM_L2:
+            total = tl.sqrt(total)
+        norm = total.to(tl.float32)
+        norm = tl.where((allbad & 1) != 0, float("nan"), norm)  # NaN wins, as in torch's norms
+        coef = max_norm / (norm + 1e-6)
+        coef = tl.where(coef < 1.0, coef, tl.where(coef == coef, 1.0, coef))
+        tl.store(out, norm)
+        tl.store(out + 1, coef)
+        tl.store(out + 2, tl.where(allbad != 0, 1.0, 0.0))
+        tl.store(counter, 0)
 
 
 @triton.jit
@@ -208,3 +454,14 @@ def pow_f64(base, step):
         b = b * b
         e = e // 2
     return result
+
+
+@triton.jit
+def ema_kernel(rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
+               BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr, ALIGNED: tl.constexpr,
+               HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_INF: tl.constexpr,
+               WIDTH: tl.constexpr):
+    """FusedEMA's launch: every row is EMA_ONLY, so no update function is ever instantiated
+    (``ema_chunk`` stands in for it in ``run``'s signature)."""
+    run(ema_chunk, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w, BLOCK, NB,
+        CODES, ALIGNED, HAS_SCALE, HAS_CLIP, HAS_INF, WIDTH, False)

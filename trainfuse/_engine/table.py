@@ -30,9 +30,15 @@ _data_ptr = torch.Tensor.data_ptr
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # the row layout the kernels read (trainfuse/_engine/kernels.py)
 ROW = kernels.ROW.value
-MAX_OPERANDS = kernels.COL_STEP.value  # param, grad and up to four states precede the step column
-assert [c.value for c in (kernels.COL_STEP, kernels.COL_NUMEL, kernels.COL_GROUP, kernels.COL_DTYPE,
+MAX_OPERANDS = kernels.COL_STEP.value  # operand slots precede the step column
+assert [c.value for c in (kernels.COL_STEP, kernels.COL_NUMEL, kernels.COL_GROUP, kernels.COL_CODE,
                           kernels.COL_NCHUNKS)] == list(range(MAX_OPERANDS, MAX_OPERANDS + 5))
+OP_PARAM, OP_GRAD, OP_MASTER, OP_EMA, OP_STATE = (k.value for k in (
+    kernels.OP_PARAM, kernels.OP_GRAD, kernels.OP_MASTER, kernels.OP_EMA, kernels.OP_STATE))
+CODE_MASTER, CODE_EMA, CODE_EMA_LOW, CODE_EMA_ONLY = (k.value for k in (
+    kernels.CODE_MASTER, kernels.CODE_EMA, kernels.CODE_EMA_LOW, kernels.CODE_EMA_ONLY))
+NORM_KINDS = {1.0: kernels.NORM_L1.value, 2.0: kernels.NORM_L2.value,
+              float("inf"): kernels.NORM_INF.value}
 
 
 @dataclasses.dataclass
@@ -101,8 +107,9 @@ def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _Plan:
-    __slots__ = ("pkey", "gkey", "host", "rows", "chunks", "arrivals", "nchunks", "ntensors",
-                 "dtypes", "aligned", "volatile", "keepalive", "copy_back", "slots", "gstrides")
+    __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
+                 "ntensors", "codes", "pds", "aligned", "volatile", "keepalive", "copy_back", "slots",
+                 "gstrides", "partials", "flags", "counter", "with_grad", "without_grad", "hot_gkey")
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -111,8 +118,133 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class RowBuilder:
+    """Collects one row per tensor (operand addresses by slot, numel, group, row code, step) and
+    turns them into a device plan. Rows that carry a gradient must come before EMA-only rows: the
+    gradient-statistics pass walks only the first ``ngrad`` work items."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+        self.nchunks: list[int] = []
+        self.aligned = True
+        self.codes = 0
+        self.pds = 0
+        self.ngrad = 0
+
+    def add(self, operands: dict[int, torch.Tensor | None], numel: int, code: int, group: int = 0,
+            step: torch.Tensor | None = None) -> None:
+        slots = [0] * MAX_OPERANDS
+        for k, t in operands.items():
+            if t is not None:
+                slots[k] = t.data_ptr()
+                self.aligned = self.aligned and slots[k] % 16 == 0
+        nchunks = max(1, -(-numel // config.chunk))  # empty tensors still count a step
+        row = slots + [0 if step is None else step.data_ptr(), numel, group, code, nchunks]
+        self.rows.append(row + [0] * (ROW - len(row)))
+        self.nchunks.append(nchunks)
+        self.codes |= 1 << code
+        if not code & CODE_EMA_ONLY:
+            assert self.ngrad == sum(self.nchunks[:-1]), "gradient rows go first"
+            self.pds |= 1 << (code % 4)
+            self.ngrad += nchunks
+
+    def build(self, device: torch.device) -> _Plan:
+        plan = _Plan()
+        plan.volatile = False
+        plan.with_grad, plan.without_grad, plan.hot_gkey = [], [], None
+        plan.keepalive = []
+        plan.copy_back = []
+        plan.codes, plan.pds, plan.aligned, plan.ngrad = self.codes, self.pds, self.aligned, self.ngrad
+        plan.ntensors = ntensors = len(self.rows)
+        plan.partials = plan.flags = plan.counter = None
+        if ntensors == 0:
+            plan.nchunks = 0
+            return plan
+        counts = torch.tensor(self.nchunks, dtype=torch.int64)
+        total = int(counts.sum())
+        tensor_of = torch.repeat_interleave(torch.arange(ntensors, dtype=torch.int64), counts)
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
+        plan.host = torch.cat([torch.tensor(self.rows, dtype=torch.int64).flatten(), items])
+        plan.nchunks = total
+        place(plan, plan.host, device)
+        plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
+        return plan
+
+
+def place(plan: _Plan, host: torch.Tensor, device: torch.device) -> None:
+    """Upload the tables (a fresh device buffer: the previous launch may still read the old)."""
+    buf = _upload(host, device) if device.type != "cpu" else host.clone()
+    plan.rows = buf[: plan.ntensors * ROW]
+    plan.chunks = buf[plan.ntensors * ROW :]
+
+
+def code_of(dtype: torch.dtype, master: bool = False, ema: torch.Tensor | None = None,
+            ema_only: bool = False) -> int:
+    """Row code of a tensor of ``dtype`` (see kernels.py); raises TypeError for an EMA dtype the
+    kernels do not pair with it (the EMA must be float32 or the tensor's own dtype)."""
+    code = DTYPE_CODES[dtype] | (CODE_MASTER if master else 0)
+    if ema is not None:
+        code |= CODE_EMA_ONLY if ema_only else CODE_EMA
+        if ema.dtype == dtype and dtype != torch.float32:
+            code |= CODE_EMA_LOW
+        elif ema.dtype != torch.float32:
+            raise TypeError(f"an EMA tensor of {ema.dtype} cannot follow a {dtype} tensor; "
+                            "keep the EMA in float32 or in the tensor's dtype")
+    return code
+
+
+def launch_update(launcher: CachedLauncher, kernel, plan: _Plan, hp: torch.Tensor | None = None, *,
+                  grad_scale: torch.Tensor | None = None, clip: torch.Tensor | None = None,
+                  found_inf: torch.Tensor | None = None, ema_w: float = 0.0, width: int = 8) -> None:
+    """One launch of a multi-tensor update kernel (``kernels.run`` signature) over ``plan``."""
+    if plan.nchunks == 0:
+        return
+    dummy = plan.rows  # stands in for absent pointers; never read (the HAS_* flags are off)
+    launcher(
+        kernel, (plan.nchunks,), plan.rows, plan.chunks, dummy if hp is None else hp, plan.arrivals,
+        dummy if grad_scale is None else grad_scale, dummy if clip is None else clip,
+        dummy if found_inf is None else found_inf, float(ema_w),
+        BLOCK=config.block, NB=config.unroll, CODES=plan.codes, ALIGNED=plan.aligned,
+        HAS_SCALE=grad_scale is not None, HAS_CLIP=clip is not None,
+        HAS_INF=found_inf is not None, WIDTH=width, num_warps=config.num_warps,
+    )
+
+
+def launch_stats(launcher: CachedLauncher, plan: _Plan, out: torch.Tensor, *,
+                 grad_scale: torch.Tensor | None = None, max_norm: float = 0.0,
+                 norm_type: float | None = None) -> None:
+    """One launch of the gradient-statistics pass: ``out[0:3] = [norm of grad / grad_scale,
+    clip coefficient for max_norm, 1.0 if any grad is inf/NaN]`` (norm_type None: the check only)."""
+    if plan.ngrad == 0:
+        out[0:2].fill_(0.0 if norm_type is not None else 1.0)
+        out[1].fill_(1.0)
+        out[2].fill_(0.0)
+        return
+    if plan.partials is None:
+        device = plan.rows.device
+        plan.partials = torch.empty(plan.ngrad, dtype=torch.float32, device=device)
+        plan.flags = torch.empty(plan.ngrad, dtype=torch.int32, device=device)
+        plan.counter = torch.tensor([0, plan.ngrad], dtype=torch.int32).to(device)
+    launcher(
+        kernels.grad_stats_kernel, (plan.ngrad,), plan.rows, plan.chunks,
+        plan.rows if grad_scale is None else grad_scale, plan.partials, plan.flags, plan.counter,
+        out, float(max_norm),
+        BLOCK=config.block, NB=config.unroll, PDS=plan.pds, ALIGNED=plan.aligned,
+        HAS_SCALE=grad_scale is not None,
+        NORM=kernels.NORM_NONE.value if norm_type is None else NORM_KINDS[float(norm_type)],
+        num_warps=config.num_warps,
+    )
+
+
 class MultiTensorEngine:
-    """Runs one optimizer's step over all its params: Triton plans per device, or the torch path."""
+    """Runs one optimizer's step over all its params: Triton plans per device, or the torch path.
+
+    Besides the update itself the step can clip the gradients to a global norm (the client's
+    ``max_grad_norm``: one statistics launch before the update, or none when GradScaler already
+    ran it through :meth:`check_grads`), keep float32 masters of 16-bit params (row code MASTER)
+    and fold an attached EMA into the update (EMA rows, plus EMA-only rows for buffers).
+    """
 
     def __init__(self, client: FusedOptimizer):
         self.client = client
@@ -124,6 +256,9 @@ class MultiTensorEngine:
         self._indexed = False
         self._plans: dict[torch.device, _Plan] = {}
         self._hp: dict[torch.device, tuple[list[float], torch.Tensor]] = {}
+        self._stats: dict[torch.device, torch.Tensor] = {}
+        # device -> (grad_scale, plan) of a statistics pass GradScaler ran just before the step
+        self._checked: dict[torch.device, tuple[torch.Tensor, _Plan]] = {}
 
     # ---- indexing and validation -------------------------------------------------------------
     def _index(self) -> None:
@@ -146,6 +281,10 @@ class MultiTensorEngine:
 
     def validate(self, grads: list[torch.Tensor | None], kernels: bool) -> None:
         """Raise a clear error for the first unusable param/grad, before anything is modified."""
+        if self.client.max_grad_norm is not None and not self._single and self._params:
+            raise ValueError(f"{type(self.client).__name__}: max_grad_norm needs all params on one "
+                             f"device, found {', '.join(map(str, self._devices))}; clip with "
+                             "trainfuse.amp.clip_grad_norm_ per device instead")
         for i, (p, g) in enumerate(zip(self._params, grads)):
             if g is None:
                 continue
@@ -172,6 +311,24 @@ class MultiTensorEngine:
                                   "works over a param's storage, so pass a dense param")
 
     # ---- the step ------------------------------------------------------------------------------
+    def _hot_plan(self, device) -> _Plan | None:
+        """The cached plan when params, grads and EMA tensors sit where it expects them."""
+        plan = self._plans.get(device)
+        if plan is None or plan.volatile:
+            return None
+        try:
+            gkey = list(map(_data_ptr, map(_grad, plan.with_grad)))
+        except (TypeError, RuntimeError):  # a grad became None, or sparse
+            return None
+        if gkey != plan.hot_gkey or list(map(_data_ptr, self._params)) != plan.pkey:
+            return None
+        for p in plan.without_grad:  # frozen params: usually none, or a few
+            if p.grad is not None:
+                return None
+        if plan.ekey is not None and self._ema_key() != plan.ekey:
+            return None
+        return plan
+
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         if not self._indexed:
             self._index()
@@ -179,16 +336,14 @@ class MultiTensorEngine:
         if self._single:
             (device,) = self._devices
             if use_triton(device):
-                plan = self._plans.get(device)
-                if plan is not None and not plan.volatile:
-                    # the hot path: one pass over the params, then launch
-                    try:
-                        gkey = list(map(_data_ptr, map(_grad, params)))
-                    except (TypeError, RuntimeError):  # a None or sparse grad
-                        gkey = None
-                    if gkey == plan.gkey and list(map(_data_ptr, params)) == plan.pkey:
-                        self._launch(device, plan, grad_scale, found_inf)
-                        return
+                checked = self._checked.get(device)
+                if checked is not None and checked[1] is self._plans.get(device):
+                    plan = checked[1]  # GradScaler's check_grads just validated it
+                else:
+                    plan = self._hot_plan(device)
+                if plan is not None:  # the hot path: one pass over the params, then launch
+                    self._launch(device, plan, grad_scale, found_inf)
+                    return
                 grads = [p.grad for p in params]
                 self._triton_step(device, None, grads, grad_scale, found_inf)
             else:
@@ -207,25 +362,86 @@ class MultiTensorEngine:
             else:
                 self._torch_step(device, idx, grads, grad_scale, found_inf)
 
+    def check_grads(self, grad_scale: torch.Tensor) -> dict[torch.device, torch.Tensor] | None:
+        """GradScaler's inf/NaN check, run by the statistics pass the step needs anyway (it also
+        takes the clipping norm): returns ``{device: found_inf}``, or None where this engine cannot
+        (params on several devices or on the torch path: the caller then checks as torch does)."""
+        if not self._indexed:
+            self._index()
+        if not self._single:
+            return None
+        (device,) = self._devices
+        if not use_triton(device):
+            return None
+        plan = self._hot_plan(device)
+        if plan is None:
+            grads = [p.grad for p in self._params]
+            plan = self._plan_for(device, None, grads)
+            if plan is None:
+                return None
+        if grad_scale.device != device:
+            grad_scale = grad_scale.to(device, non_blocking=True)
+        out = self._stats_out(device)
+        launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
+                     max_norm=self.client.max_grad_norm or 0.0,
+                     norm_type=None if self.client.max_grad_norm is None else 2.0)
+        self._checked[device] = (grad_scale, plan)
+        return {device: out[2]}
+
+    def _stats_out(self, device) -> torch.Tensor:
+        out = self._stats.get(device)
+        if out is None:
+            out = self._stats[device] = torch.zeros(4, dtype=torch.float32, device=device)
+        return out
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """Total gradient norm taken by the last clipping step (a device tensor, no sync)."""
+        for out in self._stats.values():
+            return out[0]
+        return None
+
     # ---- torch path ----------------------------------------------------------------------------
     def _torch_step(self, device, idx, grads, grad_scale, found_inf) -> None:
         self.validate(grads, kernels=False)
-        if found_inf is not None and float(found_inf) != 0.0:  # the reference path may sync
-            return
-        groups = self.client.param_groups
-        by_group: dict[int, tuple[list, list]] = {}
+        client = self.client
+        skip = found_inf is not None and float(found_inf) != 0.0  # the reference path may sync
+        groups = client.param_groups
+        by_group: dict[int, tuple[list, list, list]] = {}
+        all_grads = []
         for i in idx:
             g = grads[i]
             if g is None:
                 continue
-            ps, gs = by_group.setdefault(self._group_of[i], ([], []))
+            ps, gs, ms = by_group.setdefault(self._group_of[i], ([], [], []))
             ps.append(self._params[i])
             gs.append(g)
+            all_grads.append(g)
         with torch.no_grad():
-            for gi, (ps, gs) in by_group.items():
-                if grad_scale is not None:  # like torch's fused kernels, leave the grads unscaled
-                    torch._foreach_div_(gs, grad_scale.to(gs[0].device))
-                self.client._torch_group_step(groups[gi], ps, gs)
+            if not skip:
+                if grad_scale is not None and all_grads:  # like torch's fused kernels, leave the
+                    torch._foreach_div_(all_grads, grad_scale.to(device))  # grads unscaled
+                if client.max_grad_norm is not None and all_grads:
+                    total = torch.nn.utils.clip_grad_norm_(all_grads, client.max_grad_norm)
+                    self._stats_out(device)[0].copy_(total)
+                for gi, (ps, gs, _) in by_group.items():
+                    masters = [client._master_of(p, groups[gi]) for p in ps]
+                    if any(m is not None for m in masters):  # float32 math on the masters
+                        ws = [p if m is None else m for p, m in zip(ps, masters)]
+                        gs32 = [g if m is None else g.float() for g, m in zip(gs, masters)]
+                        client._torch_group_step(groups[gi], ps, gs32, ws)
+                        for p, m in zip(ps, masters):
+                            if m is not None:
+                                p.copy_(m)
+                    else:
+                        client._torch_group_step(groups[gi], ps, gs, ps)
+            ema_w = client._ema_w
+            if ema_w is not None:
+                ema, src = [], []
+                for e, t in client._ema_pairs(device):
+                    ema.append(e)
+                    src.append(t)
+                if ema:
+                    torch._foreach_lerp_(ema, src, ema_w)
 
     # ---- triton path ---------------------------------------------------------------------------
     def _keys(self, idx, grads):
@@ -240,6 +456,12 @@ class MultiTensorEngine:
             gkey = [0 if g is None else g.data_ptr() for g in grads]
         return pkey, gkey
 
+    def _ema_key(self):
+        pairs = self.client._ema_all_pairs()
+        if pairs is None:
+            return None
+        return list(map(_data_ptr, pairs))
+
     def _plan_valid(self, device, idx, grads) -> bool:
         plan = self._plans.get(device)
         if plan is None or plan.volatile:
@@ -248,25 +470,39 @@ class MultiTensorEngine:
             pkey, gkey = self._keys(idx, grads)
         except RuntimeError:  # e.g. a sparse grad has no data pointer
             return False
-        return pkey == plan.pkey and gkey == plan.gkey
+        return pkey == plan.pkey and gkey == plan.gkey and plan.ekey == self._ema_key()
 
-    def _triton_step(self, device, idx, grads, grad_scale, found_inf) -> None:
+    def _plan_for(self, device, idx, grads) -> _Plan | None:
+        """The plan for this step: cached, grad column patched, or rebuilt. None when the params
+        moved to other devices (the caller starts over)."""
         plan = self._plans.get(device)
         try:
             pkey, gkey = self._keys(idx, grads)
         except RuntimeError:
             pkey = gkey = None
-        if plan is None or plan.volatile or pkey != plan.pkey or gkey != plan.gkey:
-            if not self._refresh_grads(plan, pkey, gkey, idx, grads):
+        ekey = self._ema_key()
+        if plan is None or plan.volatile or pkey != plan.pkey or gkey != plan.gkey or ekey != plan.ekey:
+            if ekey != getattr(plan, "ekey", None) or not self._refresh_grads(plan, pkey, gkey, idx, grads):
                 if idx is None:  # single-device path: re-check what the key cannot see
                     self._index()
                     self.validate(grads, kernels=True)
                     if not self._single or device not in self._devices:  # params moved devices
-                        self.step(grad_scale, found_inf)
-                        return
+                        return None
                 plan = self._build(device, idx, grads)
                 plan.pkey, plan.gkey = self._keys(idx, grads)
+                plan.ekey = ekey
                 self._plans[device] = plan
+        if idx is None:  # what the single-device hot path compares
+            plan.with_grad = [p for p, g in zip(self._params, grads) if g is not None]
+            plan.without_grad = [p for p, g in zip(self._params, grads) if g is None]
+            plan.hot_gkey = [g.data_ptr() for g in grads if g is not None]
+        return plan
+
+    def _triton_step(self, device, idx, grads, grad_scale, found_inf) -> None:
+        plan = self._plan_for(device, idx, grads)
+        if plan is None:
+            self.step(grad_scale, found_inf)
+            return
         self._launch(device, plan, grad_scale, found_inf)
 
     def _refresh_grads(self, plan, pkey, gkey, idx, grads) -> bool:
@@ -286,12 +522,14 @@ class MultiTensorEngine:
             return False
         addrs = torch.tensor([g.data_ptr() for g in live], dtype=torch.int64)
         plan.aligned = plan.aligned and bool((addrs % 16 == 0).all())
-        plan.host[: plan.ntensors * ROW].view(plan.ntensors, ROW)[:, 1] = addrs
-        self._place(plan, plan.host, plan.rows.device)
+        plan.host[: plan.ntensors * ROW].view(plan.ntensors, ROW)[: len(live), OP_GRAD] = addrs
+        place(plan, plan.host, plan.rows.device)
         plan.gkey = gkey
         return True
 
     def _launch(self, device, plan, grad_scale, found_inf) -> None:
+        client = self.client
+        checked = self._checked.pop(device, None)
         if plan.nchunks == 0:
             return
         hp = self._hparams(device)
@@ -299,14 +537,18 @@ class MultiTensorEngine:
             grad_scale = grad_scale.to(device, non_blocking=True)
         if found_inf is not None and found_inf.device != device:
             found_inf = found_inf.to(device, non_blocking=True)
-        self._launcher(
-            self.client._kernel, (plan.nchunks,), plan.rows, plan.chunks, hp, plan.arrivals,
-            hp if grad_scale is None else grad_scale, hp if found_inf is None else found_inf,
-            BLOCK=config.block, NB=config.unroll, DTYPES=plan.dtypes, ALIGNED=plan.aligned,
-            HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
-            WIDTH=self.client.HP_WIDTH, num_warps=config.num_warps,
-        )
-        if grad_scale is not None:
+        clip = None
+        if client.max_grad_norm is not None:
+            out = self._stats_out(device)
+            if checked is None or checked[0] is not grad_scale:  # GradScaler did not run it for us
+                launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
+                             max_norm=client.max_grad_norm, norm_type=2.0)
+            clip = out[1:2]
+        ema_w = client._ema_w
+        launch_update(self._launcher, client._kernel, plan, hp, grad_scale=grad_scale, clip=clip,
+                      found_inf=found_inf, ema_w=0.0 if ema_w is None else ema_w,
+                      width=client.HP_WIDTH)
+        if grad_scale is not None or clip is not None:
             for g, tmp in plan.copy_back:
                 g.copy_(tmp)
 
@@ -337,65 +579,62 @@ class MultiTensorEngine:
     def _build(self, device, idx, grads) -> _Plan:
         client = self.client
         groups = client.param_groups
-        plan = _Plan()
-        plan.volatile = False
-        plan.keepalive = []
-        plan.copy_back = []
-        rows: list[list[int]] = []
-        numels: list[int] = []
-        plan.slots = []
-        plan.gstrides = []
-        aligned = True
-        dtypes = 0
+        builder = RowBuilder()
+        keepalive, copy_back, slots, gstrides = [], [], [], []
+        volatile = False
+        with_row = set()
         for pos, i in enumerate(idx if idx is not None else range(len(self._params))):
             g = grads[i]
             if g is None:
                 continue
             p = self._params[i]
             group = groups[self._group_of[i]]
-            states, step = client._prepare_state(p, group, kernels=True)
+            states, step, master = client._prepare_state(p, group, kernels=True)
             if not same_layout(g, p):  # e.g. a contiguous grad for a channels_last weight
                 tmp = conform(g, p)
-                plan.keepalive.append(tmp)
-                plan.copy_back.append((g, tmp))
-                plan.volatile = True
+                keepalive.append(tmp)
+                copy_back.append((g, tmp))
+                volatile = True
                 g = tmp
-            addrs = [t.data_ptr() for t in (p, g, *states)]
-            aligned = aligned and all(a % 16 == 0 for a in addrs)
-            numel = p.numel()
-            nchunks = max(1, -(-numel // config.chunk))  # empty tensors still count a step
-            code = DTYPE_CODES[p.dtype]
-            dtypes |= 1 << code
-            row = addrs + [0] * (MAX_OPERANDS - len(addrs))
-            row += [step.data_ptr(), numel, self._group_of[i], code, nchunks]
-            rows.append(row + [0] * (ROW - len(row)))
-            numels.append(nchunks)
-            plan.slots.append(pos)
-            plan.gstrides.append(grads[i].stride())
-        plan.dtypes = dtypes
-        plan.aligned = aligned
-        plan.ntensors = ntensors = len(rows)
-        if ntensors == 0:
-            plan.nchunks = 0
-            return plan
-        counts = torch.tensor(numels, dtype=torch.int64)
-        total = int(counts.sum())
-        tensor_of = torch.repeat_interleave(torch.arange(ntensors, dtype=torch.int64), counts)
-        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
-        plan.host = torch.cat([torch.tensor(rows, dtype=torch.int64).flatten(), items])
-        plan.nchunks = total
-        self._place(plan, plan.host, device)
-        plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
+            ema = client._ema_of(p)
+            operands = {OP_PARAM: p, OP_GRAD: g, OP_MASTER: master, OP_EMA: ema}
+            operands.update({OP_STATE + k: t for k, t in enumerate(states)})
+            code = code_of(p.dtype, master is not None, ema)
+            builder.add(operands, p.numel(), code, self._group_of[i], step)
+            with_row.add(p)
+            slots.append(pos)
+            gstrides.append(grads[i].stride())
+        for ema, src in client._ema_pairs(device):
+            if src not in with_row:  # buffers, frozen params, params without a grad this step
+                builder.add({OP_PARAM: src, OP_EMA: ema}, src.numel(),
+                            code_of(src.dtype, ema=ema, ema_only=True))
+        plan = builder.build(device)
+        plan.keepalive, plan.copy_back, plan.volatile = keepalive, copy_back, volatile
+        plan.slots, plan.gstrides = slots, gstrides
         return plan
 
-    @staticmethod
-    def _place(plan, host, device) -> None:
-        """Upload the tables (a fresh device buffer: the previous launch may still read the old)."""
-        buf = _upload(host, device) if device.type != "cpu" else host.clone()
-        plan.rows = buf[: plan.ntensors * ROW]
-        plan.chunks = buf[plan.ntensors * ROW :]
+
+class TensorListPlans:
+    """Plans for lists of tensors that are not an optimizer's params (clipping, FusedEMA), keyed by
+    the tensors' addresses, sizes and dtypes, so a list seen again reuses its tables."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._plans: dict[tuple, _Plan] = {}
+        self._size = size
+        self.launcher = CachedLauncher()
+
+    def lookup(self, key: tuple) -> _Plan | None:
+        return self._plans.get(key)
+
+    def get(self, key: tuple, build) -> _Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self._size:
+                self._plans.pop(next(iter(self._plans)))
+            plan = self._plans[key] = build()
+        return plan
 
 
-__all__ = ["DTYPE_CODES", "LaunchConfig", "MultiTensorEngine", "config", "conform", "is_dense",
+__all__ = ["DTYPE_CODES", "LaunchConfig", "MultiTensorEngine", "RowBuilder", "TensorListPlans",
+           "code_of", "config", "conform", "is_dense", "launch_stats", "launch_update",
            "same_layout"]

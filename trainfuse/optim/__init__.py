@@ -1,6 +1,7 @@
-"""Drop-in fused optimizers (torch.optim's arguments, defaults and state_dict layout)."""
+"""Drop-in fused optimizers (torch.optim's arguments, defaults and state_dict layout) and FusedEMA."""
 
 from trainfuse.optim.adam import FusedAdam, FusedAdamW
+from trainfuse.optim.ema import FusedEMA
 from trainfuse.optim.sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD"]
+__all__ = ["FusedAdam", "FusedAdamW", "FusedEMA", "FusedSGD"]

@@ -21,7 +21,10 @@ from torch.optim.optimizer import (
     _global_optimizer_pre_hooks,
 )
 
-from trainfuse._engine.table import MultiTensorEngine, conform
+from trainfuse._engine.table import MultiTensorEngine, conform, same_layout
+
+# state key of the float32 master weight of a 16-bit param (saved in state_dict like any state)
+MASTER_KEY = "master_param"
 
 
 def scalar(value: Any, name: str) -> float | torch.Tensor:
@@ -47,7 +50,12 @@ class FusedOptimizer(Optimizer):
     # Set once the constructor has validated the first groups; later groups are checked on add.
     _hparams_checked = False
 
-    def __init__(self, params, defaults: dict[str, Any]):
+    def __init__(self, params, defaults: dict[str, Any], max_grad_norm: float | None = None):
+        if max_grad_norm is not None and not float(max_grad_norm) >= 0.0:
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a number >= 0)")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._ema = None
+        self._ema_w: float | None = None
         self._engine = MultiTensorEngine(self)
         super().__init__(params, defaults)
         self._check_hparams()
@@ -70,12 +78,94 @@ class FusedOptimizer(Optimizer):
         self._engine.invalidate()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts every floating state to its param's dtype; float32 masters (and the float32
+        # states beside them) of a 16-bit param must come back at full precision
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        keep = {}
+        for i, p in zip(ids, params):
+            st = saved.get(i)
+            if st is not None and torch.is_tensor(st.get(MASTER_KEY)):
+                keep[p] = {k: v for k, v in st.items()
+                           if k != "step" and torch.is_tensor(v) and v.is_floating_point()}
         super().load_state_dict(state_dict)
+        for p, st in keep.items():
+            for k, v in st.items():
+                self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
         self._engine.invalidate()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("_ema", None)
+        self.__dict__.setdefault("_ema_w", None)
         self._engine = MultiTensorEngine(self)
+
+    # ---- gradient clipping, masters, EMA ------------------------------------------------------
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm the last step clipped with (``max_grad_norm``): a device
+        tensor, read without a host sync; None before the first clipping step."""
+        return self._engine.grad_norm()
+
+    def attach_ema(self, ema) -> None:
+        """Fold ``ema`` (a :class:`trainfuse.optim.FusedEMA` of the model these params belong to)
+        into every step: the update kernel lerps each param's EMA toward the new weight while it
+        has it in registers (+8 bytes per fp32 param), and the EMA's other tensors (buffers,
+        params without a gradient) move in the same launch. ``ema.update(model)`` then does
+        nothing: each ``step()`` counts one EMA update, also when GradScaler skips the step
+        (ModelEMA updates after every optimizer step too). ``attach_ema(None)`` detaches."""
+        if self._ema is not None:
+            self._ema._attached = None
+        if ema is not None:
+            if getattr(ema, "_attached", None) not in (None, self):
+                raise ValueError(f"{type(self).__name__}.attach_ema: this EMA is attached to another "
+                                 "optimizer")
+            ema._attached = self
+        self._ema = ema
+        self._engine.invalidate()
+
+    def _ema_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        return None if self._ema is None else self._ema._target_of(p)
+
+    def _ema_pairs(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [] if self._ema is None else self._ema._pairs_on(device)
+
+    def _ema_all_pairs(self) -> list[torch.Tensor] | None:
+        return None if self._ema is None else self._ema._key_tensors()
+
+    def _master_of(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
+        """The float32 master of a 16-bit ``p`` (created from ``p`` the first time, when the group
+        asks for masters), or None."""
+        state = self.state.get(p)
+        master = None if state is None else state.get(MASTER_KEY)
+        if master is None and group.get("master_weights") and p.dtype in (torch.bfloat16, torch.float16):
+            master = p.detach().float().clone(memory_format=torch.preserve_format)
+            self.state[p][MASTER_KEY] = master
+        if master is not None and (master.device != p.device or master.dtype != torch.float32
+                                   or not same_layout(master, p)):
+            master = conform(master, p.detach().float())
+            self.state[p][MASTER_KEY] = master
+        return master
+
+    def _seed_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep ``value`` (float32) as ``p``'s master, before ``p`` is cast to 16 bits."""
+        self.state[p][MASTER_KEY] = value.detach().float().clone(memory_format=torch.preserve_format)
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                group["master_weights"] = True
+        self._engine.invalidate()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; with ``set_to_none`` (the default) and no profiler running it
+        skips torch's per-call profiler range and bookkeeping (a third of a small step's host time)."""
+        if not set_to_none or torch.autograd._profiler_enabled():
+            super().zero_grad(set_to_none)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     def _patch_step_function(self) -> None:
         # torch wraps every Optimizer.step in a profiler range plus a walk over four hook dicts
@@ -94,6 +184,11 @@ class FusedOptimizer(Optimizer):
         torch's fused optimizers do), and on inf/NaN skips the update, the states and ``step``
         without a host sync. Step pre/post hooks and the profiler range work as in torch.
         """
+        if self._ema is not None and self._ema.enabled:
+            self._ema.updates += 1
+            self._ema_w = 1.0 - self._ema.decay(self._ema.updates)
+        else:
+            self._ema_w = None
         if (closure is None and not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
                 and not self._optimizer_step_pre_hooks and not self._optimizer_step_post_hooks
                 and not torch.autograd._profiler_enabled()):
@@ -127,23 +222,26 @@ class FusedOptimizer(Optimizer):
 
     # ---- state ---------------------------------------------------------------------------------
     def _prepare_state(self, p: torch.Tensor, group: dict[str, Any], kernels: bool):
-        """The state tensors of ``p`` in kernel operand order and its step counter, created on
-        first use and made to match the param's dtype, device and memory layout (a state_dict
-        saved from a contiguous model loads into a channels_last one)."""
+        """The state tensors of ``p`` in kernel operand order, its step counter and its float32
+        master (or None), created on first use and made to match the param's device and memory
+        layout (a state_dict saved from a contiguous model loads into a channels_last one) and
+        dtype (float32 beside a master)."""
         keys = self._state_keys(group)
+        master = self._master_of(p, group)
+        like = p if master is None else master
         # torch.optim leaves no entry for stateless params (SGD without momentum)
-        state = self.state[p] if keys else self.state.get(p, {})
+        state = self.state[p] if keys or master is not None else self.state.get(p, {})
         if any(state.get(k) is None for k in keys):
-            self._init_state(p, group, state)
+            self._init_state(p, group, state, like)
         states = []
         for k in keys:
             t = state[k]
-            if kernels:
-                t = conform(t, p)
+            if kernels or master is not None:
+                t = conform(t, like)
                 state[k] = t
             states.append(t)
         step = self._step_tensor(p, state, kernels)
-        return states, step
+        return states, step, master
 
     def _new_step(self, p: torch.Tensor, kernels: bool, value: float = 0.0) -> torch.Tensor:
         if kernels:  # torch's fused layout: a float32 scalar on the param's device
@@ -167,8 +265,10 @@ class FusedOptimizer(Optimizer):
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         raise NotImplementedError
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        """Create the missing state tensors of ``p`` (not its step counter)."""
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
+                    like: torch.Tensor) -> None:
+        """Create the missing state tensors of ``p`` (not its step counter) like ``like`` (the
+        param, or its float32 master)."""
         raise NotImplementedError
 
     def _step_tensor(self, p: torch.Tensor, state: dict[str, Any], kernels: bool) -> torch.Tensor:
@@ -180,8 +280,11 @@ class FusedOptimizer(Optimizer):
     def _hparams(self, group: dict[str, Any]) -> list[float | torch.Tensor]:
         raise NotImplementedError
 
-    def _torch_group_step(self, group: dict[str, Any], params: list, grads: list) -> None:
+    def _torch_group_step(self, group: dict[str, Any], params: list, grads: list,
+                          weights: list) -> None:
+        """torch.optim's step for ``params`` (whose states it uses), applied to ``weights`` (the
+        params themselves, or their float32 masters)."""
         raise NotImplementedError
 
 
-__all__ = ["FusedOptimizer", "_as_float", "scalar"]
+__all__ = ["MASTER_KEY", "FusedOptimizer", "_as_float", "scalar"]

@@ -35,23 +35,27 @@ _LR, _B1, _B2, _EPS, _WD, _MAX, _AMS, _DEC = (tl.constexpr(k) for k in range(8))
 
 
 @triton.jit
-def _adam_chunk(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, BLOCK: tl.constexpr,
-                NB: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
-                HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr):
+def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD: tl.constexpr,
+                SD: tl.constexpr, ED: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
+                BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
+                ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+                WIDTH: tl.constexpr):
     hp_row = mt.hparams_row(hp, row, WIDTH)
     amsgrad = tl.load(hp_row + _AMS) != 0.0
     offs = tl.arange(0, BLOCK)
-    p_ptr = mt.operand(row, 0, start, DT, ALIGNED)
-    g_ptr = mt.operand(row, 1, start, DT, ALIGNED)
-    m_ptr = mt.operand(row, 2, start, DT, ALIGNED)
-    v_ptr = mt.operand(row, 3, start, DT, ALIGNED)
-    vmax_ptr = mt.operand(row, 4, start, DT, ALIGNED)
+    w_ptr, p_ptr = mt.weight_ptrs(row, start, PD, MASTER, ALIGNED)
+    g_ptr = mt.operand(row, mt.OP_GRAD, start, PD, ALIGNED)
+    e_ptr = mt.operand(row, mt.OP_EMA, start, ED, ALIGNED)
+    m_ptr = mt.operand(row, mt.OP_STATE, start, SD, ALIGNED)
+    v_ptr = mt.operand(row, mt.OP_STATE + 1, start, SD, ALIGNED)
+    vmax_ptr = mt.operand(row, mt.OP_STATE + 2, start, SD, ALIGNED)
     # block 0's loads first: the step, hyperparameter and bias-correction work overlaps them
-    p = mt.load(p_ptr, offs, n, MASKED)
+    p = mt.load(w_ptr, offs, n, MASKED)
     g = mt.load(g_ptr, offs, n, MASKED)
     m = mt.load(m_ptr, offs, n, MASKED)
     v = mt.load(v_ptr, offs, n, MASKED)
     vmax = mt.load_if(vmax_ptr, offs, n, amsgrad, MASKED)
+    e = mt.load_opt(e_ptr, offs, n, EMA, MASKED)
 
     step = mt.advance_step(row, r, arrivals).to(tl.float64)
     lr = tl.load(hp_row + _LR)
@@ -75,39 +79,38 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, DT: tl.constexpr, BLOCK: 
         o = offs + b * BLOCK
         if b + 1 < NB:  # prefetch the next block before this one's math and stores
             o_next = o + BLOCK
-            p_next = mt.load(p_ptr, o_next, n, MASKED)
+            p_next = mt.load(w_ptr, o_next, n, MASKED)
             g_next = mt.load(g_ptr, o_next, n, MASKED)
             m_next = mt.load(m_ptr, o_next, n, MASKED)
             v_next = mt.load(v_ptr, o_next, n, MASKED)
             vmax_next = mt.load_if(vmax_ptr, o_next, n, amsgrad, MASKED)
-        if HAS_SCALE:
-            g = tl.div_rn(g, scale)
-            mt.store(g_ptr, o, n, g, MASKED)
-        g = tl.where(maximize, -g, g)
+            e_next = mt.load_opt(e_ptr, o_next, n, EMA, MASKED)
+        g = mt.grad_in(g_ptr, o, n, g, scale, clip, maximize, HAS_SCALE, HAS_CLIP, MASKED)
         g = tl.where(l2 != 0.0, g + l2 * p, g)
         p = p * decay
-        # torch.lerp's two-sided formula, so m matches torch on either side of weight 0.5
-        m = tl.where(w1 < 0.5, m + w1 * (g - m), g - (g - m) * (1.0 - w1))
+        m = mt.lerp(m, g, w1)
         v = v * b2 + w2 * (g * g)
         vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
         mt.store_if(vmax_ptr, o, n, vmax, amsgrad, MASKED)
         denom = tl.div_rn(tl.sqrt_rn(tl.where(amsgrad, vmax, v)), bc2_sqrt) + eps
         p = p - step_size * tl.div_rn(m, denom)
-        mt.store(p_ptr, o, n, p, MASKED)
+        mt.store_weight(w_ptr, p_ptr, o, n, p, MASTER, MASKED)
+        mt.ema_fold(e_ptr, o, n, e, p, ema_w, SD, EMA, MASKED)
         mt.store(m_ptr, o, n, m, MASKED)
         mt.store(v_ptr, o, n, v, MASKED)
         if b + 1 < NB:
-            p, g, m, v, vmax = p_next, g_next, m_next, v_next, vmax_next
+            p, g, m, v, vmax, e = p_next, g_next, m_next, v_next, vmax_next, e_next
 
 
 @triton.jit
-def _adam_kernel(rows, chunks, hp, arrivals, scale_ptr, inf_ptr, BLOCK: tl.constexpr,
-                 NB: tl.constexpr, DTYPES: tl.constexpr, ALIGNED: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
+def _adam_kernel(rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
+                 BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr,
+                 ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+                 HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
     # WIDE16=False: doubling 16-bit blocks made bf16 GPT-2 AdamW 1.36 ms instead of 0.90 ms on the
     # H100 (five operands prefetched twice over are too many registers at 8 elements a thread)
-    mt.run(_adam_chunk, rows, chunks, hp, arrivals, scale_ptr, inf_ptr, BLOCK, NB, DTYPES,
-           ALIGNED, HAS_SCALE, HAS_INF, WIDTH, False)
+    mt.run(_adam_chunk, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w, BLOCK,
+           NB, CODES, ALIGNED, HAS_SCALE, HAS_CLIP, HAS_INF, WIDTH, False)
 
 
 class FusedAdam(FusedOptimizer):
@@ -125,6 +128,12 @@ class FusedAdam(FusedOptimizer):
         foreach, capturable, differentiable, fused: accepted for torch compatibility. The CUDA
             path is always fused and capturable; ``differentiable=True`` is not supported.
         decoupled_weight_decay: AdamW's weight decay.
+        master_weights: keep a float32 master (and float32 states) for each bfloat16/float16
+            param: the update runs on the master and writes the 16-bit param the next forward
+            reads, in the same kernel (see :func:`trainfuse.amp.fuse_casts`). A group option.
+        max_grad_norm: clip the gradients to this global 2-norm inside the step (torch's
+            ``clip_grad_norm_`` semantics, of the unscaled gradients under GradScaler): one
+            statistics pass plus the update, no host sync. The norm is ``optimizer.grad_norm``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -150,6 +159,8 @@ class FusedAdam(FusedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
+        master_weights: bool = False,
+        max_grad_norm: float | None = None,
     ):
         if differentiable:
             raise RuntimeError(f"{type(self).__name__} does not support differentiable=True")
@@ -166,7 +177,9 @@ class FusedAdam(FusedOptimizer):
             "fused": fused,
             "decoupled_weight_decay": decoupled_weight_decay,
         }
-        super().__init__(params, defaults)
+        if master_weights:  # a group key only when used: default state_dicts stay torch's layout
+            defaults["master_weights"] = True
+        super().__init__(params, defaults, max_grad_norm)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -197,11 +210,11 @@ class FusedAdam(FusedOptimizer):
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         return ("exp_avg", "exp_avg_sq")
 
-    def _init_state(self, p, group, state):
+    def _init_state(self, p, group, state, like):
         state.setdefault("step", 0.0)  # made a tensor by _step_tensor, first key as in torch
         for k in self._state_keys(group):
             if state.get(k) is None:
-                state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state[k] = torch.zeros_like(like, memory_format=torch.preserve_format)
 
     def _step_tensor(self, p, state, kernels):
         step = self._conform_step(state.get("step", 0.0), p, kernels)
@@ -214,10 +227,10 @@ class FusedAdam(FusedOptimizer):
                 float(group["maximize"]), float(group["amsgrad"]),
                 float(group["decoupled_weight_decay"])]
 
-    def _torch_group_step(self, group, params, grads):
+    def _torch_group_step(self, group, params, grads, weights):
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
         for p in params:
-            states, step = self._prepare_state(p, group, kernels=False)
+            states, step, _ = self._prepare_state(p, group, kernels=False)
             exp_avgs.append(states[0])
             exp_avg_sqs.append(states[1])
             if group["amsgrad"]:
@@ -225,7 +238,7 @@ class FusedAdam(FusedOptimizer):
             steps.append(step)
         fn = _torch_adamw if group["decoupled_weight_decay"] else _torch_adam
         beta1, beta2 = group["betas"]
-        fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        fn(weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
            foreach=group["foreach"], capturable=False, differentiable=False, fused=None,
            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
@@ -255,11 +268,14 @@ class FusedAdamW(FusedAdam):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        master_weights: bool = False,
+        max_grad_norm: float | None = None,
     ):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, master_weights=master_weights,
+                         max_grad_norm=max_grad_norm)
 
 
 __all__ = ["FusedAdam", "FusedAdamW"]

@@ -1,0 +1,180 @@
+"""trainfuse.amp.clip_grad_norm_ and max_grad_norm= against torch (kernels through the interpreter
+on CPU), with GradScaler (torch's and ours) and injected inf/NaN."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import trainfuse
+from trainfuse.amp import GradScaler, clip_grad_norm_
+
+SHAPES = [(0,), (1,), (7, 13), (300,), (3, 5, 7), (130, 3)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+NORM_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _with_grads(shapes, dtype, device, scale=1.0):
+    ps = [torch.nn.Parameter(torch.randn(s, device=device).to(dtype)) for s in shapes]
+    for p in ps:
+        p.grad = (torch.randn(p.shape, device=device) * scale).to(dtype)
+    return ps
+
+
+def _reference(ps, max_norm, norm_type):
+    """torch's clip in float64 on copies: (norm, clipped grads). Empty grads are left out of
+    torch's call (its inf-norm refuses them; they change no norm), ours must take them."""
+    qs = [torch.nn.Parameter(p.detach().double()) for p in ps]
+    for p, q in zip(ps, qs):
+        q.grad = p.grad.double()
+    total = torch.nn.utils.clip_grad_norm_([q for q in qs if q.numel()], max_norm, norm_type)
+    return total, [q.grad for q in qs]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, "inf"])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_matches_torch(dtype, norm_type, max_norm, kernels, device):
+    ps = _with_grads(SHAPES, dtype, device)
+    exp_norm, exp_grads = _reference(ps, max_norm, float(norm_type))
+    norm = clip_grad_norm_(ps, max_norm, norm_type)
+    assert norm.dtype == dtype and norm.dim() == 0
+    torch.testing.assert_close(norm.double().cpu(), exp_norm.cpu(), rtol=NORM_TOL[dtype], atol=0)
+    tol = dict(rtol=2**-7, atol=1e-5) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-7)
+    for p, g in zip(ps, exp_grads):
+        torch.testing.assert_close(p.grad.float().cpu(), g.to(dtype).float().cpu(), **tol)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_with_nonfinite_grads_behaves_like_torch(bad, norm_type, kernels, device):
+    ps = _with_grads(SHAPES, torch.float32, device)
+    ps[3].grad[17] = bad
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for p, q in zip(ps, qs):
+        q.grad = p.grad.clone()
+    exp = torch.nn.utils.clip_grad_norm_([q for q in qs if q.numel()], 1.0, norm_type)
+    got = clip_grad_norm_(ps, 1.0, norm_type)
+    torch.testing.assert_close(got.cpu(), exp.cpu(), equal_nan=True)
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), equal_nan=True)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(ps, 1.0, norm_type, error_if_nonfinite=True)
+
+
+def test_clip_accepts_one_tensor_and_no_grads(kernels, device):
+    p = torch.nn.Parameter(torch.randn(50, device=device))
+    assert float(clip_grad_norm_([p], 1.0)) == 0.0  # no grads: torch returns 0
+    p.grad = torch.full_like(p, 2.0)
+    norm = clip_grad_norm_(p, 1.0)
+    assert math.isclose(float(norm), math.sqrt(50 * 4.0), rel_tol=1e-6)
+    torch.testing.assert_close(p.grad.norm(), torch.tensor(1.0, device=device), rtol=1e-5, atol=0)
+
+
+def test_other_norm_types_take_torchs_function(kernels, device):
+    ps = _with_grads(SHAPES, torch.float32, device)
+    exp_norm, exp_grads = _reference(ps, 0.3, 3.0)
+    norm = clip_grad_norm_(ps, 0.3, 3.0)
+    torch.testing.assert_close(norm.double().cpu(), exp_norm.cpu(), rtol=1e-5, atol=0)
+    for p, g in zip(ps, exp_grads):
+        torch.testing.assert_close(p.grad.double().cpu(), g.cpu(), rtol=1e-5, atol=1e-7)
+
+
+def test_reused_tables_follow_new_grads(kernels, device):
+    ps = _with_grads(SHAPES, torch.float32, device)
+    for _ in range(3):
+        for p in ps:
+            p.grad.copy_(torch.randn_like(p))
+        exp_norm, exp_grads = _reference(ps, 0.7, 2.0)
+        torch.testing.assert_close(clip_grad_norm_(ps, 0.7).double().cpu(), exp_norm.cpu(), rtol=1e-5, atol=0)
+
+
+# ---- max_grad_norm inside the fused optimizers --------------------------------------------------
+def _pair(cls, dtype, device, **hp):
+    ours = _with_grads(SHAPES, dtype, device)
+    theirs = [torch.nn.Parameter(p.detach().double()) for p in ours]
+    tcls = {trainfuse.FusedSGD: torch.optim.SGD, trainfuse.FusedAdamW: torch.optim.AdamW}[cls]
+    return ours, theirs, cls(ours, max_grad_norm=0.5, **hp), tcls(theirs, foreach=False, **hp)
+
+
+@pytest.mark.parametrize("cls,hp", [(trainfuse.FusedSGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+                                    (trainfuse.FusedAdamW, dict(lr=1e-2))], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_max_grad_norm_is_clip_then_step(cls, hp, dtype, kernels, device):
+    ours, theirs, a, b = _pair(cls, dtype, device, **hp)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = (torch.randn(p.shape, device=device) * 3).to(dtype)
+            q.grad = p.grad.double()
+        exp = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+        a.step()
+        b.step()
+        torch.testing.assert_close(a.grad_norm.double().cpu(), exp.cpu(), rtol=1e-5, atol=0)
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p.grad.float().cpu(), q.grad.to(dtype).float().cpu(),
+                                       rtol=2**-7, atol=1e-5)
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-6, atol=1e-3)
+            torch.testing.assert_close(p.detach().float().cpu(), q.detach().to(dtype).float().cpu(), **tol)
+            q.data = p.detach().double()  # each step from the same point (no drift in 16 bits)
+            for k, v in a.state[p].items():
+                if k != "step" and torch.is_tensor(v):
+                    b.state[q][k] = v.double().clone()
+
+
+@pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, GradScaler], ids=["torch", "trainfuse"])
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_grad_scaler_with_clipping_and_injected_inf(scaler_cls, unscale_first, kernels, device):
+    """The norm is of unscaled grads, an inf skips the update (params, states, step untouched) and
+    the scale backs off and grows exactly as with torch.optim.SGD + clip_grad_norm_."""
+    hp = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    ours = _with_grads(SHAPES, torch.float32, device)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    a = trainfuse.FusedSGD(ours, max_grad_norm=1.0, **hp)
+    b = torch.optim.SGD(theirs, **hp)
+    sa = scaler_cls(device.type, init_scale=2.0**10, growth_interval=2)
+    sb = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    for it in range(5):
+        sa.scale(torch.ones((), device=device))  # what scaler.scale(loss) does first: make _scale
+        sb.scale(torch.ones((), device=device))
+        grads = [torch.randn_like(p) * 4 for p in ours]
+        if it in (1, 3):
+            grads[2].view(-1)[5] = math.inf if it == 1 else math.nan
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad = g * sa.get_scale()
+            q.grad = g * sb.get_scale()
+        before = [p.detach().clone() for p in ours]
+        if unscale_first:
+            sa.unscale_(a)
+        sa.step(a)
+        sa.update()
+        sb.unscale_(b)
+        torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        sb.step(b)
+        sb.update()
+        assert sa.get_scale() == sb.get_scale(), f"iteration {it}"
+        for p, q, p0 in zip(ours, theirs, before):
+            if it in (1, 3):
+                assert torch.equal(p.detach(), p0)
+            torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)
+    assert sa.state_dict() == sb.state_dict()
+
+
+def test_max_grad_norm_validation(device):
+    p = torch.nn.Parameter(torch.randn(3, device=device))
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        trainfuse.FusedSGD([p], lr=0.1, max_grad_norm=-1.0)
+
+
+def test_norm_over_more_partials_than_one_reduction_block_is_deterministic(kernels, device):
+    """More than 1,024 work items: the last program's reduction loops over the partials; the
+    result is the same bits every run (no float atomics)."""
+    p = torch.nn.Parameter(torch.zeros(1100 * kernels.chunk + 5, device=device))
+    g = torch.randn_like(p)
+    norms = []
+    for _ in range(3):
+        p.grad = g.clone()
+        norms.append(clip_grad_norm_([p], 1e9))
+    assert all(torch.equal(n, norms[0]) for n in norms)
+    torch.testing.assert_close(norms[0].double().cpu(), g.double().norm().cpu(), rtol=1e-6, atol=0)

@@ -1,0 +1,137 @@
+"""Fused gradient clipping: torch.nn.utils.clip_grad_norm_ as two multi-tensor launches.
+
+The first launch reads every gradient once and produces the global norm, the clip coefficient
+``min(max_norm / (norm + 1e-6), 1)`` and an inf/NaN flag (``grad_stats_kernel``: per-chunk
+partials reduced by the last program in a fixed order, so the result is deterministic); the second
+multiplies the gradients by the coefficient, read from the device (no host sync). Inside a fused
+optimizer (``max_grad_norm=``) the second pass is the update itself.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+from trainfuse._backend import use_triton
+from trainfuse._engine import kernels as mt
+from trainfuse._engine.table import (
+    DTYPE_CODES,
+    NORM_KINDS,
+    OP_GRAD,
+    RowBuilder,
+    TensorListPlans,
+    code_of,
+    is_dense,
+    launch_stats,
+    launch_update,
+)
+
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_dtype = operator.attrgetter("dtype")
+_plans = TensorListPlans()
+
+
+@triton.jit
+def _scale_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD: tl.constexpr,
+                 SD: tl.constexpr, ED: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
+                 BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
+                 ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+                 WIDTH: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    g_ptr = mt.operand(row, mt.OP_GRAD, start, PD, ALIGNED)
+    g = mt.load(g_ptr, offs, n, MASKED)
+    for b in tl.static_range(NB):
+        o = offs + b * BLOCK
+        if b + 1 < NB:
+            g_next = mt.load(g_ptr, o + BLOCK, n, MASKED)
+        mt.grad_in(g_ptr, o, n, g, scale, clip, False, HAS_SCALE, HAS_CLIP, MASKED)
+        if b + 1 < NB:
+            g = g_next
+
+
+@triton.jit
+def _scale_kernel(rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
+                  BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr,
+                  ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+                  HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
+    mt.run(_scale_chunk, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w, BLOCK,
+           NB, CODES, ALIGNED, HAS_SCALE, HAS_CLIP, HAS_INF, WIDTH, True)
+
+
+def _grads_plan(grads: list[torch.Tensor], norm_type: float):
+    """The cached plan for these grads, or None where torch's function must run (norm type, device
+    or dtype the kernels do not take). Checked once per list; later calls only compare addresses,
+    sizes and dtypes (a few microseconds for hundreds of tensors)."""
+    if norm_type not in NORM_KINDS:
+        return None
+    device = grads[0].device
+    try:
+        key = (device, *map(_data_ptr, grads), *map(_numel, grads), *map(_dtype, grads))
+    except RuntimeError:  # sparse grads have no data pointer
+        return None
+    plan = _plans.lookup(key)
+    if plan is None:
+        for g in grads:
+            if (g.device != device or g.layout != torch.strided or g.dtype not in DTYPE_CODES
+                    or not is_dense(g)):
+                return None
+        builder = RowBuilder()
+        for g in grads:
+            builder.add({OP_GRAD: g}, g.numel(), code_of(g.dtype))
+        plan = _plans.get(key, lambda: builder.build(device))
+    return plan if use_triton(device) else None
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` in two launches (norm, then scaling), no host sync.
+
+    Args:
+        parameters: tensors (or one tensor) whose ``.grad`` are clipped in place.
+        max_norm: the largest total norm allowed.
+        norm_type: 2, 1 or inf take the kernels; other norms (and grads on several devices or
+            of other dtypes) run torch's own function.
+        error_if_nonfinite: raise when the total norm is inf/NaN (this one syncs, as in torch).
+        foreach: accepted for torch compatibility.
+
+    Returns:
+        The total norm of the gradients (viewed as one vector), a tensor of the gradients' dtype.
+
+    Example:
+        >>> layer = torch.nn.Linear(4, 2)
+        >>> layer(torch.randn(3, 4)).sum().backward()
+        >>> norm = clip_grad_norm_(layer.parameters(), max_norm=0.1)
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    plan = _grads_plan(grads, norm_type) if grads else None
+    if plan is None:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    out = torch.empty(4, dtype=torch.float32, device=grads[0].device)
+    with torch.no_grad():
+        launch_stats(_plans.launcher, plan, out, max_norm=float(max_norm), norm_type=norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(out[0])):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                "so it cannot be clipped. To disable this error and scale the gradients by the "
+                "non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        launch_update(_plans.launcher, _scale_kernel, plan, clip=out[1:2])
+    total = out[0]
+    return total if grads[0].dtype == torch.float32 else total.to(grads[0].dtype)
+
+
+__all__ = ["clip_grad_norm_"]

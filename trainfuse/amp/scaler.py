@@ -1,0 +1,65 @@
+"""A GradScaler whose inf/NaN check is the fused optimizer's gradient-statistics pass.
+
+``torch.amp.GradScaler`` works unchanged with trainfuse's optimizers (they take ``grad_scale`` and
+``found_inf`` like torch's fused ones), but its ``step`` still runs its own check first: fills,
+a foreach unscale-and-check over every gradient, a sum and a multiply — five or more launches
+before the optimizer's. This subclass asks a fused optimizer for the check instead: one launch
+that also takes the clipping norm when ``max_grad_norm`` is set. With it, ultralytics' optimizer
+phase (unscale, clip, step, update, zero_grad, EMA) is three launches::
+
+    scaler = trainfuse.amp.GradScaler("cuda")
+    opt = FusedSGD(params, lr, momentum=0.937, nesterov=True, max_grad_norm=10.0)
+    opt.attach_ema(ema)            # FusedEMA(model)
+    scaler.scale(loss).backward()
+    scaler.step(opt)               # 1: norm + inf check   2: clipped update + EMA (params, buffers)
+    scaler.update()                # 3: torch's scale update
+    opt.zero_grad()                # set_to_none: no launch
+
+Every other optimizer, and ``unscale_`` called by hand, take torch's path unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from trainfuse.optim._base import FusedOptimizer
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` (same arguments and state_dict) with a one-launch inf check for
+    trainfuse's fused optimizers."""
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if not self._enabled or not isinstance(optimizer, FusedOptimizer):
+            return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        grad_scale = None
+        if state["stage"] is OptState.READY:
+            found = optimizer._engine.check_grads(self._scale)
+            if found is None:  # the optimizer runs torch's path here: torch's check
+                return super().step(optimizer, *args, **kwargs)
+            state["found_inf_per_device"] = found
+            grad_scale = self._scale
+        found_infs = list(state["found_inf_per_device"].values())
+        found_inf = found_infs[0] if len(found_infs) == 1 else sum(
+            t.to(self._scale.device, non_blocking=True) for t in found_infs)
+        optimizer.grad_scale = grad_scale
+        optimizer.found_inf = found_inf
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+        state["stage"] = OptState.STEPPED
+        return retval
+
+
+__all__ = ["GradScaler"]

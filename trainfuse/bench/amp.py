@@ -1,0 +1,320 @@
+"""Mixed-precision step benchmark: cast fusion, fused clipping, ultralytics' optimizer phase.
+
+Rows, each beside what torch users run today, in one run:
+
+- GPT-2 124M bf16: torch fused AdamW on float32 params + the bf16 weight casts autocast does in
+  the next forward, against FusedAdamW with float32 masters writing the bf16 weights (fuse_casts).
+- a 6-layer d=768 GPT-like model, forward + backward + step: autocast + torch fused AdamW against
+  fuse_casts + FusedAdamW, per-step time and the loss after N steps of a fixed synthetic task.
+- clip_grad_norm_ on GPT-2 and yolov5n: torch's against trainfuse.amp.clip_grad_norm_.
+- yolov5n's optimizer phase (unscale_, clip_grad_norm_(10), scaler.step(SGD nesterov),
+  scaler.update, ModelEMA.update) against trainfuse's GradScaler + FusedSGD(max_grad_norm=10)
+  with the FusedEMA attached (three launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import trainfuse
+from trainfuse.bench._common import copy_bandwidth, kernel_ms, print_table, wall_ms
+from trainfuse.bench.optim import gpt2_shapes
+
+
+def _gpt2_params(dtype=torch.float32):
+    ps = [nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in gpt2_shapes()]
+    for p in ps:
+        p.grad = torch.randn_like(p, dtype=dtype) * 1e-3
+    return ps
+
+
+def bench_cast_fusion(bw):
+    """AdamW step + bf16 weights for the next forward, GPT-2 124M."""
+    ref = _gpt2_params()
+    nparam = sum(p.numel() for p in ref)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-4, fused=True)
+    cast_src = [p for p in ref]
+
+    def torch_step():
+        torch_opt.step()
+        return [p.to(torch.bfloat16) for p in cast_src]  # what autocast does, op by op
+
+    ours = [nn.Parameter(p.detach().clone()) for p in ref]
+    opt = trainfuse.FusedAdamW(ours, lr=1e-4)
+    module = nn.Module()
+    for i, p in enumerate(ours):
+        module.register_parameter(f"p{i}", p)
+    trainfuse.amp.fuse_casts(module, opt, torch.bfloat16)
+    for p in ours:
+        p.grad = torch.randn_like(p) * 1e-3
+    # master r/w 8, m and v r/w 16, bf16 grad read 2, bf16 weight write 2
+    floor = 28 * nparam / bw * 1e3
+    rows, res = [], {}
+    for label, fn in (("torch fused AdamW", torch_opt.step),
+                      ("torch fused AdamW + autocast casts", torch_step),
+                      ("trainfuse FusedAdamW, fp32 masters -> bf16 weights", opt.step)):
+        fn()
+        k, w = kernel_ms(fn), wall_ms(fn, iters=50)
+        res[label] = (k, w)
+    base = res["torch fused AdamW + autocast casts"]
+    for label, (k, w) in res.items():
+        rows.append([label, f"{k:.3f}", f"{w:.3f}", f"{floor / k * 100:.0f}%", f"{base[0] / k:.2f}x"])
+    print_table(f"GPT-2 124M bf16: update + bf16 weights for the next forward ({nparam / 1e6:.0f}M "
+                f"params), floor {floor:.3f} ms (28 B/param)",
+                ["impl", "kernel ms", "wall ms", "% floor", "vs torch"], rows)
+    return {"floor_ms": floor, "results": res}
+
+
+class _Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """6 layers, d=768, 12 heads, vocab 4096: the small GPT-like model of the cast-fusion goal."""
+
+    def __init__(self, vocab=4096, d=768, layers=6, heads=12, ctx=256):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def _task(batch, ctx, vocab, seed=0):
+    """A fixed synthetic language: each sequence follows x[t+1] = (a * x[t] + b) mod vocab with a
+    per-sequence (a, b) drawn from 8 choices, so the model must read the context to predict."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.tensor([1, 3, 5, 7, 11, 13, 17, 19])[torch.randint(0, 8, (batch,), generator=g)]
+    b = torch.randint(0, vocab, (batch,), generator=g)
+    x = torch.empty(batch, ctx + 1, dtype=torch.int64)
+    x[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    for t in range(ctx):
+        x[:, t + 1] = (a * x[:, t] + b) % vocab
+    return x[:, :-1].cuda(), x[:, 1:].cuda()
+
+
+def _train_gpt(label, base, x, y, steps, ctx):
+    model = TinyGPT(ctx=ctx).cuda()
+    model.load_state_dict(base.state_dict())
+    if label.startswith("torch"):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    else:
+        opt = trainfuse.FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        trainfuse.amp.fuse_casts(model, opt, torch.bfloat16)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    losses = [float(step()) for _ in range(steps)]
+    ms = wall_ms(step, iters=20, repeats=3)
+    return {"ms": ms, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / 10}
+
+
+def bench_small_gpt(steps=200, batch=8, ctx=256):
+    """Per-step time (forward + backward + step) and loss after ``steps`` steps: autocast + torch
+    fused AdamW against fuse_casts + FusedAdamW, from the same initial weights and data."""
+    torch.manual_seed(0)
+    base = TinyGPT(ctx=ctx).cuda()
+    x, y = _task(batch, ctx, 4096)
+    out = {label: _train_gpt(label, base, x, y, steps, ctx)
+           for label in ("torch: autocast + fused AdamW", "trainfuse: fuse_casts + FusedAdamW")}
+    ref = out["torch: autocast + fused AdamW"]
+    rows = [[k, f"{v['ms']:.3f}", f"{ref['ms'] / v['ms']:.2f}x", f"{v['loss_first']:.4f}",
+             f"{v['loss_last']:.4f}", f"{(v['loss_last'] / ref['loss_last'] - 1) * 100:+.2f}%"]
+            for k, v in out.items()]
+    print_table(f"6-layer d=768 GPT-like, batch {batch} x {ctx} tokens, bf16, fwd+bwd+step; loss = "
+                f"mean of steps {steps - 9}..{steps}",
+                ["impl", "ms/step", "speedup", "loss step 1", f"loss @{steps}", "vs torch"], rows)
+    return out
+
+
+def _yolov5n():
+    try:
+        os.environ.setdefault("YOLO_OFFLINE", "1")
+        from ultralytics.nn.tasks import DetectionModel
+        from ultralytics.utils.torch_utils import ModelEMA
+    except Exception:  # noqa: BLE001 - any import problem means "not available"
+        return None
+    return DetectionModel("yolov5n.yaml", verbose=False).cuda(), ModelEMA
+
+
+def _yolo_groups(model):
+    g = {"bn": [], "weight": [], "bias": []}
+    for m in model.modules():
+        for name, p in m.named_parameters(recurse=False):
+            if name == "bias":
+                g["bias"].append(p)
+            elif isinstance(m, nn.BatchNorm2d):
+                g["bn"].append(p)
+            else:
+                g["weight"].append(p)
+    return g
+
+
+def _sgd(cls, g, **kw):
+    opt = cls(g["bn"], lr=0.01, momentum=0.937, nesterov=True, **kw)
+    opt.add_param_group({"params": g["weight"], "weight_decay": 5e-4})
+    opt.add_param_group({"params": g["bias"], "weight_decay": 0.0})
+    return opt
+
+
+def _stock_phase(model, ModelEMA, kw, set_grads):
+    """ultralytics' BaseTrainer.optimizer_step with torch's SGD (default foreach, or fused)."""
+    opt = _sgd(torch.optim.SGD, _yolo_groups(model), **kw)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1.0, growth_interval=10**9)
+    scaler.scale(torch.ones((), device="cuda"))  # what scaler.scale(loss) does: create the scale
+    ema = ModelEMA(model)
+
+    def phase():
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ema.update(model)
+        set_grads()
+
+    set_grads()
+    phase()
+    return kernel_ms(phase), wall_ms(phase, iters=100)
+
+
+def bench_yolo_phase(bw):
+    got = _yolov5n()
+    if got is None:
+        print("ultralytics not installed: yolov5n optimizer phase skipped")
+        return None
+    model, ModelEMA = got
+    params = [p for p in model.parameters() if p.requires_grad]
+    nparam = sum(p.numel() for p in params)
+    grads = [torch.randn_like(p) * 1e-3 for p in params]
+
+    def set_grads():
+        for p, g in zip(params, grads):
+            p.grad = g
+
+    res = {}
+    # stock: ultralytics' BaseTrainer.optimizer_step (torch's default foreach SGD, and fused SGD)
+    for label, kw in (("ultralytics stock (foreach SGD)", {}), ("stock with fused SGD", {"fused": True})):
+        res[label] = _stock_phase(model, ModelEMA, kw, set_grads)
+    opt = _sgd(trainfuse.FusedSGD, _yolo_groups(model), max_grad_norm=10.0)
+    scaler = trainfuse.amp.GradScaler("cuda", init_scale=1.0, growth_interval=10**9)
+    scaler.scale(torch.ones((), device="cuda"))
+    ema = trainfuse.FusedEMA(model)
+    opt.attach_ema(ema)
+
+    def ours():
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        set_grads()
+
+    set_grads()
+    ours()
+    res["trainfuse (GradScaler + FusedSGD max_grad_norm + attached FusedEMA)"] = (
+        kernel_ms(ours), wall_ms(ours, iters=100))
+    # the same without the grad re-assignment the loop needs (it is part of both rows above)
+    set_cost = wall_ms(set_grads, iters=100)
+    nbuf = sum(b.numel() for b in model.buffers() if b.dtype.is_floating_point)
+    # stats pass reads grads 4; update: param r/w 8, grad r/w 8 (the clipped grad is written back),
+    # momentum r/w 8, EMA r/w 8; buffers' EMA 12
+    floor = ((4 + 32) * nparam + 12 * nbuf) / bw * 1e3
+    base = res["ultralytics stock (foreach SGD)"]
+    rows = [[k, f"{kk:.3f}", f"{w:.3f}", f"{w - set_cost:.3f}", f"{base[1] / w:.2f}x"]
+            for k, (kk, w) in res.items()]
+    print_table(f"yolov5n optimizer phase: unscale, clip 10, SGD nesterov, EMA ({nparam / 1e6:.2f}M "
+                f"params in {len(params)} tensors), floor {floor:.3f} ms; grads re-attached each "
+                f"call ({set_cost:.3f} ms host, subtracted in 'phase ms')",
+                ["impl", "kernel ms", "wall ms", "phase ms", "vs stock (wall)"], rows)
+    return {"floor_ms": floor, "set_grads_ms": set_cost, "results": res}
+
+
+def _times(clip, ps):
+    fn = lambda: clip(ps, 1e9)  # noqa: E731
+    return kernel_ms(fn), wall_ms(fn)
+
+
+def bench_clip(bw):
+    rows, out = [], {}
+    workloads = [("GPT-2 124M", _gpt2_params())]
+    got = _yolov5n()
+    if got is not None:
+        ps = [p for p in got[0].parameters() if p.requires_grad]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        workloads.append(("yolov5n", ps))
+    for name, ps in workloads:
+        nparam = sum(p.numel() for p in ps)
+        floor = 12 * nparam / bw * 1e3  # read for the norm, read + write to scale
+        t = _times(torch.nn.utils.clip_grad_norm_, ps)
+        o = _times(trainfuse.amp.clip_grad_norm_, ps)
+        out[name] = {"torch": t, "trainfuse": o, "floor_ms": floor}
+        rows.append([name, len(ps), f"{t[0]:.3f}", f"{t[1]:.3f}", f"{o[0]:.3f}", f"{o[1]:.3f}",
+                     f"{floor / o[0] * 100:.0f}%", f"{t[1] / o[1]:.2f}x"])
+    print_table("clip_grad_norm_ (2-norm): torch vs trainfuse", ["workload", "tensors", "torch kernel ms",
+                "torch wall ms", "ours kernel ms", "ours wall ms", "% floor", "speedup (wall)"], rows)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the json")
+    parser.add_argument("--steps", type=int, default=200, help="training steps of the GPT-like model")
+    parser.add_argument("--only", default="", help="casts, gpt, clip or yolo")
+    parser.add_argument("--gpt-batches", default="8,32",
+                        help="batch sizes (x 256 tokens) of the GPT-like model, comma separated")
+    args = parser.parse_args(argv)
+    print(trainfuse.describe())
+    if not torch.cuda.is_available():
+        print("amp benchmark needs a CUDA GPU; nothing to measure here")
+        return
+    bw = copy_bandwidth()
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    import triton
+
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "copy_GBps": bw / 1e9}
+    gpt = lambda: {b: bench_small_gpt(args.steps, batch=int(b))  # noqa: E731
+                   for b in args.gpt_batches.split(",")}
+    for key, fn in (("casts", lambda: bench_cast_fusion(bw)), ("clip", lambda: bench_clip(bw)),
+                    ("yolo", lambda: bench_yolo_phase(bw)), ("gpt", gpt)):
+        if args.only in ("", key):
+            report[key] = fn()
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_amp.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    assert math.isfinite(bw)
+
+
+__all__ = ["TinyGPT", "main"]

@@ -1,0 +1,194 @@
+r"""FusedEMA: ultralytics' ModelEMA with the update in one multi-tensor launch.
+
+Keeps an exponential moving average of every floating-point param and buffer of a model:
+
+.. math::
+    d_k = \mathrm{decay}\,(1 - e^{-k/\tau}), \qquad
+    \mathrm{ema} \leftarrow \mathrm{lerp}(\mathrm{ema}, \theta, 1 - d_k)
+
+after update :math:`k` (``updates``), exactly as ``ultralytics.utils.torch_utils.ModelEMA`` does
+with ``torch._foreach_lerp_`` (torch's two-sided lerp formula, switching at weight 0.5). The
+update is one launch over all tensors; attached to a fused optimizer
+(``optimizer.attach_ema(ema)``) it runs inside the optimizer's update kernel instead.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from copy import deepcopy
+
+import torch
+from torch import nn
+
+from trainfuse._backend import use_triton
+from trainfuse._engine import kernels
+from trainfuse._engine.table import (
+    DTYPE_CODES,
+    OP_EMA,
+    OP_PARAM,
+    RowBuilder,
+    TensorListPlans,
+    code_of,
+    is_dense,
+    launch_update,
+)
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module under DataParallel/DDP and torch.compile wrappers (ultralytics' unwrap_model)."""
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        else:
+            return model
+
+
+def copy_attr(a: object, b: object, include=(), exclude=()) -> None:
+    """Copy ``b``'s public attributes to ``a`` (only ``include`` if given, never ``exclude``)."""
+    for k, v in b.__dict__.items():
+        if (len(include) and k not in include) or k.startswith("_") or k in exclude:
+            continue
+        setattr(a, k, v)
+
+
+class FusedEMA:
+    """Drop-in ``ultralytics.utils.torch_utils.ModelEMA``: same constructor, attributes (``ema``,
+    ``updates``, ``decay``, ``enabled``) and methods.
+
+    Args:
+        model: the model to average (DataParallel/DDP/compiled wrappers are unwrapped).
+        decay: the decay the ramp approaches.
+        tau: time constant of the ramp ``decay * (1 - exp(-updates / tau))``.
+        updates: updates already done (resuming).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        >>> ema = FusedEMA(model)
+        >>> ema.update(model)
+        >>> ema.updates
+        1
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000, updates: int = 0):
+        model = _unwrap(model)
+        self.ema = deepcopy(model).eval()
+        if hasattr(self.ema, "teacher_model"):  # as ultralytics: no duplicate of a distillation teacher
+            self.ema.teacher_model = None
+        self.updates = updates
+        self.decay = lambda x: decay * (1 - math.exp(-x / tau))
+        for p in self.ema.parameters():
+            p.requires_grad_(False)
+        self.enabled = True
+        self._attached = None
+        self._plans = TensorListPlans()
+        self._model = weakref.ref(model)
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last = None  # (addresses, plan) of the last single-device launch
+
+    def _ensure_pairs(self, model: nn.Module | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(ema tensor, model tensor) for every floating-point entry of the state_dicts, paired as
+        ModelEMA pairs them on its first update (so a ``model.to()`` before it is followed).
+        keep_vars holds the Parameters themselves, so a param whose ``.data`` is replaced
+        (fuse_casts) is followed too; a tensor tied under two names is averaged once."""
+        if self._pairs is None:
+            model = _unwrap(model) if model is not None else self._model()
+            if model is None:
+                raise RuntimeError("FusedEMA: the model it was built from no longer exists")
+            msd = model.state_dict(keep_vars=True)
+            pairs, seen = [], set()
+            for k, v in self.ema.state_dict(keep_vars=True).items():
+                if v.dtype.is_floating_point and id(v) not in seen:
+                    seen.add(id(v))
+                    pairs.append((v, msd[k]))
+            self._pairs = pairs
+            self._flat = [t for pair in pairs for t in pair]
+            self._by_src = {id(src): e for e, src in pairs}
+        return self._pairs
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_plans"] = state["_model"] = state["_pairs"] = state["_last"] = None
+        state["_attached"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._plans = TensorListPlans()
+        self._model = lambda: None
+
+    def update(self, model: nn.Module) -> None:
+        """One EMA update toward ``model`` (a no-op while attached to an optimizer, whose step
+        already did it)."""
+        if not self.enabled or self._attached is not None:
+            return
+        self.updates += 1
+        w = 1.0 - self.decay(self.updates)
+        self._ensure_pairs(model)
+        if self._last is not None:  # the hot path: one device, tensors where the plan has them
+            key, plan = self._last
+            if list(map(_data_ptr, self._flat)) == key and use_triton(plan.rows.device):
+                launch_update(self._plans.launcher, kernels.ema_kernel, plan, ema_w=w)
+                return
+        self._last = None
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for e, src in self._pairs:
+            by_device.setdefault(e.device, []).append((e, src))
+        with torch.no_grad():
+            for device, pairs in by_device.items():
+                if self._kernel_ok(device, pairs):
+                    plan = self._launch(device, pairs, w)
+                    if len(by_device) == 1:
+                        self._last = (list(map(_data_ptr, self._flat)), plan)
+                else:
+                    torch._foreach_lerp_([e for e, _ in pairs], [s.to(e.dtype) for e, s in pairs], w)
+
+    def update_attr(self, model: nn.Module, include=(), exclude=()) -> None:
+        """Copy ``model``'s public attributes to the EMA model (ModelEMA.update_attr)."""
+        if self.enabled:
+            copy_attr(self.ema, _unwrap(model), include, exclude)
+
+    # ---- the fused path ----------------------------------------------------------------------
+    def _kernel_ok(self, device: torch.device, pairs) -> bool:
+        if not use_triton(device):
+            return False
+        for e, src in pairs:
+            if src.device != device or src.shape != e.shape or src.dtype not in DTYPE_CODES:
+                return False
+            if e.dtype not in (torch.float32, src.dtype):
+                return False
+        return True
+
+    def _launch(self, device, pairs, w: float) -> None:
+        flat = [t for pair in pairs for t in pair]
+        key = (device, *map(_data_ptr, flat))
+
+        def build():
+            for t in flat:
+                if not is_dense(t):
+                    raise ValueError(f"FusedEMA: a tensor of shape {tuple(t.shape)} has gaps in memory")
+            builder = RowBuilder()
+            for e, src in pairs:
+                builder.add({OP_PARAM: src, OP_EMA: e}, src.numel(), code_of(src.dtype, ema=e, ema_only=True))
+            return builder.build(device)
+
+        plan = self._plans.get(key, build)
+        launch_update(self._plans.launcher, kernels.ema_kernel, plan, ema_w=w)
+        return plan
+
+    # ---- what an optimizer with this EMA attached reads --------------------------------------
+    def _target_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        self._ensure_pairs()
+        return self._by_src.get(id(p))
+
+    def _pairs_on(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(e, src) for e, src in self._ensure_pairs() if e.device == device]
+
+    def _key_tensors(self) -> list[torch.Tensor]:
+        self._ensure_pairs()
+        return self._flat
+
