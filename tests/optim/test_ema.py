@@ -110,14 +110,17 @@ def test_matches_ultralytics_model_ema_on_yolov5n(kernels, device, monkeypatch):
 
 @pytest.mark.parametrize("cls,hp", [(trainfuse.FusedSGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
                                     (trainfuse.FusedAdamW, dict(lr=1e-2))], ids=["sgd", "adamw"])
-def test_attached_ema_equals_step_then_update(cls, hp, kernels, device):
-    model = _model(device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attached_ema_equals_step_then_update(cls, hp, dtype, kernels, device):
+    """Folded into the update (a bfloat16 model: EMA in the param's dtype, lerp toward the stored
+    bfloat16 weight) the EMA is what a step followed by FusedEMA.update gives."""
+    model = _model(device, dtype)
     twin = copy.deepcopy(model)
     ours = cls(model.parameters(), **hp)
     theirs = cls(twin.parameters(), **hp)
     ema_a, ema_b = FusedEMA(model, updates=2990), FusedEMA(twin, updates=2990)
     ours.attach_ema(ema_a)
-    x = torch.randn(4, 3, 8, 8, device=device)
+    x = torch.randn(4, 3, 8, 8, device=device, dtype=dtype)
     for _ in range(3):
         for m, opt in ((model, ours), (twin, theirs)):
             opt.zero_grad()
@@ -166,3 +169,18 @@ def test_attach_ema_with_masters_follows_the_float32_master(kernels, device):
         assert e.dtype == torch.float32
         expected = torch.lerp(prev[k].double(), opt.state[p]["master_param"].double(), w)
         torch.testing.assert_close(e.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_attached_ema_and_clipping_with_no_gradient_at_all(kernels, device):
+    """A step where no param has a grad: the EMA rows alone run, the norm is 0."""
+    model = _model(device)
+    opt = trainfuse.FusedSGD(model.parameters(), lr=0.1, max_grad_norm=1.0)
+    ema = FusedEMA(model, updates=100)
+    opt.attach_ema(ema)
+    _perturb(model)
+    expected = _reference(ema.ema.state_dict(), model.state_dict(), 1 - ema.decay(101))
+    opt.step()
+    assert float(opt.grad_norm) == 0.0
+    for k, v in ema.ema.state_dict().items():
+        if v.dtype.is_floating_point:
+            torch.testing.assert_close(v.double(), expected[k], rtol=1e-6, atol=1e-6, msg=k)

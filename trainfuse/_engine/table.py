@@ -216,10 +216,8 @@ def launch_stats(launcher: CachedLauncher, plan: _Plan, out: torch.Tensor, *,
                  norm_type: float | None = None) -> None:
     """One launch of the gradient-statistics pass: ``out[0:3] = [norm of grad / grad_scale,
     clip coefficient for max_norm, 1.0 if any grad is inf/NaN]`` (norm_type None: the check only)."""
-    if plan.ngrad == 0:
-        out[0:2].fill_(0.0 if norm_type is not None else 1.0)
-        out[1].fill_(1.0)
-        out[2].fill_(0.0)
+    if plan.ngrad == 0:  # no gradient this step: norm 0, nothing to clip, nothing non-finite
+        out[:3].copy_(torch.tensor([0.0, 1.0, 0.0]), non_blocking=True)
         return
     if plan.partials is None:
         device = plan.rows.device

@@ -48,6 +48,7 @@ def fuse_casts(model: nn.Module, optimizer: FusedOptimizer, dtype: torch.dtype =
         ``model``.
 
     Example:
+        >>> import torch, trainfuse
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
         >>> opt = trainfuse.FusedAdamW(model.parameters())
         >>> _ = fuse_casts(model, opt)
@@ -87,6 +88,7 @@ def fp32_state_dict(model: nn.Module, optimizer: FusedOptimizer | None = None) -
     unmodified model class.
 
     Example:
+        >>> import torch, trainfuse
         >>> model = torch.nn.Linear(4, 4)
         >>> opt = trainfuse.FusedAdamW(model.parameters())
         >>> ref = {k: v.clone() for k, v in model.state_dict().items()}

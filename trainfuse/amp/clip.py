@@ -108,6 +108,7 @@ def clip_grad_norm_(
         The total norm of the gradients (viewed as one vector), a tensor of the gradients' dtype.
 
     Example:
+        >>> import torch
         >>> layer = torch.nn.Linear(4, 2)
         >>> layer(torch.randn(3, 4)).sum().backward()
         >>> norm = clip_grad_norm_(layer.parameters(), max_norm=0.1)

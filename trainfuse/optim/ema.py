@@ -9,7 +9,10 @@ Keeps an exponential moving average of every floating-point param and buffer of 
 after update :math:`k` (``updates``), exactly as ``ultralytics.utils.torch_utils.ModelEMA`` does
 with ``torch._foreach_lerp_`` (torch's two-sided lerp formula, switching at weight 0.5). The
 update is one launch over all tensors; attached to a fused optimizer
-(``optimizer.attach_ema(ema)``) it runs inside the optimizer's update kernel instead.
+(``optimizer.attach_ema(ema)``) it runs inside the optimizer's update kernel instead. The kernel
+math is shared with that fold, so it lives in the engine: ``trainfuse/_engine/kernels.py``
+(``lerp``, ``ema_chunk``, ``ema_kernel``, ``ema_fold``); the torch reference is
+``torch._foreach_lerp_`` (the path CPU tensors take, and what the tests compare against).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class FusedEMA:
         updates: updates already done (resuming).
 
     Example:
+        >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
         >>> ema = FusedEMA(model)
         >>> ema.update(model)
