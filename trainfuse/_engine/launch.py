@@ -20,9 +20,18 @@ def _hooked(hook) -> bool:
     return hook is not None and getattr(hook, "calls", True) != []
 
 
+def _arg_key(a) -> tuple | type:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
+    return float
+
+
 class CachedLauncher:
-    """``launcher(fn, grid, *args, num_warps=..., **constexprs)``: ``args`` are tensors and
-    Python floats (float arguments are not specialized by Triton, so any value reuses a kernel)."""
+    """``launcher(fn, grid, *args, num_warps=..., **constexprs)``: ``args`` are tensors, Python
+    floats (never specialized by Triton, so any value reuses a kernel) and Python ints (keyed on
+    what Triton specializes them on: equal to 1, divisible by 16, 32- or 64-bit)."""
 
     def __init__(self) -> None:
         self._kernels: dict[tuple, Any] = {}
@@ -39,10 +48,7 @@ class CachedLauncher:
         hooks = triton.knobs.runtime
         # what Triton specializes pointer arguments on: element type and 16-byte alignment
         # (a float64 grad_scale must not reuse the kernel compiled for GradScaler's float32)
-        key = (fn, device.index, num_warps,
-               *((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else float
-                 for a in args),
-               *constexprs.items())
+        key = (fn, device.index, num_warps, *map(_arg_key, args), *constexprs.items())
         kernel = self._kernels.get(key)
         if kernel is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
             kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
