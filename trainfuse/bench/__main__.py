@@ -1,11 +1,11 @@
-"""``python -m trainfuse.bench {optim,amp,ema} [options] [--out DIR]``"""
+"""``python -m trainfuse.bench {optim,amp,ema,losses} [options] [--out DIR]``"""
 
 import sys
 
 
 def main() -> None:
     families = {"optim": "trainfuse.bench.optim", "amp": "trainfuse.bench.amp",
-                "ema": "trainfuse.bench.ema"}
+                "ema": "trainfuse.bench.ema", "losses": "trainfuse.bench.losses"}
     if len(sys.argv) < 2 or sys.argv[1] not in families:
         print(f"usage: python -m trainfuse.bench {{{','.join(families)}}} [options]")
         raise SystemExit(2)

@@ -1,0 +1,297 @@
+"""trainfuse.losses.bbox_iou / iou_loss against ultralytics' bbox_iou and a float64 torch
+reference: values and grads, every variant and box format, degenerate boxes, broadcasting, 16-bit
+and mixed dtypes, reductions, errors. Kernels run through the interpreter on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from trainfuse.losses import BboxIoU, IoULoss, bbox_iou, iou_loss
+from trainfuse.losses.iou import atan, bbox_iou_reference, iou_loss_reference
+
+metrics = pytest.importorskip("ultralytics.utils.metrics")
+
+VARIANTS = [{}, {"GIoU": True}, {"DIoU": True}, {"CIoU": True}]
+IDS = ["iou", "giou", "diou", "ciou"]
+INF, NAN = float("inf"), float("nan")
+# (box1, box2) in xyxy: identical, touching, disjoint, nested, zero-area, same corner, partial
+DEGENERATE = [
+    ([0, 0, 2, 2], [0, 0, 2, 2]),
+    ([0, 0, 2, 2], [2, 0, 4, 2]),
+    ([0, 0, 2, 2], [0, 2, 2, 4]),
+    ([0, 0, 2, 2], [5, 5, 6, 7]),
+    ([0, 0, 4, 4], [1, 1, 2, 3]),
+    ([0, 0, 0, 0], [0, 0, 0, 0]),
+    ([1, 1, 1, 3], [0, 0, 2, 2]),
+    ([0, 0, 2, 2], [0, 0, 3, 1]),
+    ([0, 0, 2, 2], [1, 1, 3, 3]),
+]
+
+
+def random_boxes(n, xywh, device, dtype=torch.float64):
+    xy = torch.rand(n, 2, device=device, dtype=torch.float64) * 20
+    wh = torch.rand(n, 2, device=device, dtype=torch.float64) * 8 + 0.05
+    b = torch.cat([xy + wh / 2, wh], 1) if xywh else torch.cat([xy, xy + wh], 1)
+    return b.to(dtype)
+
+
+def degenerate_boxes(xywh, device):
+    b1 = torch.tensor([p[0] for p in DEGENERATE], dtype=torch.float64, device=device)
+    b2 = torch.tensor([p[1] for p in DEGENERATE], dtype=torch.float64, device=device)
+    if xywh:  # same boxes, as centre and size
+        b1, b2 = (torch.cat([(b[:, :2] + b[:, 2:]) / 2, b[:, 2:] - b[:, :2]], 1) for b in (b1, b2))
+    return b1, b2
+
+
+def values_and_grads(fn, b1, b2, upstream, **kw):
+    a = b1.detach().clone().requires_grad_()
+    b = b2.detach().clone().requires_grad_()
+    out = fn(a, b, **kw)
+    ga, gb = torch.autograd.grad(out, (a, b), upstream.to(out.dtype))
+    return out, ga, gb
+
+
+def assert_close(got, want, atol, rtol=0.0):
+    torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=rtol, equal_nan=True)
+
+
+@pytest.mark.parametrize("flags", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("xywh", [False, True], ids=["xyxy", "xywh"])
+def test_bbox_iou_matches_ultralytics_float64(flags, xywh, kernels, device):
+    """Random and degenerate pairs (identical, touching, disjoint, nested, zero-area): the kernel
+    in float64 equals ultralytics' bbox_iou in float64, values and grads (a tie in min/max splits
+    the grad as torch does; at touching boxes clamp(0) passes the grad as this torch's does)."""
+    r1, r2 = random_boxes(37, xywh, device), random_boxes(37, xywh, device)
+    d1, d2 = degenerate_boxes(xywh, device)
+    b1, b2 = torch.cat([r1, d1]), torch.cat([r2, d2])
+    up = torch.randn(len(b1), 1, device=device, dtype=torch.float64)
+    got = values_and_grads(bbox_iou, b1, b2, up, xywh=xywh, **flags)
+    want = values_and_grads(metrics.bbox_iou, b1, b2, up, xywh=xywh, **flags)
+    # float64 math; the constants (atan's polynomial, 4/pi^2) are float32 literals in the kernel
+    for g, w in zip(got, want):
+        assert_close(g, w, atol=1e-6, rtol=1e-6)
+    assert got[0].shape == want[0].shape == (len(b1), 1)
+
+
+@pytest.mark.parametrize("flags", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("xywh", [False, True], ids=["xyxy", "xywh"])
+def test_bbox_iou_float32_matches_ultralytics(flags, xywh, kernels, device):
+    b1, b2 = random_boxes(50, xywh, device, torch.float32), random_boxes(50, xywh, device, torch.float32)
+    up = torch.randn(50, 1, device=device)
+    got = values_and_grads(bbox_iou, b1, b2, up, xywh=xywh, **flags)
+    ref = values_and_grads(metrics.bbox_iou, b1, b2, up, xywh=xywh, **flags)
+    exact = values_and_grads(metrics.bbox_iou, b1.double(), b2.double(), up.double(), xywh=xywh, **flags)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    for g, r, e in zip(got, ref, exact):
+        assert_close(g, r, atol=2e-5, rtol=1e-4)
+        # no further from the float64 truth than ultralytics' own float32 result, give or take
+        assert (g.double() - e).abs().max() <= 4 * (r.double() - e).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp16-fp32", "bf16-fp32", "fp16", "bf16"])
+def test_16bit_and_mixed_inputs(dtypes, kernels, device):
+    """The AMP case: fp16/bf16 predictions against fp32 targets. Math in float32, so the result is
+    the float64 value of the (rounded) inputs to float32 precision; grads in each input's dtype."""
+    d1, d2 = dtypes
+    b1, b2 = random_boxes(40, False, device, d1), random_boxes(40, False, device, d2)
+    up = torch.randn(40, 1, device=device)
+    out, g1, g2 = values_and_grads(bbox_iou, b1, b2, up, xywh=False, CIoU=True)
+    ref = values_and_grads(bbox_iou_reference, b1.double(), b2.double(), up.double(), xywh=False,
+                           CIoU=True)
+    assert out.dtype == torch.result_type(b1, b2)
+    assert (g1.dtype, g2.dtype) == (d1, d2)
+    out_tol = 1e-5 if out.dtype == torch.float32 else 4 * torch.finfo(out.dtype).eps
+    assert_close(out, ref[0], atol=out_tol, rtol=out_tol)
+    for g, r in zip((g1, g2), ref[1:]):
+        tol = 4 * torch.finfo(g.dtype).eps
+        assert_close(g, r, atol=tol * r.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("shapes", [((5, 1, 4), (1, 7, 4)), ((4,), (6, 4)), ((2, 3, 4), (3, 4)),
+                                    ((3, 1, 2, 4), (3, 2, 4))], ids=str)
+def test_broadcasting_matches_ultralytics(shapes, kernels, device):
+    s1, s2 = shapes
+    b1 = random_boxes(math.prod(s1[:-1]), True, device).reshape(s1)
+    b2 = random_boxes(math.prod(s2[:-1]), True, device).reshape(s2)
+    out_shape = metrics.bbox_iou(b1, b2, CIoU=True).shape
+    up = torch.randn(out_shape, device=device, dtype=torch.float64)
+    got = values_and_grads(bbox_iou, b1, b2, up, CIoU=True)
+    want = values_and_grads(metrics.bbox_iou, b1, b2, up, CIoU=True)
+    assert got[0].shape == out_shape
+    assert got[1].shape == b1.shape and got[2].shape == b2.shape
+    for g, w in zip(got, want):
+        assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("flags", VARIANTS, ids=IDS)
+def test_nan_and_inf_propagate_as_in_torch(flags, kernels, device):
+    b1 = torch.tensor([[NAN, 0, 2, 2], [0, 0, INF, 2], [0, 0, 2, 2], [-INF, 0, 2, 2], [0, 0, 2, NAN]],
+                      dtype=torch.float64, device=device)
+    b2 = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, NAN, 1], [0, 0, 1, 1], [0, 0, 1, 1]],
+                      dtype=torch.float64, device=device)
+    up = torch.ones(5, 1, device=device, dtype=torch.float64)
+    got = values_and_grads(bbox_iou, b1, b2, up, xywh=False, **flags)
+    want = values_and_grads(metrics.bbox_iou, b1, b2, up, xywh=False, **flags)
+    for g, w in zip(got, want):
+        assert torch.equal(g.isnan(), w.isnan())
+        assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("flags", VARIANTS[:3], ids=IDS[:3])
+def test_gradcheck_float64(flags, kernels, device):
+    """IoU, GIoU, DIoU are smooth away from ties: finite differences of the kernel's own forward
+    agree with its backward. (CIoU treats alpha as a constant in backward, like ultralytics, so its
+    grad is not the derivative of its value; it is checked against the reference above.)"""
+    b1 = random_boxes(6, False, device).requires_grad_()
+    b2 = (b1.detach() + torch.rand(6, 4, device=device, dtype=torch.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: bbox_iou(a, b, xywh=False, **flags), (b1, b2),
+                                    eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+@pytest.mark.parametrize("weight_shape", [None, (23, 1), (23,), (1,)], ids=str)
+@pytest.mark.parametrize("kind", ["ciou", "giou"])
+def test_iou_loss_matches_reference(reduction, weight_shape, kind, kernels, device):
+    """reduce(weight * (1 - IoU)) with the weighting and reduction in the kernel, against the
+    float64 reference; an (n,) weight is one weight per box."""
+    pred = random_boxes(23, False, device, torch.float32)
+    target = random_boxes(23, False, device, torch.float32)
+    w = None if weight_shape is None else torch.rand(weight_shape, device=device)
+    p = pred.clone().requires_grad_()
+    out = iou_loss(p, target, w, kind=kind, reduction=reduction)
+    up = torch.randn_like(out)
+    (g,) = torch.autograd.grad(out, p, up)
+    pr = pred.double().requires_grad_()
+    wr = None if w is None else (w.double().unsqueeze(-1) if weight_shape == (23,) else w.double())
+    ref = iou_loss_reference(pr, target.double(), wr, kind=kind, reduction=reduction)
+    (gr,) = torch.autograd.grad(ref, pr, up.double())
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_close(g, gr, atol=1e-5, rtol=1e-5)
+
+
+def test_iou_loss_is_ultralytics_bbox_loss(kernels, device):
+    """BboxLoss: ((1 - bbox_iou(pred, target, xywh=False, CIoU=True)) * weight).sum() / tss, with
+    an fp16 prediction against fp32 targets (AMP); grads of both boxes."""
+    pred = random_boxes(31, False, device, torch.float16).requires_grad_()
+    target = random_boxes(31, False, device, torch.float32).requires_grad_()
+    weight = torch.rand(31, 1, device=device)
+    tss = 7.5
+    loss = iou_loss(pred, target, weight, kind="ciou", reduction="sum") / tss
+    grads = torch.autograd.grad(loss, (pred, target))
+    p64, t64 = pred.detach().double().requires_grad_(), target.detach().double().requires_grad_()
+    ref = ((1.0 - metrics.bbox_iou(p64, t64, xywh=False, CIoU=True)) * weight.double()).sum() / tss
+    refg = torch.autograd.grad(ref, (p64, t64))
+    assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    assert grads[0].dtype == torch.float16 and grads[1].dtype == torch.float32
+    assert_close(grads[0], refg[0], atol=2e-3 * refg[0].abs().max().item(), rtol=2e-3)
+    assert_close(grads[1], refg[1], atol=1e-5, rtol=1e-5)
+
+
+def test_iou_loss_reduction_is_deterministic(kernels, device):
+    pred, target = random_boxes(3001, False, device, torch.float32), random_boxes(3001, False, device,
+                                                                                  torch.float32)
+    a = iou_loss(pred, target, reduction="sum")
+    b = iou_loss(pred, target, reduction="sum")
+    assert torch.equal(a, b)
+    assert_close(a, iou_loss_reference(pred.double(), target.double()), atol=1e-3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_empty_inputs_give_torch_results(reduction, kernels, device):
+    pred = torch.empty(0, 4, device=device, requires_grad=True)
+    target = torch.empty(0, 4, device=device)
+    out = iou_loss(pred, target, reduction=reduction)
+    ref = iou_loss_reference(pred, target, reduction=reduction)
+    assert out.shape == ref.shape
+    assert_close(out, ref, atol=0)
+    (g,) = torch.autograd.grad(out.sum(), pred)
+    assert g.shape == (0, 4)
+    assert bbox_iou(pred, target).shape == (0, 1)
+
+
+def test_non_contiguous_and_no_grad_inputs(kernels, device):
+    base = torch.cat([random_boxes(40, True, device, torch.float32)] * 2, 1)  # (40, 8)
+    b1 = base[:, 2:6]  # rows 8 apart: not contiguous
+    b2 = random_boxes(40, True, device, torch.float32).t().contiguous().t()
+    assert not b1.is_contiguous() and not b2.is_contiguous()
+    with torch.no_grad():
+        out = bbox_iou(b1, b2, CIoU=True)
+    assert not out.requires_grad
+    assert_close(out, metrics.bbox_iou(b1.double(), b2.double(), CIoU=True), atol=1e-5, rtol=1e-5)
+    leaf = b1.clone().requires_grad_()  # only box1 needs a grad
+    (g,) = torch.autograd.grad(bbox_iou(leaf, b2, CIoU=True).sum(), leaf)
+    p = b1.double().requires_grad_()
+    (gr,) = torch.autograd.grad(metrics.bbox_iou(p, b2.double(), CIoU=True).sum(), p)
+    assert_close(g, gr, atol=1e-5, rtol=1e-5)
+
+
+def test_retain_graph_and_upstream_scale(kernels, device):
+    pred = random_boxes(20, False, device, torch.float32).requires_grad_()
+    target = random_boxes(20, False, device, torch.float32)
+    loss = iou_loss(pred, target, reduction="mean")
+    (loss * 3).backward(retain_graph=True)
+    first = pred.grad.clone()
+    loss.backward()
+    p = pred.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(iou_loss_reference(p, target.double(), reduction="mean"), p)
+    assert_close(first, 3 * gr, atol=1e-6, rtol=1e-5)
+    assert_close(pred.grad, 4 * gr, atol=1e-6, rtol=1e-5)
+
+
+def test_modules(kernels, device):
+    b1, b2 = random_boxes(9, True, device, torch.float32), random_boxes(9, True, device, torch.float32)
+    assert torch.equal(BboxIoU(CIoU=True)(b1, b2), bbox_iou(b1, b2, CIoU=True))
+    w = torch.rand(9, 1, device=device)
+    assert torch.equal(IoULoss("diou", xywh=True, reduction="mean")(b1, b2, w),
+                       iou_loss(b1, b2, w, "diou", True, "mean"))
+    assert "CIoU" in repr(BboxIoU(CIoU=True)) and "diou" in repr(IoULoss("diou"))
+
+
+def test_bad_inputs_raise_clear_errors(kernels, device):
+    b = random_boxes(4, False, device, torch.float32)
+    before = b.clone()
+    with pytest.raises(ValueError, match="4 values in its last dimension"):
+        bbox_iou(b[:, :3], b)
+    with pytest.raises(TypeError, match="box2 must be a floating-point tensor"):
+        bbox_iou(b, b.long())
+    with pytest.raises(ValueError, match="do not broadcast"):
+        bbox_iou(b, b[:3])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        iou_loss(b, b, kind="eiou")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        iou_loss(b, b, reduction="max")
+    with pytest.raises(ValueError, match="weight of shape"):
+        iou_loss(b, b, torch.ones(3, device=device))
+    with pytest.raises(TypeError, match="box1 must be a Tensor"):
+        bbox_iou(b.tolist(), b)
+    assert torch.equal(b, before)
+
+
+@triton.jit
+def _atan_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, atan(x), mask=offs < n)
+
+
+def test_atan_accuracy(device):
+    """The polynomial atan (what lets one kernel run under the interpreter): relative error within
+    1e-6 of float64 atan over the range, exact limits at +-inf, NaN stays NaN."""
+    x = torch.cat([torch.logspace(-30, 30, 2000, dtype=torch.float64), torch.linspace(0, 5, 2001,
+                                                                                      dtype=torch.float64)])
+    x = torch.cat([x, -x, torch.tensor([0.0, INF, -INF, NAN], dtype=torch.float64)]).float().to(device)
+    y = torch.empty_like(x)
+    _atan_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    want = torch.atan(x.double())
+    fin = (want != 0) & ~want.isnan()
+    assert ((y.double()[fin] - want[fin]).abs() / want[fin].abs()).max() < 1e-6
+    assert torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(y[-4:-1].cpu(), torch.tensor([0.0, math.pi / 2, -math.pi / 2]))

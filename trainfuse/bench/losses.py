@@ -1,0 +1,139 @@
+"""Loss benchmark: CIoU loss and BCE-with-logits, forward + backward, eager torch, torch.compile
+and trainfuse, with the bandwidth floor (what ../shared/bench/anchors.py measures).
+
+``do_bench ms`` is what the anchors report (triton's do_bench: an L2 flush, then the call; host
+work longer than the flush shows up in it). ``wall ms`` is back-to-back calls. ``CUDA-graph
+replay`` is the same forward + backward captured once and replayed: the GPU's own time, without
+Python and autograd on the host. At 8,400 boxes the host dominates every variant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+import trainfuse
+from trainfuse.bench._common import copy_bandwidth, kernel_ms, print_table, wall_ms
+from trainfuse.losses import bce_with_logits, iou_loss
+from trainfuse.losses.iou import bbox_iou_reference
+
+
+def _ciou_eager(b1, b2):
+    return (1 - bbox_iou_reference(b1, b2, xywh=False, CIoU=True)).sum()
+
+
+def _fwd_bwd(loss_fn, x, *args):
+    def step():
+        x.grad = None  # as after zero_grad(set_to_none=True): no accumulation kernel
+        loss_fn(x, *args).backward()
+    return step
+
+
+def _graph_ms(fn) -> float:
+    """fn captured in a CUDA graph and replayed: the GPU's time alone, with the host's launch
+    work (Python, autograd) taken out."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return kernel_ms(graph.replay)
+
+
+def _row(name, fn, floor, graph=True):
+    try:
+        fn()
+        k, w = kernel_ms(fn), wall_ms(fn, iters=50)
+        g = _graph_ms(fn) if graph else None
+    except Exception as e:  # noqa: BLE001 - torch.compile may fail on a machine; report it
+        return [name, "ERR", str(e).splitlines()[0][:60], "", "", ""], None
+    gs = "" if g is None else f"{g:.4f} ({floor / g * 100:.0f}%)"
+    return [name, f"{k:.4f}", f"{w:.4f}", gs, "", ""], (k, w, g)
+
+
+def _compare(label, impls, floor, rows):
+    """One table row per implementation (appended to ``rows``), trainfuse last; returns the
+    timings by name."""
+    res = {}
+    for name, fn in impls.items():
+        row, res[name] = _row(f"{label} {name}", fn, floor, graph=name != "torch.compile")
+        rows.append(row)
+    ours = res["trainfuse"][0]
+    for row, name in zip(rows[-len(impls):], impls):
+        if res[name] is not None and name != "trainfuse":
+            row[4] = f"trainfuse {res[name][0] / ours:.1f}x faster"
+    return res
+
+
+def _ciou(bw, sizes, with_compile):
+    rows, out = [], {}
+    compiled = torch.compile(_ciou_eager) if with_compile else None
+    for n in sizes:
+        xy = torch.rand(n, 2, device="cuda") * 600
+        wh = torch.rand(n, 2, device="cuda") * 100 + 1
+        b1 = torch.cat([xy, xy + wh], 1).requires_grad_()
+        b2 = torch.cat([xy + 5, xy + wh * 0.9], 1)
+        floor = n * 16 * 3 / bw * 1e3  # read both boxes, write the grad
+        impls = {"eager": _fwd_bwd(_ciou_eager, b1, b2)}
+        if compiled is not None:
+            impls["torch.compile"] = _fwd_bwd(compiled, b1, b2)
+        impls["trainfuse"] = _fwd_bwd(lambda a, b: iou_loss(a, b, kind="ciou", reduction="sum"), b1, b2)
+        out[n] = {"floor_ms": floor, **_compare(f"CIoU n={n:,}", impls, floor, rows)}
+    return rows, out
+
+
+def _bce(bw, shapes, with_compile):
+    rows, out = [], {}
+    compiled = torch.compile(F.binary_cross_entropy_with_logits) if with_compile else None
+    for shape, dtype in shapes:
+        x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+        y = (torch.rand(shape, device="cuda") > 0.9).to(dtype)
+        floor = x.numel() * x.element_size() * 3 / bw * 1e3  # read x and y, write the grad
+        impls = {"eager": _fwd_bwd(F.binary_cross_entropy_with_logits, x, y)}
+        if compiled is not None:
+            impls["torch.compile"] = _fwd_bwd(compiled, x, y)
+        impls["trainfuse"] = _fwd_bwd(bce_with_logits, x, y)
+        label = f"BCE {tuple(shape)} {str(dtype).removeprefix('torch.')}"
+        out[label] = {"floor_ms": floor, **_compare(label, impls, floor, rows)}
+        del x, y
+    return rows, out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the json")
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    parser.add_argument("--sizes", default="8400,100000,1000000", help="CIoU box counts")
+    args = parser.parse_args(argv)
+    print(trainfuse.describe())
+    if not torch.cuda.is_available():
+        print("the loss benchmark needs a CUDA GPU; nothing to measure here")
+        return
+    bw = copy_bandwidth()
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    import triton
+
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "copy_GBps": bw / 1e9}
+    header = ["forward + backward", "do_bench ms", "wall ms", "CUDA-graph replay ms (% floor)",
+              "vs trainfuse (do_bench)", ""]
+    rows, report["ciou"] = _ciou(bw, [int(s) for s in args.sizes.split(",")], not args.no_compile)
+    print_table("CIoU loss sum(1 - CIoU), xyxy, float32 (floor: read both boxes, write the grad)",
+                header, rows)
+    shapes = [((64, 8400, 80), torch.float32), ((64, 8400, 80), torch.bfloat16),
+              ((16384, 1024), torch.float32), ((16384, 1024), torch.bfloat16)]
+    rows, report["bce"] = _bce(bw, shapes, not args.no_compile)
+    print_table("BCE-with-logits, mean (floor: read logits and targets, write the grad)", header, rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_losses.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

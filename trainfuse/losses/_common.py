@@ -1,0 +1,130 @@
+"""What the loss kernels share: launch shape, broadcast operands, the deterministic reduction.
+
+A reduced loss is one launch: every program writes its partial sum, bumps an arrival counter, and
+the program that arrives last adds the partials up in a fixed order (float64) and writes the
+result. No float atomics, so the loss is bit-identical run to run (ultralytics trains with
+``deterministic=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from trainfuse._engine.launch import CachedLauncher
+
+launcher = CachedLauncher()
+
+
+@dataclasses.dataclass
+class LossLaunch:
+    """A program handles ``block * unroll`` elements (``block`` at a time) with ``num_warps``
+    warps. Tests shrink ``block`` so that small inputs span several programs."""
+
+    block: int = 1024
+    unroll: int = 4
+    num_warps: int = 4
+    per_sm: int = 8  # programs per SM of a persistent grid
+
+    def programs(self, n: int) -> int:
+        return max(1, -(-n // (self.block * self.unroll)))
+
+
+# elementwise streams (BCE): from a sweep on the H100 (torch 2.11, triton 3.6) at (64, 8400, 80):
+# 4096 x 2 elements per tile, 8 warps, 4 programs per SM was best in float32 (178 us, 97% of copy
+# bandwidth) and in bfloat16 (122 us; there the exp/log/division work is the limit, not memory)
+config = LossLaunch(block=4096, unroll=2, num_warps=8, per_sm=4)
+# box pairs (IoU): a few hundred flops per pair, so small programs and many of them: 8,400 boxes
+# (YOLO at 640 px) still spread over 33 SMs
+box_config = LossLaunch(block=256, unroll=1)
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+@triton.jit
+def bcast_index(offs, div, mod, BCAST: tl.constexpr):
+    """Index into an operand broadcast to the loss's shape (see :func:`broadcast_operand`)."""
+    if BCAST:
+        return (offs // div) % mod
+    return offs
+
+
+@triton.jit
+def reduce_partials(partials, counter, out, part, nparts, denom):
+    """Program ``pid``'s share of a one-launch sum: store ``part``; the last program to arrive
+    writes ``out = sum(partials) / denom`` (float64, fixed order) and re-arms the counter."""
+    tl.store(partials + tl.program_id(0), part)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == nparts - 1:
+        RB: tl.constexpr = 1024
+        acc = tl.zeros([RB], tl.float64)
+        for i in range(0, nparts, RB):
+            o = i + tl.arange(0, RB)
+            acc += tl.load(partials + o, mask=o < nparts, other=0.0, cache_modifier=".cg").to(tl.float64)
+        total = tl.sum(acc, 0) / denom
+        # through float32: the interpreter's float64 -> bfloat16 conversion is wrong
+        tl.store(out, total.to(tl.float32).to(out.dtype.element_ty))
+        tl.store(counter, 0)
+
+
+_workspaces: dict[tuple, list] = {}
+
+
+def workspace(device: torch.device, nparts: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partials, counter)`` for a reduction of ``nparts`` programs on ``device``'s current
+    stream. One set per stream, reused launch after launch (kernels on a stream run in order, and
+    the last program leaves the counter at zero), so a loss call allocates nothing for it."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream, dtype)
+    ws = _workspaces.get(key)
+    if ws is None or ws[0].numel() < nparts:
+        size = max(nparts, 1024 if ws is None else 2 * ws[0].numel())
+        counter = torch.zeros(1, dtype=torch.int32, device=device) if ws is None else ws[1]
+        ws = _workspaces[key] = [torch.empty(size, dtype=dtype, device=device), counter]
+    return ws[0], ws[1]
+
+
+def broadcast_operand(t: torch.Tensor, shape: tuple[int, ...], inner: int = 0
+                      ) -> tuple[torch.Tensor, int, int, bool]:
+    """``t`` broadcast to ``shape`` as ``(flat, div, mod, bcast)``: outer index ``i`` (over
+    ``shape`` without its last ``inner`` dims, which ``t`` has in full, e.g. a box's 4 values)
+    reads ``flat[(i // div) % mod]`` (``flat[i]`` when not ``bcast``), times the inner size.
+
+    A full tensor, a per-channel weight (``pos_weight`` of shape ``(C,)``), a per-row weight
+    (``(N, 1)``) and an expanded scalar (the upstream grad of ``loss.sum()``) need no copy; a
+    non-contiguous operand is compacted once, other patterns are materialized.
+    """
+    if t.shape == shape and t.is_contiguous():  # the common case first: no view, no copy
+        return t, 1, 1, False
+    if t.numel() == 1:  # a scalar, or a single weight
+        return t, 1, 1, True
+    shape = tuple(shape)
+    outer = len(shape) - inner
+    n = max(math.prod(shape[:outer]), 1)
+    e = t.expand(shape)
+    if e.is_contiguous():
+        return e.reshape(-1), 1, n, False
+    real = [d for d in range(outer) if shape[d] > 1 and e.stride(d) != 0]
+    if real and real != list(range(real[0], real[-1] + 1)):
+        return e.contiguous().reshape(-1), 1, n, False
+    a, b = (real[0], real[-1] + 1) if real else (outer, outer)
+    dims = [*range(a, b), *range(outer, len(shape))]
+    kept = e.as_strided([shape[d] for d in dims], [e.stride(d) for d in dims])
+    return kept.contiguous().reshape(-1), math.prod(shape[b:outer]), math.prod(shape[a:b]), True
+
+
+def check_float(name: str, fn: str, t: torch.Tensor, *, dtypes=(torch.float32, torch.bfloat16,
+                                                               torch.float16, torch.float64)):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{fn}: {name} must be a floating-point tensor "
+                        f"({', '.join(str(d).removeprefix('torch.') for d in dtypes)}), got {t.dtype}")
+
+
+__all__ = ["REDUCTIONS", "LossLaunch", "bcast_index", "box_config", "broadcast_operand", "check_float",
+           "config", "launcher", "reduce_partials", "workspace"]
