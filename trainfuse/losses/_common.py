@@ -54,6 +54,16 @@ def bcast_index(offs, div, mod, BCAST: tl.constexpr):
 
 
 @triton.jit
+def fast_div(a, b):
+    """a / b to 2 ulp in float32: IEEE division costs ~10x the instructions, and the loss kernels do
+    a dozen per CIoU box pair and two per BCE element (where bf16 makes them compute-bound); exact
+    in float64."""
+    if a.dtype == tl.float64:
+        return a / b
+    return tl.fdiv(a, b)
+
+
+@triton.jit
 def reduce_partials(partials, counter, out, part, nparts, denom):
     """Program ``pid``'s share of a one-launch sum: store ``part``; the last program to arrive
     writes ``out = sum(partials) / denom`` (float64, fixed order) and re-arms the counter."""
@@ -127,4 +137,4 @@ def check_float(name: str, fn: str, t: torch.Tensor, *, dtypes=(torch.float32, t
 
 
 __all__ = ["REDUCTIONS", "LossLaunch", "bcast_index", "box_config", "broadcast_operand", "check_float",
-           "config", "launcher", "reduce_partials", "workspace"]
+           "config", "fast_div", "launcher", "reduce_partials", "workspace"]

@@ -38,6 +38,7 @@ from trainfuse.losses._common import (
     broadcast_operand,
     check_float,
     config,
+    fast_div,
     launcher,
     reduce_partials,
     workspace,
@@ -45,20 +46,11 @@ from trainfuse.losses._common import (
 
 
 @triton.jit
-def _div(a, b):
-    """a / b, to 2 ulp in float32: IEEE division costs ~10x the instructions, and at 2 bytes an
-    element (bf16) this kernel is as much compute- as memory-bound; exact in float64."""
-    if a.dtype == tl.float64:
-        return a / b
-    return tl.fdiv(a, b)
-
-
-@triton.jit
 def log1p_small(e):
     """log(1 + e) for e in [0, 1], to full relative precision for tiny e (where 1 + e rounds to
     1): the rounding of u = 1 + e is undone by the factor e / (u - 1)."""
     u = 1.0 + e
-    return tl.where(u == 1.0, e, tl.log(u) * _div(e, u - 1.0))
+    return tl.where(u == 1.0, e, tl.log(u) * fast_div(e, u - 1.0))
 
 
 @triton.jit
@@ -100,7 +92,7 @@ def _bce_tile(x_ptr, y_ptr, w_ptr, pw_ptr, go_ptr, out_ptr, g_ptr, offs, n, inv,
     if GRAD:
         # torch's ((pw y + 1 - y) s - pw y) rearranged as (1 - y) s - pw y (1 - s): the same
         # value without the cancellation at large |x| (s and 1 - s both from the same exp)
-        r = _div(tl.full(e.shape, 1.0, e.dtype), 1.0 + e)
+        r = fast_div(tl.full(e.shape, 1.0, e.dtype), 1.0 + e)
         s = tl.where(x >= 0, r, e * r)
         sc = tl.where(x >= 0, e * r, r)
         t = pw * y if HAS_PW else y

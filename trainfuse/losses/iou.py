@@ -42,6 +42,7 @@ from trainfuse.losses._common import (
     box_config,
     broadcast_operand,
     check_float,
+    fast_div,
     launcher,
     reduce_partials,
     workspace,
@@ -51,15 +52,6 @@ KINDS = {"iou": 0, "giou": 1, "diou": 2, "ciou": 3}
 IOU, GIOU, DIOU, CIOU = (tl.constexpr(v) for v in KINDS.values())
 OUT_NONE, OUT_IOU, OUT_LOSS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
-
-
-@triton.jit
-def _div(a, b):
-    """a / b, to 2 ulp in float32 (IEEE division is ~10x the instructions, and these kernels do a
-    dozen per box pair); exact in float64."""
-    if a.dtype == tl.float64:
-        return a / b
-    return tl.fdiv(a, b)
 
 
 @triton.jit
@@ -74,7 +66,7 @@ def atan(x):
     mid = a > 0.41421356237309503
     num = tl.where(big, -1.0, tl.where(mid, a - 1.0, a))
     den = tl.where(big, a, tl.where(mid, a + 1.0, 1.0))
-    r = _div(num, den)
+    r = fast_div(num, den)
     base = tl.where(big, 1.5707963267948966, tl.where(mid, 0.7853981633974483, 0.0))
     z = r * r
     p = (((-0.061694869 * z + 0.1062866029) * z - 0.1424805588) * z + 0.199986983) * z - 0.3333331861
@@ -187,28 +179,28 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
         ih = _max(ih_raw, 0.0)
         inter = iw * ih
         union = w1 * h1 + w2 * h2 - inter + eps
-        iou = _div(inter, union)
+        iou = fast_div(inter, union)
         val = iou
         if KIND != IOU:
             cw = _max(b1x2, b2x2) - _min(b1x1, b2x1)
             ch = _max(b1y2, b2y2) - _min(b1y1, b2y1)
             if KIND == GIOU:
                 c_area = cw * ch + eps
-                f = _div(c_area - union, c_area)
+                f = fast_div(c_area - union, c_area)
                 val = iou - f
             else:
                 c2 = cw * cw + ch * ch + eps
                 dx = b2x1 + b2x2 - b1x1 - b1x2
                 dy = b2y1 + b2y2 - b1y1 - b1y2
                 rho2 = (dx * dx + dy * dy) / 4
-                q = _div(rho2, c2)
+                q = fast_div(rho2, c2)
                 val = iou - q
                 if KIND == CIOU:
-                    r1 = _div(w1, h1)
-                    r2 = _div(w2, h2)
+                    r1 = fast_div(w1, h1)
+                    r2 = fast_div(w2, h2)
                     d = atan(r2) - atan(r1)
                     v = 0.4052847345693511 * (d * d)  # 4 / pi^2
-                    alpha = _div(v, 1 - iou + v + eps)
+                    alpha = fast_div(v, 1 - iou + v + eps)
                     val = iou - (q + v * alpha)
 
         if HAS_W:
@@ -227,7 +219,7 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
             c = tl.load(go_ptr + bcast_index(offs, go_div, go_mod, GO_BCAST), mask=mask,
                         other=0.0).to(CD)
             if LOSS:
-                c = -wt * _div(c, tl.zeros([BLOCK], CD) + denom)
+                c = -wt * fast_div(c, tl.zeros([BLOCK], CD) + denom)
             # reverse mode through the forward above, torch's op order and subgradients
             g_iou = c
             g_union = zero
@@ -242,30 +234,30 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
             if KIND != IOU:
                 if KIND == GIOU:
                     g_f = -c  # val = iou - f, f = (c_area - union) / c_area
-                    g_num = _div(g_f, c_area)
-                    g_ca = g_num - _div(g_f * f, c_area)
+                    g_num = fast_div(g_f, c_area)
+                    g_ca = g_num - fast_div(g_f * f, c_area)
                     g_union = -g_num
                     g_cw = g_ca * ch
                     g_ch = g_ca * cw
                 else:
                     g_q = -c  # q = rho2 / c2
-                    g_rho2 = _div(g_q, c2)
-                    g_c2 = -_div(g_q * q, c2)
+                    g_rho2 = fast_div(g_q, c2)
+                    g_c2 = -fast_div(g_q * q, c2)
                     g_cw = g_c2 * 2 * cw
                     g_ch = g_c2 * 2 * ch
                     g_dx = g_rho2 / 4 * 2 * dx
                     g_dy = g_rho2 / 4 * 2 * dy
                     if KIND == CIOU:
                         g_d = -c * alpha * 0.4052847345693511 * 2 * d
-                        g_r2 = _div(g_d, r2 * r2 + 1)
-                        g_r1 = -_div(g_d, r1 * r1 + 1)
-                        g_w1 += _div(g_r1, h1)
-                        g_h1 -= _div(g_r1 * r1, h1)
-                        g_w2 += _div(g_r2, h2)
-                        g_h2 -= _div(g_r2 * r2, h2)
+                        g_r2 = fast_div(g_d, r2 * r2 + 1)
+                        g_r1 = -fast_div(g_d, r1 * r1 + 1)
+                        g_w1 += fast_div(g_r1, h1)
+                        g_h1 -= fast_div(g_r1 * r1, h1)
+                        g_w2 += fast_div(g_r2, h2)
+                        g_h2 -= fast_div(g_r2 * r2, h2)
             # iou = inter / union, union = w1 h1 + w2 h2 - inter + eps
-            g_inter = _div(g_iou, union)
-            g_union += -_div(g_iou * iou, union)
+            g_inter = fast_div(g_iou, union)
+            g_union += -fast_div(g_iou * iou, union)
             g_inter -= g_union
             g_w1 += g_union * h1
             g_h1 += g_union * w1
