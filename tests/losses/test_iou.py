@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from trainfuse.losses import BboxIoU, IoULoss, bbox_iou, iou_loss
+from trainfuse.losses import iou as iou_module
 from trainfuse.losses.iou import atan, bbox_iou_reference, iou_loss_reference
 
 metrics = pytest.importorskip("ultralytics.utils.metrics")
@@ -142,6 +143,35 @@ def test_nan_and_inf_propagate_as_in_torch(flags, kernels, device):
     for g, w in zip(got, want):
         assert torch.equal(g.isnan(), w.isnan())
         assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("at_zero", [True, False], ids=["torch-2.11", "torch-2.15"])
+def test_touching_boxes_follow_either_clamp_convention(at_zero, kernels, device, monkeypatch):
+    """Where boxes touch, the intersection width is exactly 0 and clamp(0)'s grad there depends on
+    the torch version (2.11 passes it, 2.15 does not). The installed torch exercises one branch
+    above; both are checked here against a reference with that clamp written out."""
+    monkeypatch.setattr(iou_module, "_clamp_at_zero", lambda: at_zero)
+    eps = 1e-7
+
+    def clamp0(x):  # clamp(0) whose grad passes at exactly 0 or not
+        return x * ((x >= 0) if at_zero else (x > 0)).to(x.dtype)
+
+    def reference(a, b):
+        x1, y1, x2, y2 = a.unbind(-1)
+        X1, Y1, X2, Y2 = b.unbind(-1)
+        inter = clamp0(x2.minimum(X2) - x1.maximum(X1)) * clamp0(y2.minimum(Y2) - y1.maximum(Y1))
+        union = (x2 - x1) * (y2 - y1 + eps) + (X2 - X1) * (Y2 - Y1 + eps) - inter + eps
+        return (inter / union).unsqueeze(-1)
+
+    b1 = torch.tensor([[0, 0, 2, 2]] * 4, dtype=torch.float64, device=device)
+    b2 = torch.tensor([[2, 0, 4, 2], [0, 2, 2, 4], [2, 2, 3, 3], [1, 1, 3, 3]], dtype=torch.float64,
+                      device=device)
+    up = torch.randn(4, 1, device=device, dtype=torch.float64)
+    got = values_and_grads(bbox_iou, b1, b2, up, xywh=False)
+    want = values_and_grads(reference, b1, b2, up)
+    for g, w in zip(got, want):
+        assert_close(g, w, atol=1e-9, rtol=1e-9)
+    assert (got[1][:3] != 0).any() == at_zero  # the touching rows get a grad only at_zero
 
 
 @pytest.mark.parametrize("flags", VARIANTS[:3], ids=IDS[:3])

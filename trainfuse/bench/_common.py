@@ -55,6 +55,35 @@ def copy_bandwidth() -> float:
     return 2 * n * 4 / (ms * 1e-3)
 
 
+def start_report(what: str) -> tuple[dict, float] | None:
+    """Say what runs here; without a GPU say that there is nothing to measure and return None.
+    Otherwise measure the copy bandwidth and return ``(report, bytes/s)``, the report holding the
+    device, the versions and the bandwidth."""
+    import triton
+
+    from trainfuse import describe
+
+    print(describe())
+    if not torch.cuda.is_available():
+        print(f"the {what} benchmark needs a CUDA GPU; nothing to measure here")
+        return None
+    bw = copy_bandwidth()
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "copy_GBps": bw / 1e9}
+    return report, bw
+
+
+def save_report(report: dict, out: str, name: str) -> None:
+    """Write ``report`` as ``out/bench_<name>.json``."""
+    import json
+    import os
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print(f"\n{title}")

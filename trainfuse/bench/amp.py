@@ -15,7 +15,6 @@ Rows, each beside what torch users run today, in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -24,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import trainfuse
-from trainfuse.bench._common import copy_bandwidth, kernel_ms, print_table, wall_ms
+from trainfuse.bench._common import kernel_ms, print_table, save_report, start_report, wall_ms
 from trainfuse.bench.optim import gpt2_shapes
 
 
@@ -294,16 +293,10 @@ def main(argv=None):
     parser.add_argument("--gpt-batches", default="8,32",
                         help="batch sizes (x 256 tokens) of the GPT-like model, comma separated")
     args = parser.parse_args(argv)
-    print(trainfuse.describe())
-    if not torch.cuda.is_available():
-        print("amp benchmark needs a CUDA GPU; nothing to measure here")
+    started = start_report("amp")
+    if started is None:
         return
-    bw = copy_bandwidth()
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
-    import triton
-
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "copy_GBps": bw / 1e9}
+    report, bw = started
     gpt = lambda: {b: bench_small_gpt(args.steps, batch=int(b))  # noqa: E731
                    for b in args.gpt_batches.split(",")}
     for key, fn in (("casts", lambda: bench_cast_fusion(bw)), ("clip", lambda: bench_clip(bw)),
@@ -311,9 +304,7 @@ def main(argv=None):
         if args.only in ("", key):
             report[key] = fn()
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_amp.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    save_report(report, args.out, "amp")
     assert math.isfinite(bw)
 
 

@@ -4,14 +4,13 @@ GPT-2 124M (float32) and yolov5n (params and BatchNorm buffers), with the bandwi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 from torch import nn
 
 import trainfuse
-from trainfuse.bench._common import copy_bandwidth, kernel_ms, print_table, wall_ms
+from trainfuse.bench._common import kernel_ms, print_table, save_report, start_report, wall_ms
 from trainfuse.bench.optim import gpt2_shapes
 
 
@@ -64,21 +63,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the json")
     args = parser.parse_args(argv)
-    print(trainfuse.describe())
-    if not torch.cuda.is_available():
-        print("EMA benchmark needs a CUDA GPU; nothing to measure here")
+    started = start_report("EMA")
+    if started is None:
         return
-    bw = copy_bandwidth()
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
-    import triton
-
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "copy_GBps": bw / 1e9, "workloads": {}}
+    report, bw = started
+    report["workloads"] = {}
     for name, model in _models():
         report["workloads"][name] = _bench(name, model, bw)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_ema.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    save_report(report, args.out, "ema")
 
 
 __all__ = ["main"]

@@ -9,14 +9,12 @@ Python and autograd on the host. At 8,400 boxes the host dominates every variant
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 import torch.nn.functional as F
 
-import trainfuse
-from trainfuse.bench._common import copy_bandwidth, kernel_ms, print_table, wall_ms
+from trainfuse.bench._common import kernel_ms, print_table, save_report, start_report, wall_ms
 from trainfuse.losses import bce_with_logits, iou_loss
 from trainfuse.losses.iou import bbox_iou_reference
 
@@ -111,16 +109,10 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument("--sizes", default="8400,100000,1000000", help="CIoU box counts")
     args = parser.parse_args(argv)
-    print(trainfuse.describe())
-    if not torch.cuda.is_available():
-        print("the loss benchmark needs a CUDA GPU; nothing to measure here")
+    started = start_report("loss")
+    if started is None:
         return
-    bw = copy_bandwidth()
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
-    import triton
-
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "copy_GBps": bw / 1e9}
+    report, bw = started
     header = ["forward + backward", "do_bench ms", "wall ms", "CUDA-graph replay ms (% floor)",
               "vs trainfuse (do_bench)", ""]
     rows, report["ciou"] = _ciou(bw, [int(s) for s in args.sizes.split(",")], not args.no_compile)
@@ -130,9 +122,7 @@ def main(argv=None):
               ((16384, 1024), torch.float32), ((16384, 1024), torch.bfloat16)]
     rows, report["bce"] = _bce(bw, shapes, not args.no_compile)
     print_table("BCE-with-logits, mean (floor: read logits and targets, write the grad)", header, rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_losses.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    save_report(report, args.out, "losses")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ over torch's fused step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -19,7 +18,7 @@ import torch
 
 import trainfuse
 from trainfuse._engine import config
-from trainfuse.bench._common import copy_bandwidth, host_ms, kernel_ms, print_table, wall_ms
+from trainfuse.bench._common import host_ms, kernel_ms, print_table, save_report, start_report, wall_ms
 
 
 def gpt2_shapes() -> list[tuple[int, ...]]:
@@ -199,17 +198,10 @@ def main(argv=None):
                         help="sweep these BLOCKxUNROLLxWARPS configurations, e.g. 512x8x4,512x16x2")
     parser.add_argument("--only", default="", help="run only workloads whose name contains this")
     args = parser.parse_args(argv)
-    print(trainfuse.describe())
-    if not torch.cuda.is_available():
-        print("optimizer benchmark needs a CUDA GPU; nothing to measure here")
+    started = start_report("optimizer")
+    if started is None:
         return
-    bw = copy_bandwidth()
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "copy_GBps": bw / 1e9}
-    import triton
-
-    report["triton"] = triton.__version__
+    report, bw = started
     workloads = [("GPT-2 124M", _params(gpt2_shapes())),
                  ("216-tensor YOLO-like", _params(yolo_like_shapes()))]
     if args.sweep or args.sweep_only:
@@ -233,9 +225,7 @@ def main(argv=None):
             if name.startswith("216") and kind == "adamw":
                 report["rebuild"] = bench_rebuild(opt, ps)
             del opt, ps
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_optim.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    save_report(report, args.out, "optim")
     _plot(report, os.path.join(args.out, "bench_optim.png"))
 
 
