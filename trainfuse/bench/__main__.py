@@ -1,11 +1,12 @@
-"""``python -m trainfuse.bench {optim,amp,ema,losses} [options] [--out DIR]``"""
+"""``python -m trainfuse.bench {optim,amp,ema,losses,mlp} [options] [--out DIR]``"""
 
 import sys
 
 
 def main() -> None:
     families = {"optim": "trainfuse.bench.optim", "amp": "trainfuse.bench.amp",
-                "ema": "trainfuse.bench.ema", "losses": "trainfuse.bench.losses"}
+                "ema": "trainfuse.bench.ema", "losses": "trainfuse.bench.losses",
+                "mlp": "trainfuse.bench.mlp"}
     if len(sys.argv) < 2 or sys.argv[1] not in families:
         print(f"usage: python -m trainfuse.bench {{{','.join(families)}}} [options]")
         raise SystemExit(2)

@@ -1,0 +1,319 @@
+"""FusedMLP against nn.Sequential and a float64 reference, through the kernels (the Triton
+interpreter on CPU): forward, input and weight grads, every activation, dropout masks, dtypes,
+split-K weight grads, state_dict, from_sequential and fuse_mlps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from trainfuse.nn import FusedMLP, FuseReport, fuse_mlps
+from trainfuse.nn import mlp as M
+
+ACTS = ["relu", "gelu", "gelu_tanh", "silu", "none"]
+# (rows, sizes): odd, non-power-of-two, a single layer, a single row, an unsplit K
+SHAPES = [(37, [24, 40, 33, 8]), (64, [32, 48, 32]), (5, [17, 16]), (1, [16, 24, 16])]
+# ||ours - float64|| / ||float64|| may be at most this, or twice nn.Sequential's own error in the
+# same dtype (a float16 chain rounds every layer's output; so does torch)
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def small_tiles(kernels, monkeypatch, device):
+    """Kernels forced on, with tiles small enough that these shapes span several programs."""
+    if device.type == "cpu":
+        cfg = M.MatmulConfigs(forward=M.MatmulConfig(16, 16, 16, 4, 2, 2),
+                              dgrad=M.MatmulConfig(16, 32, 16, 4, 2, 2),
+                              wgrad=M.MatmulConfig(16, 16, 16, 4, 2, 2), min_split_k=16, act_block=64)
+        monkeypatch.setattr(M, "config", cfg)
+    return M.config
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run(model: nn.Module, x: torch.Tensor, g: torch.Tensor, autocast: torch.dtype | None = None):
+    """Output, input grad and every param grad of ``model`` on ``x`` with upstream grad ``g``."""
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        y = model(x)
+    y.backward(g.to(y.dtype))
+    return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+def reference(model: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    """The same chain as plain nn.Sequential in float64 (weights as stored, upcast)."""
+    seq = nn.Sequential(*copy.deepcopy(list(model.children()))).double()
+    return run(seq, x.double(), g.double())
+
+
+def assert_close_to_reference(ours, torch_same_dtype, ref, dtype, what=""):
+    names = ["output", "input grad"] + [f"param grad {i}" for i in range(len(ref) - 2)]
+    for name, a, t, r in zip(names, ours, torch_same_dtype, ref):
+        assert a.shape == r.shape, f"{what} {name}: shape {tuple(a.shape)} vs {tuple(r.shape)}"
+        limit = max(TOL[dtype], 2 * rel(t, r))
+        assert rel(a, r) <= limit, f"{what} {name}: error {rel(a, r):.2e} > {limit:.2e}"
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,sizes", SHAPES, ids=str)
+def test_matches_sequential_and_float64(small_tiles, device, act, dtype, rows, sizes):
+    mlp = FusedMLP(sizes, activation=act, last_activation=act != "none").to(device, dtype)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    x = torch.randn(rows, sizes[0], device=device, dtype=dtype)
+    g = torch.randn(rows, sizes[-1], device=device, dtype=dtype)
+    assert_close_to_reference(run(mlp, x, g), run(seq, x, g), reference(mlp, x, g), dtype, act)
+
+
+@pytest.mark.parametrize("last_activation", [True, False])
+def test_last_activation_and_no_bias(small_tiles, device, last_activation):
+    mlp = FusedMLP([20, 32, 12], activation="gelu", last_activation=last_activation, bias=False).to(device)
+    assert mlp[0].bias is None and isinstance(mlp[-1], nn.GELU) == last_activation
+    x, g = torch.randn(9, 20, device=device), torch.randn(9, 12, device=device)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    assert_close_to_reference(run(mlp, x, g), run(seq, x, g), reference(mlp, x, g), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_autocast_float32_params_and_input(small_tiles, device, dtype):
+    """Under autocast: float32 weights and input are read as stored and rounded in the kernel;
+    the output is in the autocast dtype, the grads in the params' and input's float32."""
+    mlp = FusedMLP([32, 48, 16], activation="silu", last_activation=True).to(device)
+    x, g = torch.randn(40, 32, device=device), torch.randn(40, 16, device=device)
+    ours = run(mlp, x, g, autocast=dtype)
+    assert ours[0].dtype == dtype and all(t.dtype == torch.float32 for t in ours[1:])
+    # reference: the operands autocast rounds (weights, input) rounded the same way, then float64
+    rounded = copy.deepcopy(mlp)
+    for p in rounded.parameters():
+        p.data = p.data.to(dtype).float()
+    ref = reference(rounded, x.to(dtype).float(), g)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    assert_close_to_reference(ours, run(seq, x, g, autocast=dtype), ref, dtype, "autocast")
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_dropout_mask_is_regenerated_in_backward(small_tiles, device, act):
+    """The backward applies the very mask the forward drew (from the seed, not from memory):
+    output and grads equal a float64 chain run with the masks that dropout_mask() returns."""
+    p = 0.3
+    mlp = FusedMLP([24, 40, 33, 8], activation=act, last_activation=True, dropout=p).to(device).train()
+    x, g = torch.randn(29, 24, device=device), torch.randn(29, 8, device=device)
+    ours = run(mlp, x, g)
+    seed = mlp._last_seed
+    masks = [M.dropout_mask(seed + i, (29, lin.out_features), p, device)
+             for i, lin in enumerate(m for m in mlp if isinstance(m, nn.Linear))]
+    kept = torch.cat([m.flatten() for m in masks]).float().mean().item()
+    assert 0.6 < kept < 0.8  # about 1 - p of the elements are kept
+    lins = [m for m in mlp if isinstance(m, nn.Linear)]
+    ws = [lin.weight.detach().double().requires_grad_() for lin in lins]
+    bs = [lin.bias.detach().double().requires_grad_() for lin in lins]
+    x64 = x.double().requires_grad_()
+    y = M.mlp_reference(x64, ws, bs, [act] * 3, masks, [p] * 3)
+    y.backward(g.double())
+    ref = [y, x64.grad] + [t.grad for pair in zip(ws, bs) for t in pair]
+    for name, a, r in zip(["output", "input grad", "w0", "b0", "w1", "b1", "w2", "b2"], ours, ref):
+        assert rel(a, r) < 1e-5, f"{name}: {rel(a, r):.2e}"
+
+
+def test_dropout_draws_new_masks_and_follows_the_torch_seed(small_tiles, device):
+    mlp = FusedMLP([16, 32, 16], dropout=0.5, last_activation=True).to(device)
+    x = torch.randn(8, 16, device=device)
+    torch.manual_seed(7)
+    a = mlp(x)
+    b = mlp(x)
+    torch.manual_seed(7)
+    c = mlp(x)
+    assert not torch.equal(a, b) and torch.equal(a, c)
+    mlp.eval()  # no dropout: the plain chain
+    seq = nn.Sequential(*[m for m in mlp.children() if not isinstance(m, nn.Dropout)])
+    assert rel(mlp(x), seq(x)) < 1e-6
+
+
+def test_split_k_weight_grad_is_right_and_deterministic(small_tiles, device, monkeypatch):
+    """A long batch against a small weight: the weight grad splits the batch over several
+    programs per tile and the last one adds the partials in a fixed order."""
+    monkeypatch.setattr(M.config, "wave_programs", 64)
+    monkeypatch.setattr(M.config, "min_split_k", 16)
+    splits = []
+    launch = M.launcher
+
+    def spy(fn, grid, *args, **kw):
+        if kw.get("EPI") == M.EPI_WGRAD:
+            splits.append(kw["SPLIT"])
+        return launch(fn, grid, *args, **kw)
+
+    monkeypatch.setattr(M, "launcher", spy)
+    mlp = FusedMLP([16, 24, 8], activation="relu").to(device)
+    x, g = torch.randn(150, 16, device=device), torch.randn(150, 8, device=device)
+    first = run(mlp, x, g)
+    assert max(splits) > 1
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    assert_close_to_reference(first, run(seq, x, g), reference(mlp, x, g), torch.float32, "split-K")
+    again = run(mlp, x, g)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_input_without_grad_and_frozen_layer(small_tiles, device):
+    mlp = FusedMLP([16, 32, 16, 8], activation="gelu_tanh").to(device)
+    mlp[2].weight.requires_grad_(False)
+    x = torch.randn(12, 16, device=device)  # no requires_grad
+    mlp(x).square().sum().backward()
+    assert mlp[2].weight.grad is None and mlp[2].bias.grad is not None
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children()))).double()
+    seq(x.double()).square().sum().backward()
+    for ours, ref in zip(mlp.parameters(), seq.parameters()):
+        assert (ours.grad is None) == (ref.grad is None)
+        if ref.grad is not None:
+            assert rel(ours.grad, ref.grad) < 1e-5
+
+
+def test_leading_dims_and_non_contiguous_input(small_tiles, device):
+    mlp = FusedMLP([16, 24, 8], activation="relu").to(device)
+    x = torch.randn(3, 16, 7, device=device).transpose(1, 2)  # (3, 7, 16), not contiguous
+    g = torch.randn(3, 7, 8, device=device)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    ours = run(mlp, x, g)
+    assert ours[0].shape == (3, 7, 8) and ours[1].shape == x.shape
+    assert_close_to_reference(ours, run(seq, x, g), reference(mlp, x, g), torch.float32)
+
+
+def test_grads_accumulate_like_torch(small_tiles, device):
+    mlp = FusedMLP([16, 16, 16]).to(device)
+    x = torch.randn(20, 16, device=device)
+    mlp(x).sum().backward()
+    once = mlp[0].weight.grad.clone()
+    mlp(x).sum().backward()
+    assert rel(mlp[0].weight.grad, 2 * once) < 1e-6
+
+
+def test_ddp_gradient_hooks(small_tiles, device, tmp_path):
+    """Under DistributedDataParallel (one process) the grads DDP's hooks reduce are ours."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mlp = FusedMLP([16, 32, 8], activation="relu").to(device)
+        ddp = nn.parallel.DistributedDataParallel(mlp)
+        x, g = torch.randn(10, 16, device=device), torch.randn(10, 8, device=device)
+        ours = run(ddp, x, g)
+        seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+        assert_close_to_reference(ours, run(seq, x, g), reference(mlp, x, g), torch.float32, "DDP")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_streams_setting_gives_identical_results(small_tiles, device):
+    mlp = FusedMLP([16, 32, 32, 8], activation="gelu", streams=1).to(device)
+    x, g = torch.randn(33, 16, device=device), torch.randn(33, 8, device=device)
+    one = run(mlp, x, g)
+    two = run(FusedMLP.from_sequential(mlp, streams=2), x, g)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+# ---- module contract ------------------------------------------------------------------------------
+def test_state_dict_keys_equal_the_plain_sequential():
+    mlp = FusedMLP([8, 16, 16, 4], activation="gelu", dropout=0.1)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 16), nn.GELU(),
+                          nn.Dropout(0.1), nn.Linear(16, 4))
+    assert list(mlp.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(mlp.state_dict())
+    mlp.load_state_dict(plain.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(mlp.state_dict().values(), plain.state_dict().values()))
+
+
+def test_from_sequential_shares_the_parameters():
+    seq = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(seq.parameters(), lr=0.1)
+    fused = FusedMLP.from_sequential(seq)
+    assert [id(p) for p in fused.parameters()] == [id(p) for p in opt.param_groups[0]["params"]]
+    assert list(fused.state_dict()) == list(seq.state_dict())
+
+
+@pytest.mark.parametrize("bad,match", [
+    (nn.Sequential(nn.ReLU(), nn.Linear(4, 4)), "comes before the first Linear"),
+    (nn.Sequential(nn.Linear(4, 8), nn.Linear(4, 4)), "does not take the 8 features"),
+    (nn.Sequential(nn.Linear(4, 4), nn.Tanh()), "Tanh"),
+    (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.GELU()), "after an activation"),
+    (nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1, inplace=True)), "inplace"),
+    (nn.Sequential(), "no Linear"),
+])
+def test_from_sequential_refuses_other_chains(bad, match):
+    with pytest.raises(ValueError, match=match):
+        FusedMLP.from_sequential(bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"sizes": [8, 8], "activation": "tanh"}, "activation must be one of"),
+    ({"sizes": [8]}, "at least"),
+    ({"sizes": [8, 8], "dropout": 1.5}, "dropout"),
+    ({"sizes": [8, 8], "streams": 3}, "streams"),
+])
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FusedMLP(**kwargs)
+
+
+def test_fuse_mlps_swaps_whole_chains_and_reports_the_rest():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.head = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
+    model.mixed = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU())
+    model.tanh = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    model.convs = nn.Sequential(nn.Conv1d(2, 2, 1), nn.ReLU())  # no Linear: not a candidate
+    model.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.GELU(approximate="tanh"))])
+    model.hooked = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    model.hooked[0].register_forward_hook(lambda *a: None)
+    params = {id(p) for p in model.parameters()}
+    keys = list(model.state_dict())
+    x = torch.randn(4, 8)
+    before = model.head.eval()(x)
+    report = fuse_mlps(model)
+    assert isinstance(report, FuseReport)
+    assert sorted(report.swapped) == ["blocks.0", "head"]
+    skipped = dict(report.skipped)
+    assert set(skipped) == {"mixed", "tanh", "hooked"}
+    assert "LayerNorm" in skipped["mixed"] and "Tanh" in skipped["tanh"] and "hooks" in skipped["hooked"]
+    assert type(model.head) is FusedMLP and type(model.blocks[0]) is FusedMLP
+    assert type(model.mixed) is nn.Sequential
+    assert {id(p) for p in model.parameters()} == params and list(model.state_dict()) == keys
+    assert torch.equal(model.head(x), before)
+    assert "swapped head" in str(report) and "skipped mixed" in str(report)
+
+
+def test_fuse_mlps_on_a_chain_itself():
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    report = fuse_mlps(seq)
+    assert report.swapped == [] and "from_sequential" in report.skipped[0][1]
+
+
+def test_cpu_tensors_take_torch_path_by_default(monkeypatch):
+    """TRAINFUSE_BACKEND=auto on CPU: the plain nn.Sequential forward, bit for bit; so does
+    float64 with the kernels forced."""
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "auto")
+    called = []
+    monkeypatch.setattr(M, "matmul", lambda *a, **k: called.append(1))
+    mlp = FusedMLP([8, 16, 4], activation="gelu")
+    seq = nn.Sequential(*mlp.children())
+    x = torch.randn(5, 8)
+    assert torch.equal(mlp(x), seq(x))
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")
+    mlp64 = copy.deepcopy(mlp).double()
+    assert torch.equal(mlp64(x.double()), nn.Sequential(*mlp64.children())(x.double()))
+    assert called == []
+
+
+def test_empty_batch(small_tiles, device):
+    mlp = FusedMLP([8, 16, 4]).to(device)
+    x = torch.randn(0, 8, device=device, requires_grad=True)
+    y = mlp(x)
+    y.sum().backward()
+    assert y.shape == (0, 4) and x.grad.shape == (0, 8)

@@ -1,0 +1,136 @@
+"""What only a CUDA device can show: bf16 tensor-core kernels, the two-stream backward under a
+delayed side stream, CUDA-graph capture, GradScaler, and the auto backend's fallback choice."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests.nn.test_mlp import assert_close_to_reference, reference, rel, run
+from trainfuse.nn import FusedMLP
+from trainfuse.nn import mlp as M
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _rounded(mlp, dtype):
+    r = copy.deepcopy(mlp)
+    for p in r.parameters():
+        p.data = p.data.to(dtype).float()
+    return r
+
+
+@cuda
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("rows,width", [(512, 256), (300, 160), (2048, 1024)])
+def test_bf16_autocast_matches_torch(act, rows, width):
+    mlp = FusedMLP([width, width, width, width // 2], activation=act, last_activation=True).cuda()
+    x = torch.randn(rows, width, device="cuda")
+    g = torch.randn(rows, width // 2, device="cuda")
+    ours = run(mlp, x, g, autocast=torch.bfloat16)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    ref = reference(_rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
+    assert_close_to_reference(ours, run(seq, x, g, autocast=torch.bfloat16), ref, torch.bfloat16, act)
+
+
+@cuda
+def test_side_stream_delayed_grads_still_right(monkeypatch):
+    """The side stream sleeps before every weight grad: the main stream races ahead, frees and
+    reallocates memory and returns; the grads must still be the ones a single stream computes."""
+    mlp = FusedMLP([512, 1024, 1024, 1024, 512], activation="gelu", last_activation=True, streams=1).cuda()
+    x = torch.randn(4096, 512, device="cuda")
+    g = torch.randn(4096, 512, device="cuda")
+    want = run(mlp, x, g, autocast=torch.bfloat16)
+    two = FusedMLP.from_sequential(mlp, streams=2)
+    monkeypatch.setattr(M, "_debug_side_sleep_cycles", 20_000_000)
+    for _ in range(3):
+        xx = x.clone().requires_grad_()
+        two.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = two(xx)
+        y.backward(g.bfloat16())
+        # no synchronize: read the grads on the main stream right away, and churn the allocator
+        got = [y.detach(), xx.grad] + [p.grad for p in two.parameters()]
+        junk = [torch.full((4096, 1024), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        got = [t.clone() for t in got]
+        del junk
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@cuda
+def test_forward_backward_captured_in_cuda_graph():
+    mlp = FusedMLP([256, 512, 256], activation="relu", last_activation=True).cuda()
+    x = torch.randn(1024, 256, device="cuda", requires_grad=True)
+    g = torch.randn(1024, 256, device="cuda")
+    want = run(mlp, x, g, autocast=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up: compiles, workspaces
+            mlp.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = mlp(x)
+            y.backward(g.bfloat16())
+    torch.cuda.current_stream().wait_stream(side)
+    for p in mlp.parameters():
+        p.grad = torch.zeros_like(p)
+    x.grad = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = mlp(x)
+        y.backward(g.bfloat16())
+    for _ in range(2):
+        for t in [x, *mlp.parameters()]:
+            t.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [y.detach(), x.grad] + [p.grad for p in mlp.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@cuda
+def test_grad_scaler_fp16():
+    mlp = FusedMLP([256, 256, 256, 64], activation="relu").cuda()
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    x = torch.randn(512, 256, device="cuda")
+    outs = []
+    for model in (mlp, seq):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**14)
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        outs.append([p.detach().clone() for p in model.parameters()] + [scaler.get_scale()])
+    for a, b in zip(outs[0][:-1], outs[1][:-1]):
+        assert rel(a, b) < 1e-3
+    assert outs[0][-1] == outs[1][-1]
+
+
+@cuda
+def test_auto_backend_takes_torch_for_odd_sizes_and_tiny_batches(monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "auto")
+    calls = []
+    real = M.matmul
+    monkeypatch.setattr(M, "matmul", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    for sizes, rows, fused in [([64, 64], 128, True), ([60, 64], 128, False), ([64, 64], 8, False)]:
+        calls.clear()
+        FusedMLP(sizes).cuda()(torch.randn(rows, sizes[0], device="cuda"))
+        assert bool(calls) == fused, (sizes, rows)
+
+
+@cuda
+def test_float32_follows_torch_tf32_switch(monkeypatch):
+    mlp = FusedMLP([256, 256, 256], activation="relu").cuda()
+    x, g = torch.randn(256, 256, device="cuda"), torch.randn(256, 256, device="cuda")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    ours = run(mlp, x, g)
+    ref = reference(mlp, x, g)
+    assert all(rel(a, r) < 1e-5 for a, r in zip(ours, ref))

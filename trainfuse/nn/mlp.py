@@ -1,0 +1,518 @@
+"""Linear + bias + activation (+ dropout) chains: one Triton matmul per layer and direction.
+
+For layer ``i`` with weight ``W_i`` (out x in), input ``X_i`` and activation ``f``::
+
+    forward  pre_i = X_i W_i^T + b_i                     matmul, bias in the epilogue
+             X_{i+1} = dropout(f(pre_i))                 activation and dropout in the epilogue
+    dgrad    dpre_{i-1} = (dpre_i W_i) * f'(.) * keep/(1-p)   the previous layer's activation grad
+                                                        (and dropout mask) in the epilogue
+    wgrad    dW_i = dpre_i^T X_i,  db_i = sum_rows dpre_i  the bias grad summed while the matmul
+                                                        reads dpre_i, deterministically
+
+One kernel, :func:`_mm_kernel`, does all three: its operands are addressed by strides, so ``W^T``
+and ``dpre^T`` are read in place, and its ``EPI`` constexpr picks the epilogue. Operands are read
+as they are stored (a float32 weight under bf16 autocast, the float32 input of the first layer) and
+converted to the compute dtype in registers, so no cast kernel runs; accumulation is float32. The
+weight grad goes straight into the weight's dtype (float32 for float32 params: torch rounds it
+through bf16 under autocast first).
+
+What the forward saves: every layer's input (the next layer's wgrad needs it anyway), and for
+GELU/SiLU the pre-activation. ReLU needs nothing more: its mask is ``out > 0`` (with dropout,
+``out`` is zero where dropped, so the same test holds). Dropout draws its mask from Philox
+(``tl.rand(seed, element index)``); the backward regenerates it from the seed instead of storing it.
+
+The backward runs each layer's wgrad on a side CUDA stream (``streams=2``), so it overlaps the
+next dgrad on the main stream. The side stream waits on the main one before each wgrad; every
+tensor it reads stays referenced until the main stream has joined it, at the end of the backward,
+so the caching allocator cannot hand their memory to another kernel while the side stream still
+reads it; the weight grads are handed to autograd only after that join (DDP's hooks, GradScaler
+and CUDA-graph capture see an ordinary single-stream backward).
+
+The reference is ``torch.nn.Sequential(Linear, activation, Dropout, ...)``: :func:`mlp_reference`
+runs the same chain in torch, optionally with our dropout mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from trainfuse._backend import interpreting
+from trainfuse._engine.launch import CachedLauncher
+
+launcher = CachedLauncher()
+
+ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+_RELU = tl.constexpr(1)
+_GELU = tl.constexpr(2)
+_GELU_TANH = tl.constexpr(3)
+_SILU = tl.constexpr(4)
+
+# epilogues of _mm_kernel
+EPI_FORWARD = 0  # + bias, activation, dropout; optionally store the pre-activation
+EPI_ACT_GRAD = 1  # times the activation grad of the saved tensor, and the dropout mask
+EPI_PLAIN = 2  # store as is (dgrad of the first layer, or of a layer with nothing to undo)
+EPI_WGRAD = 3  # weight grad (+ bias grad: row sums of A), split over K when K is long
+
+_SQRT1_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+_TANH_C = 0.7978845608028654  # sqrt(2 / pi), GELU's tanh approximation
+_TANH_K = 0.044715
+
+
+# ---- activations --------------------------------------------------------------------------------
+@triton.jit
+def _tanh(u):
+    # from exp: no libdevice, so the same code runs in the interpreter; 1 - 2 / (e^2u + 1) is exact
+    # at +-inf and within 1e-7 absolute near 0 (GELU multiplies it by x / 2)
+    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """f(x) in float32, as torch's ReLU / GELU / GELU(approximate="tanh") / SiLU compute it."""
+    if ACT == _RELU:
+        return tl.where(x < 0.0, 0.0, x)  # NaN stays NaN, as in torch.relu
+    elif ACT == _GELU:
+        return 0.5 * x * (1.0 + tl.erf(x * _SQRT1_2))
+    elif ACT == _GELU_TANH:
+        return 0.5 * x * (1.0 + _tanh(_TANH_C * (x + _TANH_K * x * x * x)))
+    elif ACT == _SILU:
+        return x * _sigmoid(x)
+    else:
+        return x
+
+
+@triton.jit
+def _act_grad(g, saved, ACT: tl.constexpr):
+    """g * f'(.) where ``saved`` is the output for ReLU and the pre-activation otherwise."""
+    if ACT == _RELU:
+        return tl.where(saved > 0.0, g, 0.0)  # torch's threshold_backward on the output
+    elif ACT == _GELU:
+        cdf = 0.5 * (1.0 + tl.erf(saved * _SQRT1_2))
+        pdf = tl.exp(-0.5 * saved * saved) * _INV_SQRT_2PI
+        return g * (cdf + saved * pdf)
+    elif ACT == _GELU_TANH:
+        x2 = saved * saved
+        t = _tanh(_TANH_C * (saved + _TANH_K * x2 * saved))
+        return g * (0.5 * (1.0 + t) + 0.5 * saved * (1.0 - t * t) * _TANH_C * (1.0 + 3.0 * _TANH_K * x2))
+    elif ACT == _SILU:
+        s = _sigmoid(saved)
+        return g * (s * (1.0 + saved * (1.0 - s)))
+    else:
+        return g
+
+
+@triton.jit
+def _keep(seed, idx, p):
+    """Dropout's keep mask for element index ``idx`` (row * cols + col): Philox, so forward and
+    backward draw the same mask from the seed alone."""
+    return tl.rand(seed, idx) >= p
+
+
+# ---- the matmul -----------------------------------------------------------------------------------
+@triton.jit
+def _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, ROWSUM: tl.constexpr,
+              CD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+              BK: tl.constexpr):
+    for k in range(k0, k_end, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            inside = k + tl.arange(0, BK) < k_end
+            a = tl.load(a_ptrs, mask=inside[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=inside[:, None], other=0.0)
+        if ROWSUM:  # the bias grad: rows of A = dpre^T summed over the batch, as read
+            rowsum += tl.sum(a.to(tl.float32), 1)
+        if UPCAST:
+            # the interpreter (triton <= 3.9) returns garbage for a bfloat16 tl.dot: round the
+            # operands to the compute dtype, then multiply them in float32 (the same products)
+            acc = tl.dot(a.to(CD).to(tl.float32), b.to(CD).to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(CD), b.to(CD), acc, input_precision=PREC)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    return acc, rowsum
+
+
+@triton.jit
+def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, cnt_ptr,
+               M, N, K, k_split, s_am, s_ak, s_bk, s_bn, s_cm, s_xm, seed, p, scale,
+               EPI: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
+               DROP: tl.constexpr, SPLIT: tl.constexpr, CD: tl.constexpr, PREC: tl.constexpr,
+               UPCAST: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """``C[M, N] = A[M, K] @ B[K, N]`` then the ``EPI`` epilogue. A and B are addressed by strides
+    (any layout, any float dtype, converted to ``CD`` in registers); C, ``aux`` (saved activation)
+    and ``pre`` are row-major with row strides ``s_cm`` / ``s_xm``. For ``EPI_WGRAD`` with
+    ``SPLIT > 1`` program ``tile * SPLIT + s`` covers ``K`` range ``s``; the last of a tile's
+    programs to finish adds the ``SPLIT`` partials in order (deterministic) and writes C."""
+    pid = tl.program_id(0)
+    tile = pid // SPLIT
+    split = pid % SPLIT
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    # groups of GROUP_M row tiles walk the column tiles together: their A rows and B columns
+    # stay in L2 while the group runs
+    width = GROUP_M * tiles_n
+    first_m = (tile // width) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % rows_in_group
+    pid_n = (tile % width) // rows_in_group
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    # rows and columns past the edge wrap around (their results are never stored): unmasked loads
+    ram = rm if EVEN_M else rm % M
+    rbn = rn if EVEN_N else rn % N
+    k0 = split * k_split
+    k_end = tl.minimum(K, k0 + k_split)
+    rk = k0 + tl.arange(0, BK)
+    a_ptrs = a_ptr + ram[:, None].to(tl.int64) * s_am + rk[None, :].to(tl.int64) * s_ak
+    b_ptrs = b_ptr + rk[:, None].to(tl.int64) * s_bk + rbn[None, :].to(tl.int64) * s_bn
+    acc = tl.zeros((BM, BN), tl.float32)
+    rowsum = tl.zeros((BM,), tl.float32)
+    ROWSUM: tl.constexpr = EPI == EPI_WGRAD and HAS_BIAS
+    if ROWSUM:
+        if pid_n == 0:  # one column of tiles sums the bias grad; the others skip the row sums
+            acc, rowsum = _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, True,
+                                    CD, PREC, UPCAST, EVEN_K, BK)
+        else:
+            acc, rowsum = _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, False,
+                                    CD, PREC, UPCAST, EVEN_K, BK)
+    else:
+        acc, rowsum = _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, False,
+                                CD, PREC, UPCAST, EVEN_K, BK)
+
+    in_m = rm < M
+    mask = in_m[:, None] & (rn < N)[None, :]
+    c_off = rm[:, None].to(tl.int64) * s_cm + rn[None, :]
+    if EPI == EPI_WGRAD:
+        if SPLIT > 1:
+            part = ws_ptr + (tile * SPLIT + split).to(tl.int64) * (BM * BN)
+            t_off = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            tl.store(part + t_off, acc)
+            db_ws = ws_ptr + tiles_m * tiles_n * SPLIT * (BM * BN) + pid_m * SPLIT * BM
+            if ROWSUM:
+                if pid_n == 0:
+                    tl.store(db_ws + split * BM + tl.arange(0, BM), rowsum)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                first = ws_ptr + (tile * SPLIT).to(tl.int64) * (BM * BN)
+                acc = tl.zeros((BM, BN), tl.float32)
+                for j in range(SPLIT):  # fixed order: the same sum whichever program came last
+                    acc += tl.load(first + j * (BM * BN) + t_off, cache_modifier=".cg")
+                tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask)
+                if ROWSUM:
+                    if pid_n == 0:
+                        rowsum = tl.zeros((BM,), tl.float32)
+                        for j in range(SPLIT):
+                            rowsum += tl.load(db_ws + j * BM + tl.arange(0, BM), cache_modifier=".cg")
+                        tl.store(db_ptr + rm, rowsum.to(db_ptr.dtype.element_ty), mask=in_m)
+                tl.store(cnt_ptr + tile, 0)  # re-armed for the next launch on this stream
+        else:
+            tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask)
+            if ROWSUM:
+                if pid_n == 0:
+                    tl.store(db_ptr + rm, rowsum.to(db_ptr.dtype.element_ty), mask=in_m)
+    else:
+        v = acc
+        if EPI == EPI_FORWARD:
+            if HAS_BIAS:
+                v += tl.load(bias_ptr + rbn).to(tl.float32)[None, :]
+            x_off = rm[:, None].to(tl.int64) * s_xm + rn[None, :]
+            if STORE_PRE:
+                pre = v.to(pre_ptr.dtype.element_ty)
+                tl.store(pre_ptr + x_off, pre, mask=mask)
+            v = _act(v, ACT)
+            if DROP:
+                keep = _keep(seed, rm[:, None] * N + rn[None, :], p)
+                v = tl.where(keep, v * scale, 0.0)
+        elif EPI == EPI_ACT_GRAD:
+            if ACT != 0:
+                x_off = rm[:, None].to(tl.int64) * s_xm + rn[None, :]
+                saved = tl.load(aux_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+                v = _act_grad(v, saved, ACT)
+            if DROP:
+                keep = _keep(seed, rm[:, None] * N + rn[None, :], p)
+                v = tl.where(keep, v * scale, 0.0)
+        tl.store(c_ptr + c_off, v.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _act_grad_kernel(g_ptr, aux_ptr, out_ptr, n, seed, p, scale, ACT: tl.constexpr,
+                     DROP: tl.constexpr, BLOCK: tl.constexpr):
+    """The last layer's activation (and dropout) grad, elementwise: its upstream grad comes from
+    outside the chain, so no matmul of ours can take it in an epilogue."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT != 0:
+        saved = tl.load(aux_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = _act_grad(v, saved, ACT)
+    if DROP:
+        v = tl.where(_keep(seed, offs.to(tl.int32), p), v * scale, 0.0)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mask_kernel(out_ptr, n, seed, p, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _keep(seed, offs, p).to(tl.int8), mask=offs < n)
+
+
+# ---- launch shapes ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class MatmulConfig:
+    """Tile shape of one matmul launch. ``stages`` is the software-pipelining depth; the
+    interpreter tests shrink the tiles so that small problems still span several programs."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    warps: int = 8
+    stages: int = 3
+    group_m: int = 8
+
+
+@dataclasses.dataclass
+class MatmulConfigs:
+    forward: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
+    dgrad: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
+    wgrad: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
+    # wgrad: split the batch (its K) until about this many programs run, but keep at least
+    # ``min_split_k`` rows per split (short splits spend more on the partials than they save)
+    wave_programs: int = 2
+    min_split_k: int = 1024
+    max_split: int = 64
+    act_block: int = 2048
+
+
+config = MatmulConfigs()
+_SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline stages may take (228 KB on Hopper)
+
+
+def _stages(cfg: MatmulConfig, a: torch.Tensor, b: torch.Tensor) -> int:
+    """Fewer stages when a float32 operand (read as stored, converted in registers) doubles a
+    stage's shared memory."""
+    per_stage = cfg.bk * (cfg.bm * a.element_size() + cfg.bn * b.element_size())
+    return max(2, min(cfg.stages, _SMEM_BUDGET // per_stage))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_workspaces: dict[tuple, list] = {}
+
+
+def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials and per-tile arrival counters for the current stream, kept across calls
+    (kernels on one stream run in order and the last program re-arms its counter)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream)
+    ws = _workspaces.get(key)
+    if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
+        ws = _workspaces[key] = [
+            torch.empty(max(floats, 1 if ws is None else ws[0].numel()), dtype=torch.float32,
+                        device=device),
+            torch.zeros(max(tiles, 1 if ws is None else ws[1].numel()), dtype=torch.int32,
+                        device=device)]
+    return ws[0], ws[1]
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _precision(cd: torch.dtype) -> str:
+    if cd != torch.float32 or (not interpreting() and torch.backends.cuda.matmul.allow_tf32):
+        return "tf32"  # 16-bit operands ignore it; float32 follows torch's TF32 switch
+    return "ieee"
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, epi: int, *,
+           act: int = 0, bias: torch.Tensor | None = None, aux: torch.Tensor | None = None,
+           pre: torch.Tensor | None = None, db: torch.Tensor | None = None, seed: int = 0,
+           p: float = 0.0) -> None:
+    """``c = epilogue(a @ b)``: ``a`` (M, K) and ``b`` (K, N) with any strides, ``c``, ``aux``
+    and ``pre`` row-major (M, N). See :func:`_mm_kernel` for the epilogues."""
+    M, K = a.shape
+    N = b.shape[1]
+    kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
+    bm, bn, bk = kind.bm, kind.bn, kind.bk
+    tiles = -(-M // bm) * -(-N // bn)
+    split = 1
+    if epi == EPI_WGRAD:
+        target = (_sm_count(a.device.index) if a.device.type == "cuda" else 4) * config.wave_programs
+        split = max(1, min(config.max_split, target // tiles, K // config.min_split_k))
+    k_split = -(-K // split)
+    k_split = -(-k_split // bk) * bk
+    split = -(-K // k_split)
+    ws, cnt = (a, a)
+    if split > 1:
+        ws, cnt = _workspace(a.device, tiles * split * bm * bn + -(-M // bm) * split * bm, tiles)
+    drop = p > 0.0
+    dummy = c
+    launcher(_mm_kernel, (tiles * split,), a, b, c, bias if bias is not None else dummy,
+             aux if aux is not None else dummy, pre if pre is not None else dummy,
+             db if db is not None else dummy, ws, cnt,
+             M, N, K, k_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+             (aux if aux is not None else pre if pre is not None else c).stride(0),
+             seed, float(p), 0.0 if p >= 1.0 else 1.0 / (1.0 - p),
+             EPI=epi, ACT=act, HAS_BIAS=(bias is not None) or (db is not None),
+             STORE_PRE=pre is not None, DROP=drop, SPLIT=split, CD=_TL[cd], PREC=_precision(cd),
+             UPCAST=interpreting() and cd == torch.bfloat16, EVEN_M=M % bm == 0, EVEN_N=N % bn == 0,
+             EVEN_K=K % k_split == 0,
+             BM=bm, BN=bn, BK=bk, GROUP_M=kind.group_m, num_warps=kind.warps,
+             num_stages=_stages(kind, a, b))
+
+
+def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, seed: int, p: float) -> None:
+    """``out = g * f'(saved)`` (and the dropout mask), elementwise over row-major tensors."""
+    n = g.numel()
+    block = config.act_block
+    launcher(_act_grad_kernel, (max(1, -(-n // block)),), g, saved, out, n, seed, float(p),
+             0.0 if p >= 1.0 else 1.0 / (1.0 - p), ACT=act, DROP=p > 0.0, BLOCK=block, num_warps=4)
+
+
+def dropout_mask(seed: int, shape: tuple[int, int], p: float, device: torch.device | str) -> torch.Tensor:
+    """The keep mask (bool, ``shape``) that a layer's dropout draws from ``seed``: what the
+    forward applies and the backward regenerates. For tests and debugging."""
+    n = math.prod(shape)
+    out = torch.empty(shape, dtype=torch.int8, device=device)
+    if n:
+        _mask_kernel[(-(-n // 1024),)](out, n, seed, float(p), BLOCK=1024)
+    return out.bool()
+
+
+# ---- autograd -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Layer:
+    act: int  # ACTIVATIONS value
+    p: float  # dropout probability (0: no dropout)
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+# for the race test: cycles the side stream sleeps before each weight grad (torch.cuda._sleep)
+_debug_side_sleep_cycles = 0
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    s = _side_streams.get(device.index)
+    if s is None:
+        s = _side_streams[device.index] = torch.cuda.Stream(device)
+    return s
+
+
+class FusedMLPFunction(torch.autograd.Function):
+    """The whole chain as one autograd node: ``apply(x, layers, cd, seed, streams, *weights,
+    *biases)`` with ``x`` 2-d; ``biases`` entries may be None."""
+
+    @staticmethod
+    def forward(ctx, x, layers, cd, seed, streams, *params):
+        n = len(layers)
+        weights, biases = params[:n], params[n:]
+        grads = any(ctx.needs_input_grad)
+        h = x
+        inputs, saved_act = [], []
+        for i, (layer, w, b) in enumerate(zip(layers, weights, biases)):
+            out = torch.empty((x.shape[0], w.shape[0]), dtype=cd, device=x.device)
+            keep_pre = grads and layer.act not in (0, ACTIVATIONS["relu"])
+            pre = torch.empty_like(out) if keep_pre else None
+            matmul(h, w.t(), out, cd, EPI_FORWARD, act=layer.act, bias=b, pre=pre, seed=seed + i, p=layer.p)
+            inputs.append(h)
+            saved_act.append(pre if keep_pre else out if layer.act else None)
+            h = out
+        ctx.layers, ctx.cd, ctx.seed, ctx.streams = layers, cd, seed, streams
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
+        ctx.save_for_backward(*inputs, *[s if s is not None else inputs[0].new_empty(0) for s in saved_act],
+                              *weights)
+        return h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        layers, cd, n = ctx.layers, ctx.cd, len(ctx.layers)
+        saved = ctx.saved_tensors
+        inputs, acts, weights = saved[:n], saved[n:2 * n], saved[2 * n:]
+        need = ctx.needs_input_grad
+        need_x = need[0]
+        need_w = need[5:5 + n]
+        need_b = [need[5 + n + i] and ctx.has_bias[i] for i in range(n)]
+        device = grad.device
+        two = ctx.streams == 2 and device.type == "cuda"
+        main = torch.cuda.current_stream(device) if two else None
+        side = _side_stream(device) if two else None
+        keep = []  # tensors the side stream reads: alive until the main stream has joined it
+        grad = grad.contiguous()
+        last = layers[-1]
+        if last.act or last.p > 0.0:
+            dpre = torch.empty(grad.shape, dtype=cd, device=device)
+            act_grad(grad, acts[-1] if last.act else grad, dpre, last.act, ctx.seed + n - 1, last.p)
+        else:
+            dpre = grad
+        gw, gb = [None] * n, [None] * n
+        dx = None
+        for i in reversed(range(n)):
+            w = weights[i]
+            if need_w[i] or need_b[i]:
+                gw[i] = torch.empty_like(w)
+                if need_b[i]:
+                    gb[i] = torch.empty(w.shape[0], dtype=ctx.bias_dtypes[i], device=device)
+                if two:
+                    side.wait_stream(main)
+                    keep.append(dpre)
+                    with torch.cuda.stream(side):
+                        if _debug_side_sleep_cycles:
+                            torch.cuda._sleep(_debug_side_sleep_cycles)
+                        matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i])
+                else:
+                    matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i])
+            if i > 0:
+                prev = layers[i - 1]
+                out = torch.empty((grad.shape[0], w.shape[1]), dtype=cd, device=device)
+                if prev.act or prev.p > 0.0:
+                    matmul(dpre, w, out, cd, EPI_ACT_GRAD, act=prev.act,
+                           aux=acts[i - 1] if prev.act else out, seed=ctx.seed + i - 1, p=prev.p)
+                else:
+                    matmul(dpre, w, out, cd, EPI_PLAIN)
+                dpre = out
+            elif need_x:
+                dx = torch.empty(inputs[0].shape, dtype=inputs[0].dtype, device=device)
+                matmul(dpre, w, dx, cd, EPI_PLAIN)
+        if two:
+            main.wait_stream(side)
+            del keep
+        gb = [g if need_b[i] else None for i, g in enumerate(gb)]
+        return (dx, None, None, None, None, *gw, *gb)
+
+
+def mlp_reference(x: torch.Tensor, weights, biases, activations, dropout_masks=None, ps=None) -> torch.Tensor:
+    """The chain in plain torch (``F.linear``, the activation, dropout with the given keep masks):
+    what the kernels are tested against, in any dtype (float64 for the tight checks)."""
+    fns = {"none": lambda v: v, "relu": torch.relu, "gelu": torch.nn.functional.gelu,
+           "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"),
+           "silu": torch.nn.functional.silu}
+    h = x
+    for i, (w, b, act) in enumerate(zip(weights, biases, activations)):
+        h = fns[act](torch.nn.functional.linear(h, w, b))
+        if dropout_masks is not None and dropout_masks[i] is not None:
+            h = h * dropout_masks[i].to(h.dtype) / (1.0 - ps[i])
+    return h
+
+
+__all__ = ["ACTIVATIONS", "FusedMLPFunction", "Layer", "MatmulConfig", "MatmulConfigs", "act_grad", "config",
+           "dropout_mask", "matmul", "mlp_reference"]
