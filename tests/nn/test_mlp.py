@@ -23,13 +23,15 @@ TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 @pytest.fixture
 def small_tiles(kernels, monkeypatch, device):
-    """Kernels forced on, with tiles small enough that these shapes span several programs."""
-    if device.type == "cpu":
-        cfg = M.MatmulConfigs(forward=M.MatmulConfig(16, 16, 16, 4, 2, 2),
-                              dgrad=M.MatmulConfig(16, 32, 16, 4, 2, 2),
-                              wgrad=M.MatmulConfig(16, 16, 16, 4, 2, 2), min_split_k=16, act_block=64)
-        monkeypatch.setattr(M, "config", cfg)
-    return M.config
+    """Kernels forced on, with tiles small enough that these shapes span several programs (on a
+    GPU too: small tiles compile in a fraction of the time, and test_mlp_gpu.py runs the default
+    launch shapes at real sizes)."""
+    t = 16 if device.type == "cpu" else 32
+    cfg = M.MatmulConfigs(forward=M.MatmulConfig(t, t, t, 4, 2, 2),
+                          dgrad=M.MatmulConfig(t, 2 * t, t, 4, 2, 2),
+                          wgrad=M.MatmulConfig(t, t, t, 4, 2, 2), min_split_k=t, act_block=64)
+    monkeypatch.setattr(M, "config", cfg)
+    return cfg
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,10 +64,13 @@ def assert_close_to_reference(ours, torch_same_dtype, ref, dtype, what=""):
         assert rel(a, r) <= limit, f"{what} {name}: error {rel(a, r):.2e} > {limit:.2e}"
 
 
+@pytest.mark.parametrize("weight_first", [False, True], ids=["x_first", "weight_first"])
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("rows,sizes", SHAPES, ids=str)
-def test_matches_sequential_and_float64(small_tiles, device, act, dtype, rows, sizes):
+def test_matches_sequential_and_float64(small_tiles, device, act, dtype, rows, sizes, weight_first,
+                                        monkeypatch):
+    monkeypatch.setattr(small_tiles, "weight_first", weight_first)
     mlp = FusedMLP(sizes, activation=act, last_activation=act != "none").to(device, dtype)
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
     x = torch.randn(rows, sizes[0], device=device, dtype=dtype)
@@ -82,10 +87,12 @@ def test_last_activation_and_no_bias(small_tiles, device, last_activation):
     assert_close_to_reference(run(mlp, x, g), run(seq, x, g), reference(mlp, x, g), torch.float32)
 
 
+@pytest.mark.parametrize("weight_first", [False, True], ids=["x_first", "weight_first"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_autocast_float32_params_and_input(small_tiles, device, dtype):
+def test_autocast_float32_params_and_input(small_tiles, device, dtype, weight_first, monkeypatch):
     """Under autocast: float32 weights and input are read as stored and rounded in the kernel;
     the output is in the autocast dtype, the grads in the params' and input's float32."""
+    monkeypatch.setattr(small_tiles, "weight_first", weight_first)
     mlp = FusedMLP([32, 48, 16], activation="silu", last_activation=True).to(device)
     x, g = torch.randn(40, 32, device=device), torch.randn(40, 16, device=device)
     ours = run(mlp, x, g, autocast=dtype)
@@ -99,10 +106,12 @@ def test_autocast_float32_params_and_input(small_tiles, device, dtype):
     assert_close_to_reference(ours, run(seq, x, g, autocast=dtype), ref, dtype, "autocast")
 
 
+@pytest.mark.parametrize("weight_first", [False, True], ids=["x_first", "weight_first"])
 @pytest.mark.parametrize("act", ["relu", "gelu"])
-def test_dropout_mask_is_regenerated_in_backward(small_tiles, device, act):
+def test_dropout_mask_is_regenerated_in_backward(small_tiles, device, act, weight_first, monkeypatch):
     """The backward applies the very mask the forward drew (from the seed, not from memory):
     output and grads equal a float64 chain run with the masks that dropout_mask() returns."""
+    monkeypatch.setattr(small_tiles, "weight_first", weight_first)
     p = 0.3
     mlp = FusedMLP([24, 40, 33, 8], activation=act, last_activation=True, dropout=p).to(device).train()
     x, g = torch.randn(29, 24, device=device), torch.randn(29, 8, device=device)
@@ -147,7 +156,7 @@ def test_split_k_weight_grad_is_right_and_deterministic(small_tiles, device, mon
 
     def spy(fn, grid, *args, **kw):
         if kw.get("EPI") == M.EPI_WGRAD:
-            splits.append(kw["SPLIT"])
+            splits.append(args[13])  # nsplit
         return launch(fn, grid, *args, **kw)
 
     monkeypatch.setattr(M, "launcher", spy)

@@ -31,14 +31,19 @@ def _arg_key(a) -> tuple | type:
 class CachedLauncher:
     """``launcher(fn, grid, *args, num_warps=..., **constexprs)``: ``args`` are tensors, Python
     floats (never specialized by Triton, so any value reuses a kernel) and Python ints (keyed on
-    what Triton specializes them on: equal to 1, divisible by 16, 32- or 64-bit)."""
+    what Triton specializes them on: equal to 1, divisible by 16, 32- or 64-bit).
+
+    A caller that already knows what its arguments specialize on may pass ``key=`` (any hashable
+    that changes whenever the compiled kernel would: dtypes, pointer alignment, the ints' classes,
+    the constexprs) and skip the per-argument keying; ``stream=`` (a raw CUDA stream handle)
+    launches on that stream instead of the current one."""
 
     def __init__(self) -> None:
         self._kernels: dict[tuple, Any] = {}
         self._usable = True
 
     def __call__(self, fn, grid: tuple[int], *args: torch.Tensor | float, num_warps: int,
-                 **constexprs) -> None:
+                 key: Any = None, stream: int | None = None, **constexprs) -> None:
         device = args[0].device
         if not self._usable or device.type != "cuda":
             fn[grid](*args, num_warps=num_warps, **constexprs)
@@ -46,12 +51,19 @@ class CachedLauncher:
         import triton
 
         hooks = triton.knobs.runtime
-        # what Triton specializes pointer arguments on: element type and 16-byte alignment
-        # (a float64 grad_scale must not reuse the kernel compiled for GradScaler's float32)
-        key = (fn, device.index, num_warps, *map(_arg_key, args), *constexprs.items())
+        if key is None:
+            # what Triton specializes pointer arguments on: element type and 16-byte alignment
+            # (a float64 grad_scale must not reuse the kernel compiled for GradScaler's float32)
+            key = (fn, device.index, num_warps, *map(_arg_key, args), *constexprs.items())
+        else:
+            key = (fn, device.index, key)
         kernel = self._kernels.get(key)
         if kernel is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
-            kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
+            if stream is not None and stream != torch._C._cuda_getCurrentRawStream(device.index):
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+                    kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
+            else:
+                kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
@@ -60,7 +72,8 @@ class CachedLauncher:
                 self._usable = False
             return
         kernel, consts = kernel
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        if stream is None:
+            stream = torch._C._cuda_getCurrentRawStream(device.index)
         kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *args, *consts)
 

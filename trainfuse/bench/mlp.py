@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from trainfuse.bench._common import kernel_ms, print_table, save_report, start_report, wall_ms
+from trainfuse.bench._common import host_ms, kernel_ms, print_table, save_report, start_report, wall_ms
 from trainfuse.nn import FusedMLP
 from trainfuse.nn import mlp as M
 
@@ -25,8 +25,10 @@ WORKLOADS = [("relu B=8192 D=1024", 8192, 1024, 4, "relu", 0.0),
              ("gelu B=8192 D=1024", 8192, 1024, 4, "gelu", 0.0),
              ("relu+dropout0.1 B=8192 D=1024", 8192, 1024, 4, "relu", 0.1)]
 
-SWEEP = ["128x128x64w8s3", "128x256x64w8s3", "128x128x64w4s4", "64x128x64w4s4", "128x64x64w4s4",
-         "256x128x64w8s3", "64x64x64w4s4", "128x128x32w4s5"]
+SWEEP = {"forward": ["128x128x64w8s3", "256x128x64w8s3", "128x256x64w8s3", "128x128x64w4s4", "128x128x32w4s5",
+                     "256x128x32w8s4"],
+         "wgrad": ["128x128x64w8s3", "64x128x64w4s4", "64x64x64w4s4", "128x256x64w8s3", "128x128x64w4s4"]}
+SWEEP["dgrad"] = SWEEP["forward"]
 
 
 def parse_config(text: str) -> M.MatmulConfig:
@@ -37,43 +39,69 @@ def parse_config(text: str) -> M.MatmulConfig:
     return M.MatmulConfig(bm, bn, bk, int(warps), int(stages))
 
 
-def _step(mlp, x):
+def _step(mlp, x, cache=True):
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache):
             mlp(x).float().sum().backward()
     return step
 
 
+def _graph_ms(fn, repeat: int = 1) -> float:
+    """``repeat`` calls of fn captured in a CUDA graph and replayed: the GPU's time without the
+    host's launch work (which would hide a single short kernel's time in do_bench)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    return kernel_ms(graph.replay)
+
+
 def _sweep(batch, width, rows):
     """Each of the three matmuls alone, per candidate tile shape (bf16 compute, float32 weight as
-    under autocast; activations bf16)."""
+    under autocast, or bfloat16 as after fuse_casts; activations bf16), with the weight as the
+    matmul's B operand (x_first) or its A operand (weight_first)."""
     dev = "cuda"
-    w = torch.randn(width, width, device=dev) * width ** -0.5
+    bf = torch.bfloat16
+    w32 = torch.randn(width, width, device=dev) * width ** -0.5
+    w16 = w32.to(bf)
     b = torch.randn(width, device=dev)
-    x = torch.randn(batch, width, device=dev, dtype=torch.bfloat16)
-    g = torch.randn(batch, width, device=dev, dtype=torch.bfloat16)
-    out = torch.empty(batch, width, device=dev, dtype=torch.bfloat16)
-    gw, gb = torch.empty_like(w), torch.empty_like(b)
+    x = torch.randn(batch, width, device=dev, dtype=bf)
+    g = torch.randn(batch, width, device=dev, dtype=bf)
+    out = torch.empty(batch, width, device=dev, dtype=bf)
+    gw, gb = torch.empty_like(w32), torch.empty_like(b)
     flops = 2 * batch * width * width
-    ops = {"forward": lambda: M.matmul(x, w.t(), out, torch.bfloat16, M.EPI_FORWARD, act=1, bias=b),
-           "dgrad": lambda: M.matmul(g, w, out, torch.bfloat16, M.EPI_ACT_GRAD, act=1, aux=x),
-           "wgrad": lambda: M.matmul(g.t(), x, gw, torch.bfloat16, M.EPI_WGRAD, db=gb)}
+    ops = {}
+    for wname, w in (("w fp32", w32), ("w bf16", w16)):
+        ops[("forward", wname)] = lambda w=w: M.linear_forward(x, w, b, out, None, bf, 1, 0, 0.0)
+        ops[("dgrad", wname)] = lambda w=w: M.linear_dgrad(g, w, out, bf, 1, x, 0, 0.0)
+    ops[("wgrad", "")] = lambda: M.matmul(g.t(), x, gw, bf, M.EPI_WGRAD, db=gb)
     saved = copy.deepcopy(M.config)
     best = {}
     try:
-        for op, fn in ops.items():
-            for text in SWEEP:
-                setattr(M.config, op, parse_config(text))
-                try:
-                    fn()
-                    ms = kernel_ms(fn)
-                except Exception as e:  # noqa: BLE001 - a tile shape may not fit this GPU
-                    rows.append([f"B={batch} D={width}", op, text, "ERR", str(e).splitlines()[0][:50]])
-                    continue
-                rows.append([f"B={batch} D={width}", op, text, f"{ms:.4f}", f"{flops / ms / 1e9:.0f}"])
-                if op not in best or ms < best[op][1]:
-                    best[op] = (text, ms)
-            setattr(M.config, op, getattr(saved, op))
+        for (op, wname), fn in ops.items():
+            for first in ((False, True) if op != "wgrad" and wname == "w fp32" else (False,)):
+                for waves in ((1, 2, 4) if op == "wgrad" else (2,)):
+                    for text in SWEEP[op]:
+                        setattr(M.config, op, parse_config(text))
+                        M.config.weight_first, M.config.wave_programs = first, waves
+                        label = " ".join(filter(None, [op, wname, "weight_first" if first else "",
+                                                       f"waves={waves}" if op == "wgrad" else ""]))
+                        try:
+                            ms = _graph_ms(fn, repeat=10) / 10
+                        except Exception as e:  # noqa: BLE001 - a tile shape may not fit this GPU
+                            rows.append([f"B={batch} D={width}", label, text, "ERR",
+                                         str(e).splitlines()[0][:50]])
+                            continue
+                        rows.append([f"B={batch} D={width}", label, text, f"{ms:.4f}",
+                                     f"{flops / ms / 1e9:.0f}"])
+                        if label not in best or ms < best[label][1]:
+                            best[label] = (text, ms)
+                    M.config = copy.deepcopy(saved)
     finally:
         M.config = saved
     return best
@@ -117,21 +145,25 @@ def main(argv=None):
             fn = _step(mod, x)
             try:
                 fn()
-                k, w = kernel_ms(fn), wall_ms(fn, iters=50)
+                k, w, h = kernel_ms(fn), wall_ms(fn, iters=50), host_ms(fn, iters=50)
+                g = None if label == "torch.compile" else _graph_ms(_step(mod, x, cache=False))
             except Exception as e:  # noqa: BLE001 - torch.compile may fail on a machine; report it
-                rows.append([name, label, "ERR", str(e).splitlines()[0][:60], "", ""])
+                rows.append([name, label, "ERR", str(e).splitlines()[0][:60], "", "", "", ""])
                 continue
-            res[label] = {"do_bench_ms": k, "wall_ms": w, "tflops": flops / k / 1e9}
-            rows.append([name, label, f"{k:.3f}", f"{w:.3f}", f"{flops / k / 1e9:.0f}", ""])
+            res[label] = {"do_bench_ms": k, "wall_ms": w, "host_ms": h, "graph_ms": g,
+                          "tflops": flops / k / 1e9}
+            rows.append([name, label, f"{k:.3f}", f"{w:.3f}", "" if g is None else f"{g:.3f}", f"{h:.3f}",
+                         f"{flops / k / 1e9:.0f}", ""])
         base = res.get("eager", {}).get("do_bench_ms")
         for row in rows[-len(res):]:
             if base and row[1] in res:
-                row[5] = f"{base / res[row[1]]['do_bench_ms']:.2f}x eager"
+                row[7] = f"{base / res[row[1]]['do_bench_ms']:.2f}x eager"
         report["mlp"][name] = res
         for p_ in eager.parameters():
             p_.grad = None
     print_table("MLP forward + backward, bf16 autocast, float32 params (do_bench median)",
-                ["workload", "implementation", "do_bench ms", "wall ms", "TFLOP/s", "vs eager"], rows)
+                ["workload", "implementation", "do_bench ms", "wall ms", "GPU ms (graph)", "host ms",
+                 "TFLOP/s", "vs eager"], rows)
     save_report(report, args.out, "mlp")
 
 

@@ -34,8 +34,10 @@ runs the same chain in torch, optionally with our dropout mask.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 
 import torch
@@ -59,10 +61,15 @@ EPI_ACT_GRAD = 1  # times the activation grad of the saved tensor, and the dropo
 EPI_PLAIN = 2  # store as is (dgrad of the first layer, or of a layer with nothing to undo)
 EPI_WGRAD = 3  # weight grad (+ bias grad: row sums of A), split over K when K is long
 
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_TANH_C = 0.7978845608028654  # sqrt(2 / pi), GELU's tanh approximation
-_TANH_K = 0.044715
+# the same numbers as constexprs, for the kernels (a jit function reads no other globals)
+_EPI_FORWARD = tl.constexpr(EPI_FORWARD)
+_EPI_ACT_GRAD = tl.constexpr(EPI_ACT_GRAD)
+_EPI_WGRAD = tl.constexpr(EPI_WGRAD)
+
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_TANH_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi), GELU's tanh approximation
+_TANH_K = tl.constexpr(0.044715)
 
 
 # ---- activations --------------------------------------------------------------------------------
@@ -86,7 +93,7 @@ def _act(x, ACT: tl.constexpr):
     elif ACT == _GELU:
         return 0.5 * x * (1.0 + tl.erf(x * _SQRT1_2))
     elif ACT == _GELU_TANH:
-        return 0.5 * x * (1.0 + _tanh(_TANH_C * (x + _TANH_K * x * x * x)))
+        return 0.5 * x * (1.0 + _tanh((x + x * x * x * _TANH_K) * _TANH_C))
     elif ACT == _SILU:
         return x * _sigmoid(x)
     else:
@@ -104,8 +111,8 @@ def _act_grad(g, saved, ACT: tl.constexpr):
         return g * (cdf + saved * pdf)
     elif ACT == _GELU_TANH:
         x2 = saved * saved
-        t = _tanh(_TANH_C * (saved + _TANH_K * x2 * saved))
-        return g * (0.5 * (1.0 + t) + 0.5 * saved * (1.0 - t * t) * _TANH_C * (1.0 + 3.0 * _TANH_K * x2))
+        t = _tanh((saved + x2 * saved * _TANH_K) * _TANH_C)
+        return g * (0.5 * (1.0 + t) + 0.5 * saved * (1.0 - t * t) * (1.0 + x2 * (3.0 * _TANH_K)) * _TANH_C)
     elif ACT == _SILU:
         s = _sigmoid(saved)
         return g * (s * (1.0 + saved * (1.0 - s)))
@@ -146,21 +153,28 @@ def _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, ROWSUM: tl.con
     return acc, rowsum
 
 
-@triton.jit
+# sizes and the seed vary call to call: not specialized on (a kernel per divisibility class of
+# each would multiply the compiles); strides stay specialized (== 1 and 16-byte alignment matter)
+@triton.jit(do_not_specialize=["M", "N", "K", "k_split", "nsplit", "d_m", "d_n", "seed"])
 def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, cnt_ptr,
-               M, N, K, k_split, s_am, s_ak, s_bk, s_bn, s_cm, s_xm, seed, p, scale,
-               EPI: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
-               DROP: tl.constexpr, SPLIT: tl.constexpr, CD: tl.constexpr, PREC: tl.constexpr,
-               UPCAST: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """``C[M, N] = A[M, K] @ B[K, N]`` then the ``EPI`` epilogue. A and B are addressed by strides
-    (any layout, any float dtype, converted to ``CD`` in registers); C, ``aux`` (saved activation)
-    and ``pre`` are row-major with row strides ``s_cm`` / ``s_xm``. For ``EPI_WGRAD`` with
-    ``SPLIT > 1`` program ``tile * SPLIT + s`` covers ``K`` range ``s``; the last of a tile's
-    programs to finish adds the ``SPLIT`` partials in order (deterministic) and writes C."""
+               M, N, K, k_split, nsplit, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_xm, s_xn, d_m, d_n,
+               seed, p, scale,
+               EPI: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROWS: tl.constexpr,
+               STORE_PRE: tl.constexpr, DROP: tl.constexpr, SPLIT_K: tl.constexpr, CD: tl.constexpr,
+               PREC: tl.constexpr, UPCAST: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+               EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    """``C[M, N] = A[M, K] @ B[K, N]`` then the ``EPI`` epilogue. Every operand is addressed by
+    strides: A and B in any layout and float dtype (converted to ``CD`` in registers), C, ``aux``
+    (the saved activation) and ``pre`` as views, so a caller may compute ``C^T = B^T A^T`` into
+    a transposed view (the weight as A, whose conversion then stays in registers). The bias is
+    per column (per row with ``BIAS_ROWS``); the dropout element index is ``row * d_m + col * d_n``
+    (the index in the layer's own row-major output). For ``EPI_WGRAD`` with ``SPLIT_K`` program
+    ``tile * nsplit + s`` covers ``K`` range ``s``; the last of a tile's programs to finish adds
+    the ``nsplit`` partials in order (deterministic) and writes C."""
     pid = tl.program_id(0)
-    tile = pid // SPLIT
-    split = pid % SPLIT
+    tile = pid // nsplit
+    split = pid % nsplit
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     # groups of GROUP_M row tiles walk the column tiles together: their A rows and B columns
@@ -175,14 +189,14 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
     # rows and columns past the edge wrap around (their results are never stored): unmasked loads
     ram = rm if EVEN_M else rm % M
     rbn = rn if EVEN_N else rn % N
-    k0 = split * k_split
+    k0 = tl.multiple_of(split * k_split, BK)  # k_split is a multiple of BK: aligned, vector loads
     k_end = tl.minimum(K, k0 + k_split)
     rk = k0 + tl.arange(0, BK)
     a_ptrs = a_ptr + ram[:, None].to(tl.int64) * s_am + rk[None, :].to(tl.int64) * s_ak
     b_ptrs = b_ptr + rk[:, None].to(tl.int64) * s_bk + rbn[None, :].to(tl.int64) * s_bn
     acc = tl.zeros((BM, BN), tl.float32)
     rowsum = tl.zeros((BM,), tl.float32)
-    ROWSUM: tl.constexpr = EPI == EPI_WGRAD and HAS_BIAS
+    ROWSUM: tl.constexpr = EPI == _EPI_WGRAD and HAS_BIAS
     if ROWSUM:
         if pid_n == 0:  # one column of tiles sums the bias grad; the others skip the row sums
             acc, rowsum = _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, True,
@@ -196,28 +210,28 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
 
     in_m = rm < M
     mask = in_m[:, None] & (rn < N)[None, :]
-    c_off = rm[:, None].to(tl.int64) * s_cm + rn[None, :]
-    if EPI == EPI_WGRAD:
-        if SPLIT > 1:
-            part = ws_ptr + (tile * SPLIT + split).to(tl.int64) * (BM * BN)
+    c_off = rm[:, None].to(tl.int64) * s_cm + rn[None, :].to(tl.int64) * s_cn
+    if EPI == _EPI_WGRAD:
+        if SPLIT_K:
+            part = ws_ptr + (tile * nsplit + split).to(tl.int64) * (BM * BN)
             t_off = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
             tl.store(part + t_off, acc)
-            db_ws = ws_ptr + tiles_m * tiles_n * SPLIT * (BM * BN) + pid_m * SPLIT * BM
+            db_ws = ws_ptr + tiles_m * tiles_n * nsplit * (BM * BN) + pid_m * nsplit * BM
             if ROWSUM:
                 if pid_n == 0:
                     tl.store(db_ws + split * BM + tl.arange(0, BM), rowsum)
             tl.debug_barrier()  # every thread's partial is stored before the release below
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if arrived == SPLIT - 1:
-                first = ws_ptr + (tile * SPLIT).to(tl.int64) * (BM * BN)
+            if arrived == nsplit - 1:
+                first = ws_ptr + (tile * nsplit).to(tl.int64) * (BM * BN)
                 acc = tl.zeros((BM, BN), tl.float32)
-                for j in range(SPLIT):  # fixed order: the same sum whichever program came last
+                for j in range(nsplit):  # fixed order: the same sum whichever program came last
                     acc += tl.load(first + j * (BM * BN) + t_off, cache_modifier=".cg")
                 tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask)
                 if ROWSUM:
                     if pid_n == 0:
                         rowsum = tl.zeros((BM,), tl.float32)
-                        for j in range(SPLIT):
+                        for j in range(nsplit):
                             rowsum += tl.load(db_ws + j * BM + tl.arange(0, BM), cache_modifier=".cg")
                         tl.store(db_ptr + rm, rowsum.to(db_ptr.dtype.element_ty), mask=in_m)
                 tl.store(cnt_ptr + tile, 0)  # re-armed for the next launch on this stream
@@ -228,24 +242,25 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                     tl.store(db_ptr + rm, rowsum.to(db_ptr.dtype.element_ty), mask=in_m)
     else:
         v = acc
-        if EPI == EPI_FORWARD:
+        x_off = rm[:, None].to(tl.int64) * s_xm + rn[None, :].to(tl.int64) * s_xn
+        if EPI == _EPI_FORWARD:
             if HAS_BIAS:
-                v += tl.load(bias_ptr + rbn).to(tl.float32)[None, :]
-            x_off = rm[:, None].to(tl.int64) * s_xm + rn[None, :]
+                if BIAS_ROWS:
+                    v += tl.load(bias_ptr + ram).to(tl.float32)[:, None]
+                else:
+                    v += tl.load(bias_ptr + rbn).to(tl.float32)[None, :]
             if STORE_PRE:
-                pre = v.to(pre_ptr.dtype.element_ty)
-                tl.store(pre_ptr + x_off, pre, mask=mask)
+                tl.store(pre_ptr + x_off, v.to(pre_ptr.dtype.element_ty), mask=mask)
             v = _act(v, ACT)
             if DROP:
-                keep = _keep(seed, rm[:, None] * N + rn[None, :], p)
+                keep = _keep(seed, rm[:, None] * d_m + rn[None, :] * d_n, p)
                 v = tl.where(keep, v * scale, 0.0)
-        elif EPI == EPI_ACT_GRAD:
+        elif EPI == _EPI_ACT_GRAD:
             if ACT != 0:
-                x_off = rm[:, None].to(tl.int64) * s_xm + rn[None, :]
                 saved = tl.load(aux_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
                 v = _act_grad(v, saved, ACT)
             if DROP:
-                keep = _keep(seed, rm[:, None] * N + rn[None, :], p)
+                keep = _keep(seed, rm[:, None] * d_m + rn[None, :] * d_n, p)
                 v = tl.where(keep, v * scale, 0.0)
         tl.store(c_ptr + c_off, v.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -273,7 +288,7 @@ def _mask_kernel(out_ptr, n, seed, p, BLOCK: tl.constexpr):
 
 
 # ---- launch shapes ---------------------------------------------------------------------------
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MatmulConfig:
     """Tile shape of one matmul launch. ``stages`` is the software-pipelining depth; the
     interpreter tests shrink the tiles so that small problems still span several programs."""
@@ -286,8 +301,14 @@ class MatmulConfig:
     group_m: int = 8
 
 
+_serials = itertools.count()
+
+
 @dataclasses.dataclass
 class MatmulConfigs:
+    """The launch shapes of the three matmuls of a layer and how the weight grad splits. Every
+    assignment gives the object a new ``serial``: cached launch plans are keyed on it."""
+
     forward: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
     dgrad: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
     wgrad: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
@@ -297,6 +318,14 @@ class MatmulConfigs:
     min_split_k: int = 1024
     max_split: int = 64
     act_block: int = 2048
+    # forward and dgrad as C^T = W X^T: the weight is the A operand, which the tensor cores can
+    # take from registers, so a float32 weight converted there never goes back to shared memory
+    weight_first: bool = False
+
+    def __setattr__(self, name, value) -> None:
+        object.__setattr__(self, name, value)
+        if name != "serial":
+            object.__setattr__(self, "serial", next(_serials))
 
 
 config = MatmulConfigs()
@@ -318,18 +347,22 @@ def _sm_count(index: int) -> int:
 _workspaces: dict[tuple, list] = {}
 
 
-def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials and per-tile arrival counters for the current stream, kept across calls
-    (kernels on one stream run in order and the last program re-arms its counter)."""
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+def _workspace(device: torch.device, stream: int | None, floats: int, tiles: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials and per-tile arrival counters for one stream, kept across calls (kernels
+    on one stream run in order and the last program re-arms its counter)."""
     key = (device, stream)
     ws = _workspaces.get(key)
     if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
-        ws = _workspaces[key] = [
-            torch.empty(max(floats, 1 if ws is None else ws[0].numel()), dtype=torch.float32,
-                        device=device),
-            torch.zeros(max(tiles, 1 if ws is None else ws[1].numel()), dtype=torch.int32,
-                        device=device)]
+        # made on the stream that uses them, so the counters' zero fill is ordered before the use
+        ctx = (torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) if stream is not None
+               else contextlib.nullcontext())
+        with ctx:
+            ws = _workspaces[key] = [
+                torch.empty(max(floats, 1 if ws is None else ws[0].numel()), dtype=torch.float32,
+                            device=device),
+                torch.zeros(max(tiles, 1 if ws is None else ws[1].numel()), dtype=torch.int32,
+                            device=device)]
     return ws[0], ws[1]
 
 
@@ -342,12 +375,25 @@ def _precision(cd: torch.dtype) -> str:
     return "ieee"
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, epi: int, *,
-           act: int = 0, bias: torch.Tensor | None = None, aux: torch.Tensor | None = None,
-           pre: torch.Tensor | None = None, db: torch.Tensor | None = None, seed: int = 0,
-           p: float = 0.0) -> None:
-    """``c = epilogue(a @ b)``: ``a`` (M, K) and ``b`` (K, N) with any strides, ``c``, ``aux``
-    and ``pre`` row-major (M, N). See :func:`_mm_kernel` for the epilogues."""
+@dataclasses.dataclass
+class _Plan:
+    """Everything about a matmul launch that follows from its signature (shapes, strides,
+    dtypes, alignment, epilogue, launch shapes): worked out once, reused by every later call."""
+
+    grid: tuple[int]
+    ints: tuple[int, ...]
+    scale: float
+    split: int
+    ws_floats: int
+    tiles: int
+    warps: int
+    constexprs: dict
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_index, p) -> _Plan:
     M, K = a.shape
     N = b.shape[1]
     kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
@@ -359,24 +405,75 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
         split = max(1, min(config.max_split, target // tiles, K // config.min_split_k))
     k_split = -(-K // split)
     k_split = -(-k_split // bk) * bk
-    split = -(-K // k_split)
-    ws, cnt = (a, a)
-    if split > 1:
-        ws, cnt = _workspace(a.device, tiles * split * bm * bn + -(-M // bm) * split * bm, tiles)
+    split = max(1, -(-K // k_split))
+    d_m, d_n = drop_index or (N, 1)
+    ints = (M, N, K, k_split, split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+            c.stride(1), x.stride(0), x.stride(1), d_m, d_n)
+    constexprs = dict(
+        EPI=epi, ACT=act, HAS_BIAS=has_bias, BIAS_ROWS=bias_rows, STORE_PRE=pre, DROP=drop,
+        SPLIT_K=split > 1, CD=_TL[cd], PREC=_precision(cd), UPCAST=interpreting() and cd == torch.bfloat16,
+        EVEN_M=M % bm == 0, EVEN_N=N % bn == 0, EVEN_K=K % k_split == 0, BM=bm, BN=bn, BK=bk,
+        GROUP_M=kind.group_m, num_stages=_stages(kind, a, b))
+    return _Plan((tiles * split,), ints, 0.0 if p >= 1.0 else 1.0 / (1.0 - p) if p > 0 else 1.0, split,
+                 tiles * split * bm * bn + -(-M // bm) * split * bm, tiles, kind.warps, constexprs)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, epi: int, *,
+           act: int = 0, bias: torch.Tensor | None = None, bias_rows: bool = False,
+           aux: torch.Tensor | None = None, pre: torch.Tensor | None = None, db: torch.Tensor | None = None,
+           seed: int = 0, p: float = 0.0, drop_index: tuple[int, int] | None = None,
+           stream: int | None = None) -> None:
+    """``c = epilogue(a @ b)`` for 2-d views ``a`` (M, K), ``b`` (K, N), ``c``, ``aux``, ``pre``
+    (M, N) with any strides. See :func:`_mm_kernel` for the epilogues; ``drop_index`` is
+    ``(d_m, d_n)``, by default ``(N, 1)``; ``stream`` a raw CUDA stream (default: the current).
+
+    The launch plan is cached on the call's signature, and the compiled kernel is launched
+    directly: a training step repeats the same calls, and the host time per launch is what a
+    small MLP's step is made of."""
+    x = aux if aux is not None else pre if pre is not None else c
+    has_bias = bias is not None or db is not None
+    bias_t = bias if bias is not None else db if db is not None else c
     drop = p > 0.0
-    dummy = c
-    launcher(_mm_kernel, (tiles * split,), a, b, c, bias if bias is not None else dummy,
-             aux if aux is not None else dummy, pre if pre is not None else dummy,
-             db if db is not None else dummy, ws, cnt,
-             M, N, K, k_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
-             (aux if aux is not None else pre if pre is not None else c).stride(0),
-             seed, float(p), 0.0 if p >= 1.0 else 1.0 / (1.0 - p),
-             EPI=epi, ACT=act, HAS_BIAS=(bias is not None) or (db is not None),
-             STORE_PRE=pre is not None, DROP=drop, SPLIT=split, CD=_TL[cd], PREC=_precision(cd),
-             UPCAST=interpreting() and cd == torch.bfloat16, EVEN_M=M % bm == 0, EVEN_N=N % bn == 0,
-             EVEN_K=K % k_split == 0,
-             BM=bm, BN=bn, BK=bk, GROUP_M=kind.group_m, num_warps=kind.warps,
-             num_stages=_stages(kind, a, b))
+    key = (config.serial, epi, act, cd, bias_rows, drop, drop_index, pre is None, a.device,
+           a.shape, b.shape, a.stride(), b.stride(), c.stride(), x.stride(),
+           a.dtype, b.dtype, c.dtype, x.dtype, has_bias and bias_t.dtype,
+           a.data_ptr() % 16, b.data_ptr() % 16, c.data_ptr() % 16, x.data_ptr() % 16,
+           bias_t.data_ptr() % 16, torch.backends.cuda.matmul.allow_tf32 if cd == torch.float32 else None)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre is not None,
+                                        drop, drop_index, p)
+    if plan.split > 1:
+        if stream is None and a.device.type == "cuda":
+            stream = torch._C._cuda_getCurrentRawStream(a.device.index)
+        ws, cnt = _workspace(a.device, stream, plan.ws_floats, plan.tiles)
+    else:
+        ws = cnt = a
+    launcher(_mm_kernel, plan.grid, a, b, c, bias_t, x, x, bias_t, ws, cnt, *plan.ints, seed, float(p),
+             plan.scale if drop else 1.0, num_warps=plan.warps, key=key, stream=stream, **plan.constexprs)
+
+
+def linear_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
+                   pre: torch.Tensor | None, cd: torch.dtype, act: int, seed: int, p: float) -> None:
+    """``out = dropout(f(x W^T + b))`` (and ``pre = x W^T + b``); with ``config.weight_first`` as
+    ``out^T = W x^T``, so that the weight is the matmul's A operand."""
+    if config.weight_first:
+        matmul(w, x.t(), out.t(), cd, EPI_FORWARD, act=act, bias=b, bias_rows=True,
+               pre=None if pre is None else pre.t(), seed=seed, p=p, drop_index=(1, out.shape[1]))
+    else:
+        matmul(x, w.t(), out, cd, EPI_FORWARD, act=act, bias=b, pre=pre, seed=seed, p=p)
+
+
+def linear_dgrad(dpre: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cd: torch.dtype, act: int,
+                 saved: torch.Tensor | None, seed: int, p: float) -> None:
+    """``out = (dpre W) * f'(saved) * keep / (1 - p)`` (the previous layer's activation and dropout
+    grads; plain ``dpre W`` when there are none); ``config.weight_first`` as for the forward."""
+    epi = EPI_ACT_GRAD if act or p > 0.0 else EPI_PLAIN
+    if config.weight_first:
+        matmul(w.t(), dpre.t(), out.t(), cd, epi, act=act, aux=None if saved is None else saved.t(),
+               seed=seed, p=p, drop_index=(1, out.shape[1]))
+    else:
+        matmul(dpre, w, out, cd, epi, act=act, aux=saved, seed=seed, p=p)
 
 
 def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, seed: int, p: float) -> None:
@@ -431,7 +528,7 @@ class FusedMLPFunction(torch.autograd.Function):
             out = torch.empty((x.shape[0], w.shape[0]), dtype=cd, device=x.device)
             keep_pre = grads and layer.act not in (0, ACTIVATIONS["relu"])
             pre = torch.empty_like(out) if keep_pre else None
-            matmul(h, w.t(), out, cd, EPI_FORWARD, act=layer.act, bias=b, pre=pre, seed=seed + i, p=layer.p)
+            linear_forward(h, w, b, out, pre, cd, layer.act, seed + i, layer.p)
             inputs.append(h)
             saved_act.append(pre if keep_pre else out if layer.act else None)
             h = out
@@ -456,6 +553,7 @@ class FusedMLPFunction(torch.autograd.Function):
         two = ctx.streams == 2 and device.type == "cuda"
         main = torch.cuda.current_stream(device) if two else None
         side = _side_stream(device) if two else None
+        side_raw = side.cuda_stream if two else None  # launched on directly: no stream switches
         keep = []  # tensors the side stream reads: alive until the main stream has joined it
         grad = grad.contiguous()
         last = layers[-1]
@@ -475,24 +573,19 @@ class FusedMLPFunction(torch.autograd.Function):
                 if two:
                     side.wait_stream(main)
                     keep.append(dpre)
-                    with torch.cuda.stream(side):
-                        if _debug_side_sleep_cycles:
+                    if _debug_side_sleep_cycles:
+                        with torch.cuda.stream(side):
                             torch.cuda._sleep(_debug_side_sleep_cycles)
-                        matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i])
-                else:
-                    matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i])
+                matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i], stream=side_raw)
             if i > 0:
                 prev = layers[i - 1]
                 out = torch.empty((grad.shape[0], w.shape[1]), dtype=cd, device=device)
-                if prev.act or prev.p > 0.0:
-                    matmul(dpre, w, out, cd, EPI_ACT_GRAD, act=prev.act,
-                           aux=acts[i - 1] if prev.act else out, seed=ctx.seed + i - 1, p=prev.p)
-                else:
-                    matmul(dpre, w, out, cd, EPI_PLAIN)
+                linear_dgrad(dpre, w, out, cd, prev.act, acts[i - 1] if prev.act else None, ctx.seed + i - 1,
+                             prev.p)
                 dpre = out
             elif need_x:
                 dx = torch.empty(inputs[0].shape, dtype=inputs[0].dtype, device=device)
-                matmul(dpre, w, dx, cd, EPI_PLAIN)
+                linear_dgrad(dpre, w, dx, cd, 0, None, 0, 0.0)
         if two:
             main.wait_stream(side)
             del keep
@@ -515,4 +608,4 @@ def mlp_reference(x: torch.Tensor, weights, biases, activations, dropout_masks=N
 
 
 __all__ = ["ACTIVATIONS", "FusedMLPFunction", "Layer", "MatmulConfig", "MatmulConfigs", "act_grad", "config",
-           "dropout_mask", "matmul", "mlp_reference"]
+           "dropout_mask", "linear_dgrad", "linear_forward", "matmul", "mlp_reference"]
