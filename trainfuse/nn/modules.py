@@ -142,9 +142,9 @@ class FusedMLP(nn.Sequential):
         """The compute dtype if the kernels take this call, else None (torch's path)."""
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self._chain[0][0].in_features:
             return None
-        if x.numel() == 0 or not use_triton(x.device):
-            return None
         if any(p.device != x.device or p.dtype not in _DTYPES for p in params) or x.dtype not in _DTYPES:
+            return None
+        if x.numel() == 0 or not use_triton(x.device):
             return None
         kind = x.device.type
         if torch.is_autocast_enabled(kind):
