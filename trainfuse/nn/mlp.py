@@ -309,18 +309,20 @@ class MatmulConfigs:
     """The launch shapes of the three matmuls of a layer and how the weight grad splits. Every
     assignment gives the object a new ``serial``: cached launch plans are keyed on it."""
 
-    forward: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
-    dgrad: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
-    wgrad: MatmulConfig = dataclasses.field(default_factory=MatmulConfig)
-    # wgrad: split the batch (its K) until about this many programs run, but keep at least
-    # ``min_split_k`` rows per split (short splits spend more on the partials than they save)
-    wave_programs: int = 2
+    # a fixed launch shape per matmul, or None: :func:`default_tile` picks one per problem
+    forward: MatmulConfig | None = None
+    dgrad: MatmulConfig | None = None
+    wgrad: MatmulConfig | None = None
+    # wgrad: split the batch (its K) until about ``wave_programs`` programs per SM run, but keep at
+    # least ``min_split_k`` rows per split (short splits spend more on the partials than they save)
+    wave_programs: int = 4
     min_split_k: int = 1024
     max_split: int = 64
     act_block: int = 2048
     # forward and dgrad as C^T = W X^T: the weight is the A operand, which the tensor cores can
     # take from registers, so a float32 weight converted there never goes back to shared memory
-    weight_first: bool = False
+    # (None: exactly when the weight is float32 and the compute dtype 16-bit, as under autocast)
+    weight_first: bool | None = None
 
     def __setattr__(self, name, value) -> None:
         object.__setattr__(self, name, value)
@@ -330,6 +332,24 @@ class MatmulConfigs:
 
 config = MatmulConfigs()
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline stages may take (228 KB on Hopper)
+
+
+def default_tile(epi: int, K: int, converts: bool) -> MatmulConfig:
+    """The launch shape for a matmul of reduction length ``K`` (``converts``: one operand is a
+    float32 weight rounded in registers). From graph-timed sweeps on an H200 (torch 2.11, triton
+    3.6) at the three benchmark shapes (``python -m trainfuse.bench mlp --sweep``): 128 x 256 tiles
+    where K is long enough to amortize their deep pipeline, smaller and shallower ones for short K
+    (more programs resident per SM, so one's epilogue overlaps another's loads); weight grads with
+    64 x 128 tiles, split over the batch."""
+    if epi == EPI_WGRAD:
+        return MatmulConfig(64, 128, 64, 4, 4)
+    if K < 512:
+        return MatmulConfig(128, 128, 32, 4, 5)
+    if converts and (epi == EPI_FORWARD or K >= 2048):
+        return MatmulConfig(128, 256, 64, 8, 3)
+    if converts:
+        return MatmulConfig(128, 128, 32, 4, 5)
+    return MatmulConfig(128, 128, 64, 8, 3) if epi == EPI_FORWARD else MatmulConfig(128, 256, 64, 8, 3)
 
 
 def _stages(cfg: MatmulConfig, a: torch.Tensor, b: torch.Tensor) -> int:
@@ -397,6 +417,8 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
     M, K = a.shape
     N = b.shape[1]
     kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
+    if kind is None:
+        kind = default_tile(epi, K, cd != torch.float32 and torch.float32 in (a.dtype, b.dtype))
     bm, bn, bk = kind.bm, kind.bn, kind.bk
     tiles = -(-M // bm) * -(-N // bn)
     split = 1
@@ -453,11 +475,17 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
              plan.scale if drop else 1.0, num_warps=plan.warps, key=key, stream=stream, **plan.constexprs)
 
 
+def _weight_first(w: torch.Tensor, cd: torch.dtype) -> bool:
+    if config.weight_first is None:
+        return w.dtype == torch.float32 and cd != torch.float32
+    return config.weight_first
+
+
 def linear_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
                    pre: torch.Tensor | None, cd: torch.dtype, act: int, seed: int, p: float) -> None:
     """``out = dropout(f(x W^T + b))`` (and ``pre = x W^T + b``); with ``config.weight_first`` as
     ``out^T = W x^T``, so that the weight is the matmul's A operand."""
-    if config.weight_first:
+    if _weight_first(w, cd):
         matmul(w, x.t(), out.t(), cd, EPI_FORWARD, act=act, bias=b, bias_rows=True,
                pre=None if pre is None else pre.t(), seed=seed, p=p, drop_index=(1, out.shape[1]))
     else:
@@ -469,7 +497,7 @@ def linear_dgrad(dpre: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cd: tor
     """``out = (dpre W) * f'(saved) * keep / (1 - p)`` (the previous layer's activation and dropout
     grads; plain ``dpre W`` when there are none); ``config.weight_first`` as for the forward."""
     epi = EPI_ACT_GRAD if act or p > 0.0 else EPI_PLAIN
-    if config.weight_first:
+    if _weight_first(w, cd):
         matmul(w.t(), dpre.t(), out.t(), cd, epi, act=act, aux=None if saved is None else saved.t(),
                seed=seed, p=p, drop_index=(1, out.shape[1]))
     else:
@@ -501,16 +529,19 @@ class Layer:
     p: float  # dropout probability (0: no dropout)
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[int, tuple[torch.cuda.Stream, list[torch.cuda.Event]]] = {}
 # for the race test: cycles the side stream sleeps before each weight grad (torch.cuda._sleep)
 _debug_side_sleep_cycles = 0
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    s = _side_streams.get(device.index)
-    if s is None:
-        s = _side_streams[device.index] = torch.cuda.Stream(device)
-    return s
+def _side_stream(device: torch.device, events: int) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]]:
+    """The device's side stream and at least ``events`` events to order it after the main one
+    (made once: creating an event per wait costs host time in every backward)."""
+    side = _side_streams.get(device.index)
+    if side is None or len(side[1]) < events:
+        stream = torch.cuda.Stream(device) if side is None else side[0]
+        side = _side_streams[device.index] = (stream, [torch.cuda.Event() for _ in range(events)])
+    return side
 
 
 class FusedMLPFunction(torch.autograd.Function):
@@ -552,7 +583,7 @@ class FusedMLPFunction(torch.autograd.Function):
         device = grad.device
         two = ctx.streams == 2 and device.type == "cuda"
         main = torch.cuda.current_stream(device) if two else None
-        side = _side_stream(device) if two else None
+        side, events = _side_stream(device, n + 1) if two else (None, None)
         side_raw = side.cuda_stream if two else None  # launched on directly: no stream switches
         keep = []  # tensors the side stream reads: alive until the main stream has joined it
         grad = grad.contiguous()
@@ -571,7 +602,8 @@ class FusedMLPFunction(torch.autograd.Function):
                 if need_b[i]:
                     gb[i] = torch.empty(w.shape[0], dtype=ctx.bias_dtypes[i], device=device)
                 if two:
-                    side.wait_stream(main)
+                    events[i].record(main)
+                    side.wait_event(events[i])
                     keep.append(dpre)
                     if _debug_side_sleep_cycles:
                         with torch.cuda.stream(side):
@@ -587,7 +619,8 @@ class FusedMLPFunction(torch.autograd.Function):
                 dx = torch.empty(inputs[0].shape, dtype=inputs[0].dtype, device=device)
                 linear_dgrad(dpre, w, dx, cd, 0, None, 0, 0.0)
         if two:
-            main.wait_stream(side)
+            events[n].record(side)
+            main.wait_event(events[n])
             del keep
         gb = [g if need_b[i] else None for i, g in enumerate(gb)]
         return (dx, None, None, None, None, *gw, *gb)
