@@ -64,13 +64,19 @@ def assert_close_to_reference(ours, torch_same_dtype, ref, dtype, what=""):
         assert rel(a, r) <= limit, f"{what} {name}: error {rel(a, r):.2e} > {limit:.2e}"
 
 
-@pytest.mark.parametrize("weight_first", [False, True], ids=["x_first", "weight_first"])
+# the matmul's operand order and load path: the weight as B or as A; tiles through TMA tensor
+# descriptors where the layout allows (16-byte rows), else pointers
+PATHS = {"x_first": dict(weight_first=False), "weight_first": dict(weight_first=True),
+         "weight_first_pointers": dict(weight_first=True, tma=False)}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("rows,sizes", SHAPES, ids=str)
-def test_matches_sequential_and_float64(small_tiles, device, act, dtype, rows, sizes, weight_first,
-                                        monkeypatch):
-    monkeypatch.setattr(small_tiles, "weight_first", weight_first)
+def test_matches_sequential_and_float64(small_tiles, device, act, dtype, rows, sizes, path, monkeypatch):
+    for name, value in PATHS[path].items():
+        monkeypatch.setattr(small_tiles, name, value)
     mlp = FusedMLP(sizes, activation=act, last_activation=act != "none").to(device, dtype)
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
     x = torch.randn(rows, sizes[0], device=device, dtype=dtype)

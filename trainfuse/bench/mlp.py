@@ -25,18 +25,21 @@ WORKLOADS = [("relu B=8192 D=1024", 8192, 1024, 4, "relu", 0.0),
              ("gelu B=8192 D=1024", 8192, 1024, 4, "gelu", 0.0),
              ("relu+dropout0.1 B=8192 D=1024", 8192, 1024, 4, "relu", 0.1)]
 
-SWEEP = {"forward": ["128x128x64w8s3", "128x256x64w8s3", "128x128x32w4s5", "128x128x64w4s2", "128x128x32w4s3",
-                     "64x128x64w4s3", "128x64x64w4s3", "256x128x64w8s2"],
-         "wgrad": ["128x128x64w8s3", "64x128x64w4s4", "64x64x64w4s4", "64x128x64w4s2"]}
+# t: operands through TMA descriptors, p: through pointers
+SWEEP = {"forward": ["128x128x64w8s3t", "128x256x64w8s3t", "128x128x64w8s4t", "128x128x64w8s3p",
+                     "128x256x64w8s3p", "64x128x64w4s4t"],
+         "wgrad": ["128x128x64w8s3t", "64x128x64w4s4t", "128x128x64w8s4t", "128x256x64w8s3t",
+                   "64x128x64w4s4p"]}
 SWEEP["dgrad"] = SWEEP["forward"]
 
 
 def parse_config(text: str) -> M.MatmulConfig:
-    """``"BMxBNxBKwWARPSsSTAGES"`` (e.g. ``128x128x64w8s3``) as a MatmulConfig."""
-    tiles, rest = text.split("w")
+    """``"BMxBNxBKwWARPSsSTAGES[t|p]"`` (e.g. ``128x128x64w8s3t``) as a MatmulConfig (t: TMA)."""
+    tma = not text.endswith("p")
+    tiles, rest = text.rstrip("tp").split("w")
     warps, stages = rest.split("s")
     bm, bn, bk = (int(v) for v in tiles.split("x"))
-    return M.MatmulConfig(bm, bn, bk, int(warps), int(stages))
+    return M.MatmulConfig(bm, bn, bk, int(warps), int(stages), tma=tma)
 
 
 def _step(mlp, x, cache=True):

@@ -129,27 +129,70 @@ def _keep(seed, idx, p):
 
 # ---- the matmul -----------------------------------------------------------------------------------
 @triton.jit
-def _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, ROWSUM: tl.constexpr,
-              CD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+def _mma(a, b, acc, rowsum, ROWSUM: tl.constexpr, CD: tl.constexpr, PREC: tl.constexpr,
+         UPCAST: tl.constexpr):
+    if ROWSUM:  # the bias grad: rows of A = dpre^T summed over the batch, as read
+        rowsum += tl.sum(a.to(tl.float32), 1)
+    if UPCAST:
+        # the interpreter (triton <= 3.9) returns garbage for a bfloat16 tl.dot: round the
+        # operands to the compute dtype, then multiply them in float32 (the same products)
+        acc = tl.dot(a.to(CD).to(tl.float32), b.to(CD).to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a.to(CD), b.to(CD), acc, input_precision=PREC)
+    return acc, rowsum
+
+
+@triton.jit
+def _mainloop(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, off_m, off_n, k0, k_end, acc, rowsum,
+              ROWSUM: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, CD: tl.constexpr,
+              PREC: tl.constexpr, UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr):
-    for k in range(k0, k_end, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+    """acc += A[off_m:off_m + BM, k0:k_end] @ B[k0:k_end, off_n:off_n + BN].
+
+    With ``TMA`` the tiles come through tensor descriptors of the operands as stored (``A_T``: A
+    is the transpose of a row-major matrix, so its tiles are loaded as [BK, BM] and transposed in
+    shared memory; likewise ``B_T``), which also zero-fill past the edges; otherwise through
+    pointers, rows and columns past the edge wrapping around (their results are never stored) so
+    that only K needs a mask."""
+    if TMA:
+        if A_T:
+            a_desc = tl.make_tensor_descriptor(a_ptr, [K, M], [s_ak, 1], [BK, BM])
         else:
-            inside = k + tl.arange(0, BK) < k_end
-            a = tl.load(a_ptrs, mask=inside[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=inside[:, None], other=0.0)
-        if ROWSUM:  # the bias grad: rows of A = dpre^T summed over the batch, as read
-            rowsum += tl.sum(a.to(tl.float32), 1)
-        if UPCAST:
-            # the interpreter (triton <= 3.9) returns garbage for a bfloat16 tl.dot: round the
-            # operands to the compute dtype, then multiply them in float32 (the same products)
-            acc = tl.dot(a.to(CD).to(tl.float32), b.to(CD).to(tl.float32), acc, input_precision="ieee")
+            a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [s_am, 1], [BM, BK])
+        if B_T:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [s_bn, 1], [BN, BK])
         else:
-            acc = tl.dot(a.to(CD), b.to(CD), acc, input_precision=PREC)
-        a_ptrs += BK * s_ak
-        b_ptrs += BK * s_bk
+            b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [s_bk, 1], [BK, BN])
+        for k in range(k0, k_end, BK):
+            if A_T:
+                a = a_desc.load([k, off_m]).T
+            else:
+                a = a_desc.load([off_m, k])
+            if B_T:
+                b = b_desc.load([off_n, k]).T
+            else:
+                b = b_desc.load([k, off_n])
+            acc, rowsum = _mma(a, b, acc, rowsum, ROWSUM, CD, PREC, UPCAST)
+    else:
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+        ram = rm if EVEN_M else rm % M
+        rbn = rn if EVEN_N else rn % N
+        rk = k0 + tl.arange(0, BK)
+        a_ptrs = a_ptr + ram[:, None].to(tl.int64) * s_am + rk[None, :].to(tl.int64) * s_ak
+        b_ptrs = b_ptr + rk[:, None].to(tl.int64) * s_bk + rbn[None, :].to(tl.int64) * s_bn
+        for k in range(k0, k_end, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                inside = k + tl.arange(0, BK) < k_end
+                a = tl.load(a_ptrs, mask=inside[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=inside[:, None], other=0.0)
+            acc, rowsum = _mma(a, b, acc, rowsum, ROWSUM, CD, PREC, UPCAST)
+            a_ptrs += BK * s_ak
+            b_ptrs += BK * s_bk
     return acc, rowsum
 
 
@@ -162,8 +205,8 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                EPI: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROWS: tl.constexpr,
                STORE_PRE: tl.constexpr, DROP: tl.constexpr, SPLIT_K: tl.constexpr, CD: tl.constexpr,
                PREC: tl.constexpr, UPCAST: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-               EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               GROUP_M: tl.constexpr):
+               EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     """``C[M, N] = A[M, K] @ B[K, N]`` then the ``EPI`` epilogue. Every operand is addressed by
     strides: A and B in any layout and float dtype (converted to ``CD`` in registers), C, ``aux``
     (the saved activation) and ``pre`` as views, so a caller may compute ``C^T = B^T A^T`` into
@@ -186,27 +229,24 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
     pid_n = (tile % width) // rows_in_group
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    # rows and columns past the edge wrap around (their results are never stored): unmasked loads
-    ram = rm if EVEN_M else rm % M
-    rbn = rn if EVEN_N else rn % N
     k0 = tl.multiple_of(split * k_split, BK)  # k_split is a multiple of BK: aligned, vector loads
     k_end = tl.minimum(K, k0 + k_split)
-    rk = k0 + tl.arange(0, BK)
-    a_ptrs = a_ptr + ram[:, None].to(tl.int64) * s_am + rk[None, :].to(tl.int64) * s_ak
-    b_ptrs = b_ptr + rk[:, None].to(tl.int64) * s_bk + rbn[None, :].to(tl.int64) * s_bn
     acc = tl.zeros((BM, BN), tl.float32)
     rowsum = tl.zeros((BM,), tl.float32)
     ROWSUM: tl.constexpr = EPI == _EPI_WGRAD and HAS_BIAS
     if ROWSUM:
         if pid_n == 0:  # one column of tiles sums the bias grad; the others skip the row sums
-            acc, rowsum = _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, True,
-                                    CD, PREC, UPCAST, EVEN_K, BK)
+            acc, rowsum = _mainloop(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, pid_m * BM, pid_n * BN,
+                                    k0, k_end, acc, rowsum, True, TMA, A_T, B_T, EVEN_M, EVEN_N, EVEN_K,
+                                    CD, PREC, UPCAST, BM, BN, BK)
         else:
-            acc, rowsum = _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, False,
-                                    CD, PREC, UPCAST, EVEN_K, BK)
+            acc, rowsum = _mainloop(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, pid_m * BM, pid_n * BN,
+                                    k0, k_end, acc, rowsum, False, TMA, A_T, B_T, EVEN_M, EVEN_N, EVEN_K,
+                                    CD, PREC, UPCAST, BM, BN, BK)
     else:
-        acc, rowsum = _mainloop(a_ptrs, b_ptrs, k0, k_end, s_ak, s_bk, acc, rowsum, False,
-                                CD, PREC, UPCAST, EVEN_K, BK)
+        acc, rowsum = _mainloop(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, pid_m * BM, pid_n * BN,
+                                k0, k_end, acc, rowsum, False, TMA, A_T, B_T, EVEN_M, EVEN_N, EVEN_K,
+                                CD, PREC, UPCAST, BM, BN, BK)
 
     in_m = rm < M
     mask = in_m[:, None] & (rn < N)[None, :]
@@ -246,9 +286,9 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
         if EPI == _EPI_FORWARD:
             if HAS_BIAS:
                 if BIAS_ROWS:
-                    v += tl.load(bias_ptr + ram).to(tl.float32)[:, None]
+                    v += tl.load(bias_ptr + rm, mask=in_m, other=0.0).to(tl.float32)[:, None]
                 else:
-                    v += tl.load(bias_ptr + rbn).to(tl.float32)[None, :]
+                    v += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             if STORE_PRE:
                 tl.store(pre_ptr + x_off, v.to(pre_ptr.dtype.element_ty), mask=mask)
             v = _act(v, ACT)
@@ -299,6 +339,7 @@ class MatmulConfig:
     warps: int = 8
     stages: int = 3
     group_m: int = 8
+    tma: bool = True  # operand tiles through TMA tensor descriptors where the layout allows
 
 
 _serials = itertools.count()
@@ -323,6 +364,8 @@ class MatmulConfigs:
     # take from registers, so a float32 weight converted there never goes back to shared memory
     # (None: exactly when the weight is float32 and the compute dtype 16-bit, as under autocast)
     weight_first: bool | None = None
+    # False: operand tiles always through pointers (else as the launch shape says)
+    tma: bool | None = None
 
     def __setattr__(self, name, value) -> None:
         object.__setattr__(self, name, value)
@@ -334,22 +377,21 @@ config = MatmulConfigs()
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline stages may take (228 KB on Hopper)
 
 
-def default_tile(epi: int, K: int, converts: bool) -> MatmulConfig:
+def default_tile(epi: int, K: int, converts: bool, drop: bool) -> MatmulConfig:
     """The launch shape for a matmul of reduction length ``K`` (``converts``: one operand is a
-    float32 weight rounded in registers). From graph-timed sweeps on an H200 (torch 2.11, triton
-    3.6) at the three benchmark shapes (``python -m trainfuse.bench mlp --sweep``): 128 x 256 tiles
-    where K is long enough to amortize their deep pipeline, smaller and shallower ones for short K
-    (more programs resident per SM, so one's epilogue overlaps another's loads); weight grads with
-    64 x 128 tiles, split over the batch."""
+    float32 weight rounded in registers; ``drop``: the epilogue draws a dropout mask).
+
+    From ``python -m trainfuse.bench mlp --sweep`` (graph-timed, H200, torch 2.11, triton 3.6) at
+    the benchmark shapes and ptxas's reports: 8 warps per 128-row tile (4 warps hold a 128 x 128
+    float32 accumulator in 128 registers a thread and spill in the epilogue); operands through
+    TMA, except a float32 weight read transposed for the input grad (its register conversion then
+    serializes the tensor-core pipeline); 128 x 256 tiles only for the plain forward (the dropout
+    and activation-grad epilogues spill there)."""
     if epi == EPI_WGRAD:
-        return MatmulConfig(64, 128, 64, 4, 4)
-    if K < 512:
-        return MatmulConfig(128, 128, 32, 4, 5)
-    if converts and (epi == EPI_FORWARD or K >= 2048):
+        return MatmulConfig(128, 128, 64, 8, 3)
+    if epi == EPI_FORWARD and not drop and K >= 512:
         return MatmulConfig(128, 256, 64, 8, 3)
-    if converts:
-        return MatmulConfig(128, 128, 32, 4, 5)
-    return MatmulConfig(128, 128, 64, 8, 3) if epi == EPI_FORWARD else MatmulConfig(128, 256, 64, 8, 3)
+    return MatmulConfig(128, 128, 64, 8, 3, tma=not (converts and epi != EPI_FORWARD))
 
 
 def _stages(cfg: MatmulConfig, a: torch.Tensor, b: torch.Tensor) -> int:
@@ -418,7 +460,7 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
     N = b.shape[1]
     kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
     if kind is None:
-        kind = default_tile(epi, K, cd != torch.float32 and torch.float32 in (a.dtype, b.dtype))
+        kind = default_tile(epi, K, cd != torch.float32 and torch.float32 in (a.dtype, b.dtype), drop)
     bm, bn, bk = kind.bm, kind.bn, kind.bk
     tiles = -(-M // bm) * -(-N // bn)
     split = 1
@@ -429,15 +471,49 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
     k_split = -(-k_split // bk) * bk
     split = max(1, -(-K // k_split))
     d_m, d_n = drop_index or (N, 1)
+    a_t, b_t = _tma_layout(a), _tma_layout(b)
+    tma = config.tma is not False and kind.tma and a_t is not None and b_t is not None
     ints = (M, N, K, k_split, split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
             c.stride(1), x.stride(0), x.stride(1), d_m, d_n)
     constexprs = dict(
         EPI=epi, ACT=act, HAS_BIAS=has_bias, BIAS_ROWS=bias_rows, STORE_PRE=pre, DROP=drop,
         SPLIT_K=split > 1, CD=_TL[cd], PREC=_precision(cd), UPCAST=interpreting() and cd == torch.bfloat16,
-        EVEN_M=M % bm == 0, EVEN_N=N % bn == 0, EVEN_K=K % k_split == 0, BM=bm, BN=bn, BK=bk,
+        EVEN_M=M % bm == 0, EVEN_N=N % bn == 0, EVEN_K=K % k_split == 0, TMA=tma, A_T=bool(a_t),
+        B_T=bool(b_t), BM=bm, BN=bn, BK=bk,
         GROUP_M=kind.group_m, num_stages=_stages(kind, a, b))
     return _Plan((tiles * split,), ints, 0.0 if p >= 1.0 else 1.0 / (1.0 - p) if p > 0 else 1.0, split,
                  tiles * split * bm * bn + -(-M // bm) * split * bm, tiles, kind.warps, constexprs)
+
+
+def _tma_layout(t: torch.Tensor) -> bool | None:
+    """How a tensor descriptor can read the 2-d view ``t``: False when its rows are contiguous
+    (row-major), True when its columns are (the transpose of a row-major matrix), None when
+    neither, or the base or the row pitch is not 16-byte aligned (what TMA needs)."""
+    if t.stride(1) == 1 or t.shape[1] == 1:
+        pitch, transposed = t.stride(0), False
+    elif t.stride(0) == 1 or t.shape[0] == 1:
+        pitch, transposed = t.stride(1), True
+    else:
+        return None
+    if t.data_ptr() % 16 or (pitch * t.element_size()) % 16:
+        return None
+    return transposed
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Tensor descriptors made in a kernel need scratch memory from Triton's allocator, which is
+    per thread (autograd runs CUDA backwards on threads of its own): set ours where none is."""
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator
+    current = current.get() if hasattr(current, "get") else current
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_scratch if not interpreting() else
+                             lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, epi: int, *,
@@ -465,6 +541,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
     if plan is None:
         plan = _plans[key] = _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre is not None,
                                         drop, drop_index, p)
+    if plan.constexprs["TMA"]:
+        _ensure_allocator()
     if plan.split > 1:
         if stream is None and a.device.type == "cuda":
             stream = torch._C._cuda_getCurrentRawStream(a.device.index)
