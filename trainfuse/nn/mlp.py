@@ -356,7 +356,7 @@ class MatmulConfigs:
     wgrad: MatmulConfig | None = None
     # wgrad: split the batch (its K) until about ``wave_programs`` programs per SM run, but keep at
     # least ``min_split_k`` rows per split (short splits spend more on the partials than they save)
-    wave_programs: int = 4
+    wave_programs: int = 2
     min_split_k: int = 1024
     max_split: int = 64
     act_block: int = 2048
@@ -377,21 +377,31 @@ config = MatmulConfigs()
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline stages may take (228 KB on Hopper)
 
 
-def default_tile(epi: int, K: int, converts: bool, drop: bool) -> MatmulConfig:
-    """The launch shape for a matmul of reduction length ``K`` (``converts``: one operand is a
-    float32 weight rounded in registers; ``drop``: the epilogue draws a dropout mask).
+def default_tile(epi: int, M: int, N: int, K: int, cd: torch.dtype, converts: bool, drop: bool,
+                 sms: int) -> MatmulConfig:
+    """The launch shape for an (M, N, K) matmul in compute dtype ``cd`` (``converts``: one operand
+    is a float32 weight rounded in registers; ``drop``: the epilogue draws a dropout mask).
 
-    From ``python -m trainfuse.bench mlp --sweep`` (graph-timed, H200, torch 2.11, triton 3.6) at
-    the benchmark shapes and ptxas's reports: 8 warps per 128-row tile (4 warps hold a 128 x 128
-    float32 accumulator in 128 registers a thread and spill in the epilogue); operands through
-    TMA, except a float32 weight read transposed for the input grad (its register conversion then
-    serializes the tensor-core pipeline); 128 x 256 tiles only for the plain forward (the dropout
-    and activation-grad epilogues spill there)."""
+    From ``python -m trainfuse.bench mlp --sweep`` (each matmul alone, CUDA-graph timed, H200,
+    torch 2.11, triton 3.6) at the three benchmark shapes, and ptxas's register reports: 8 warps
+    per 128-row tile (4 warps hold a 128 x 128 float32 accumulator in 128 registers a thread);
+    128 x 256 tiles where the reduction is long, except under a dropout epilogue (the Philox
+    state then spills); 64 x 128 tiles with TMA loads for short reductions (K = 256: more
+    programs resident per SM, one's epilogue overlapping another's loads); weight grads in
+    128 x 256 tiles when those alone fill the GPU twice, else 64 x 128 tiles split over the batch."""
+    if cd == torch.float32:  # float32 operands: twice the shared memory per stage
+        return MatmulConfig(128, 128, 32, 8, 3)
     if epi == EPI_WGRAD:
-        return MatmulConfig(128, 128, 64, 8, 3)
-    if epi == EPI_FORWARD and not drop and K >= 512:
-        return MatmulConfig(128, 256, 64, 8, 3)
-    return MatmulConfig(128, 128, 64, 8, 3, tma=not (converts and epi != EPI_FORWARD))
+        if -(-M // 128) * -(-N // 256) >= 2 * sms:
+            return MatmulConfig(128, 256, 64, 8, 3)
+        return MatmulConfig(64, 128, 64, 4, 4)
+    if K < 512:
+        return MatmulConfig(64, 128, 64, 4, 4)
+    if drop:
+        return MatmulConfig(128, 128, 64, 8, 3, tma=False)
+    if epi == EPI_FORWARD and not converts:
+        return MatmulConfig(128, 128, 64, 8, 3, tma=False)
+    return MatmulConfig(128, 256, 64, 8, 3, tma=False)
 
 
 def _stages(cfg: MatmulConfig, a: torch.Tensor, b: torch.Tensor) -> int:
@@ -459,13 +469,15 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
     M, K = a.shape
     N = b.shape[1]
     kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
+    sms = _sm_count(a.device.index) if a.device.type == "cuda" else 4
     if kind is None:
-        kind = default_tile(epi, K, cd != torch.float32 and torch.float32 in (a.dtype, b.dtype), drop)
+        kind = default_tile(epi, M, N, K, cd, cd != torch.float32 and torch.float32 in (a.dtype, b.dtype),
+                            drop, sms)
     bm, bn, bk = kind.bm, kind.bn, kind.bk
     tiles = -(-M // bm) * -(-N // bn)
     split = 1
     if epi == EPI_WGRAD:
-        target = (_sm_count(a.device.index) if a.device.type == "cuda" else 4) * config.wave_programs
+        target = sms * config.wave_programs
         split = max(1, min(config.max_split, target // tiles, K // config.min_split_k))
     k_split = -(-K // split)
     k_split = -(-k_split // bk) * bk
