@@ -159,6 +159,7 @@ def main(argv=None):
                           "tflops": flops / k / 1e9}
             rows.append([name, label, f"{k:.3f}", f"{w:.3f}", "" if g is None else f"{g:.3f}", f"{h:.3f}",
                          f"{flops / k / 1e9:.0f}", ""])
+            print("  ".join(rows[-1]), flush=True)  # as it comes: torch.compile can take minutes
         base = res.get("eager", {}).get("do_bench_ms")
         for row in rows[-len(res):]:
             if base and row[1] in res:
