@@ -46,6 +46,22 @@ def host_ms(fn, iters: int = 200) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, repeat: int = 1) -> float:
+    """``repeat`` calls of fn captured in a CUDA graph and replayed (per replay): the GPU's own
+    time, with the host's launch work (Python, autograd) taken out, which would otherwise hide
+    a short kernel's time in :func:`kernel_ms`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    return kernel_ms(graph.replay)
+
+
 def copy_bandwidth() -> float:
     """Device copy bandwidth in bytes/s (read + write), as ../shared/bench/anchors.py measures."""
     n = 1 << 28

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from trainfuse.bench._common import kernel_ms, print_table, save_report, start_report, wall_ms
+from trainfuse.bench._common import graph_ms, kernel_ms, print_table, save_report, start_report, wall_ms
 from trainfuse.losses import bce_with_logits, iou_loss
 from trainfuse.losses.iou import bbox_iou_reference
 
@@ -30,25 +30,11 @@ def _fwd_bwd(loss_fn, x, *args):
     return step
 
 
-def _graph_ms(fn) -> float:
-    """fn captured in a CUDA graph and replayed: the GPU's time alone, with the host's launch
-    work (Python, autograd) taken out."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return kernel_ms(graph.replay)
-
-
 def _row(name, fn, floor, graph=True):
     try:
         fn()
         k, w = kernel_ms(fn), wall_ms(fn, iters=50)
-        g = _graph_ms(fn) if graph else None
+        g = graph_ms(fn) if graph else None
     except Exception as e:  # noqa: BLE001 - torch.compile may fail on a machine; report it
         return [name, "ERR", str(e).splitlines()[0][:60], "", "", ""], None
     gs = "" if g is None else f"{g:.4f} ({floor / g * 100:.0f}%)"

@@ -14,7 +14,15 @@ import os
 
 import torch
 
-from trainfuse.bench._common import host_ms, kernel_ms, print_table, save_report, start_report, wall_ms
+from trainfuse.bench._common import (
+    graph_ms,
+    host_ms,
+    kernel_ms,
+    print_table,
+    save_report,
+    start_report,
+    wall_ms,
+)
 from trainfuse.nn import FusedMLP
 from trainfuse.nn import mlp as M
 
@@ -49,21 +57,6 @@ def _step(mlp, x, cache=True):
     return step
 
 
-def _graph_ms(fn, repeat: int = 1) -> float:
-    """``repeat`` calls of fn captured in a CUDA graph and replayed: the GPU's time without the
-    host's launch work (which would hide a single short kernel's time in do_bench)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
-    return kernel_ms(graph.replay)
-
-
 def _sweep(batch, width, rows):
     """Each of the three matmuls alone, per candidate tile shape (bf16 compute, float32 weight as
     under autocast, or bfloat16 as after fuse_casts; activations bf16), with the weight as the
@@ -95,7 +88,7 @@ def _sweep(batch, width, rows):
                         label = " ".join(filter(None, [op, wname, "weight_first" if first else "",
                                                        f"waves={waves}" if op == "wgrad" else ""]))
                         try:
-                            ms = _graph_ms(fn, repeat=10) / 10
+                            ms = graph_ms(fn, repeat=10) / 10
                         except Exception as e:  # noqa: BLE001 - a tile shape may not fit this GPU
                             rows.append([f"B={batch} D={width}", label, text, "ERR",
                                          str(e).splitlines()[0][:50]])
@@ -151,7 +144,7 @@ def main(argv=None):
             try:
                 fn()
                 k, w, h = kernel_ms(fn), wall_ms(fn, iters=50), host_ms(fn, iters=50)
-                g = None if label == "torch.compile" else _graph_ms(_step(mod, x, cache=False))
+                g = None if label == "torch.compile" else graph_ms(_step(mod, x, cache=False))
             except Exception as e:  # noqa: BLE001 - torch.compile may fail on a machine; report it
                 rows.append([name, label, "ERR", str(e).splitlines()[0][:60], "", "", "", ""])
                 continue
