@@ -10,11 +10,12 @@ For layer ``i`` with weight ``W_i`` (out x in), input ``X_i`` and activation ``f
                                                         reads dpre_i, deterministically
 
 One kernel, :func:`_mm_kernel`, does all three: its operands are addressed by strides, so ``W^T``
-and ``dpre^T`` are read in place, and its ``EPI`` constexpr picks the epilogue. Operands are read
-as they are stored (a float32 weight under bf16 autocast, the float32 input of the first layer) and
-converted to the compute dtype in registers, so no cast kernel runs; accumulation is float32. The
-weight grad goes straight into the weight's dtype (float32 for float32 params: torch rounds it
-through bf16 under autocast first).
+and ``dpre^T`` are read in place (through TMA tensor descriptors, or pointers where the launch
+shape says so or the layout does not allow TMA), and its ``EPI`` constexpr picks the epilogue.
+Operands are read as they are stored (a float32 weight under bf16 autocast, the float32 input of
+the first layer) and converted to the compute dtype in registers, so no cast kernel runs;
+accumulation is float32. The weight grad goes straight into the weight's dtype (float32 for
+float32 params: torch rounds it through bf16 under autocast first).
 
 What the forward saves: every layer's input (the next layer's wgrad needs it anyway), and for
 GELU/SiLU the pre-activation. ReLU needs nothing more: its mask is ``out > 0`` (with dropout,
@@ -463,6 +464,7 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
 
 
 def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_index, p) -> _Plan:
@@ -551,6 +553,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
            bias_t.data_ptr() % 16, torch.backends.cuda.matmul.allow_tf32 if cd == torch.float32 else None)
     plan = _plans.get(key)
     if plan is None:
+        if len(_plans) >= _MAX_PLANS:  # e.g. a new batch size every call: start over
+            _plans.clear()
         plan = _plans[key] = _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre is not None,
                                         drop, drop_index, p)
     if plan.constexprs["TMA"]:
