@@ -150,6 +150,11 @@ def test_dropout_draws_new_masks_and_follows_the_torch_seed(small_tiles, device)
     mlp.eval()  # no dropout: the plain chain
     seq = nn.Sequential(*[m for m in mlp.children() if not isinstance(m, nn.Dropout)])
     assert rel(mlp(x), seq(x)) < 1e-6
+    mlp.train()
+    for m in mlp:  # the Dropout children's own mode counts, as in nn.Sequential
+        if isinstance(m, nn.Dropout):
+            m.eval()
+    assert mlp.training and rel(mlp(x), seq(x)) < 1e-6
 
 
 def test_split_k_weight_grad_is_right_and_deterministic(small_tiles, device, monkeypatch):

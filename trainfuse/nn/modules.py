@@ -165,7 +165,7 @@ class FusedMLP(nn.Sequential):
             if lin._forward_hooks or lin._forward_pre_hooks:
                 return None
         rows = x.numel() // x.shape[-1]
-        if any(d is not None and d.p > 0.0 for _, _, d in self._chain) and self.training:
+        if any(d is not None and d.p > 0.0 and d.training for _, _, d in self._chain):
             widest = max(lin.out_features for lin, _, _ in self._chain)
             if rows * widest >= 2**31:  # the dropout mask is indexed by a 32-bit element number
                 return None
@@ -181,7 +181,8 @@ class FusedMLP(nn.Sequential):
         cd = self._kernel_dtype(x, weights + [b for b in biases if b is not None])
         if cd is None:
             return super().forward(x)
-        layers = [Layer(ACTIVATIONS[act], d.p if d is not None and self.training else 0.0)
+        # each Dropout child's own mode, as nn.Sequential would run it
+        layers = [Layer(ACTIVATIONS[act], d.p if d is not None and d.training else 0.0)
                   for _, act, d in self._chain]
         seed = int(torch.randint(0, 2**31 - 2**16, (1,))) if any(layer.p > 0 for layer in layers) else 0
         self._last_seed = seed
