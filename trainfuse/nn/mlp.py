@@ -457,7 +457,6 @@ class _Plan:
 
     grid: tuple[int]
     ints: tuple[int, ...]
-    scale: float
     split: int
     ws_floats: int
     tiles: int
@@ -469,7 +468,7 @@ _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_index, p) -> _Plan:
+def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_index) -> _Plan:
     M, K = a.shape
     N = b.shape[1]
     kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
@@ -497,8 +496,14 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
         EVEN_M=M % bm == 0, EVEN_N=N % bn == 0, EVEN_K=K % k_split == 0, TMA=tma, A_T=bool(a_t),
         B_T=bool(b_t), BM=bm, BN=bn, BK=bk,
         GROUP_M=kind.group_m, num_stages=_stages(kind, a, b))
-    return _Plan((tiles * split,), ints, 0.0 if p >= 1.0 else 1.0 / (1.0 - p) if p > 0 else 1.0, split,
-                 tiles * split * bm * bn + -(-M // bm) * split * bm, tiles, kind.warps, constexprs)
+    return _Plan((tiles * split,), ints, split, tiles * split * bm * bn + -(-M // bm) * split * bm, tiles,
+                 kind.warps, constexprs)
+
+
+def _drop_scale(p: float) -> float:
+    """What dropout multiplies the kept elements by (the call's own ``p``: it is not part of the
+    cached plan, so a changed ``Dropout.p`` takes effect at once)."""
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
 
 
 def _tma_layout(t: torch.Tensor) -> bool | None:
@@ -558,7 +563,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
         if len(_plans) >= _MAX_PLANS:  # e.g. a new batch size every call: start over
             _plans.clear()
         plan = _plans[key] = _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre is not None,
-                                        drop, drop_index, p)
+                                        drop, drop_index)
     if plan.constexprs["TMA"]:
         _ensure_allocator()
     if plan.split > 1:
@@ -568,7 +573,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
     else:
         ws = cnt = a
     launcher(_mm_kernel, plan.grid, a, b, c, bias_t, x, x, bias_t, ws, cnt, *plan.ints, seed, float(p),
-             plan.scale if drop else 1.0, num_warps=plan.warps, key=key, stream=stream, **plan.constexprs)
+             _drop_scale(p), num_warps=plan.warps, key=key, stream=stream, **plan.constexprs)
 
 
 def _weight_first(w: torch.Tensor, cd: torch.dtype) -> bool:
@@ -605,7 +610,7 @@ def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, 
     n = g.numel()
     block = config.act_block
     launcher(_act_grad_kernel, (max(1, -(-n // block)),), g, saved, out, n, seed, float(p),
-             0.0 if p >= 1.0 else 1.0 / (1.0 - p), ACT=act, DROP=p > 0.0, BLOCK=block, num_warps=4)
+             _drop_scale(p), ACT=act, DROP=p > 0.0, BLOCK=block, num_warps=4)
 
 
 def dropout_mask(seed: int, shape: tuple[int, int], p: float, device: torch.device | str) -> torch.Tensor:
