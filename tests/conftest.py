@@ -37,11 +37,12 @@ def kernels(monkeypatch):
     """Force the Triton kernels (the interpreter on CPU) with a small chunk size, so that tensors
     of a few hundred elements already span several work items."""
     from trainfuse._engine import config
+    from trainfuse._engine.table import master_config
     from trainfuse.losses import _common
 
     monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")
     if DEVICE.type == "cpu":
-        for cfg in (config, _common.config, _common.config16, _common.box_config):
+        for cfg in (config, master_config, _common.config, _common.config16, _common.box_config):
             monkeypatch.setattr(cfg, "block", 32)
             monkeypatch.setattr(cfg, "unroll", 2)
     return config

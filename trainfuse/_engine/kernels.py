@@ -67,9 +67,12 @@ def operand(row, k: tl.constexpr, start, DT: tl.constexpr, ALIGNED: tl.constexpr
     """Pointer to element ``start`` of operand ``k``; ALIGNED promises 16-byte aligned bases so
     loads vectorize (the host checks every address before it sets it)."""
     addr = tl.load(row + COL_OPERAND0 + k)
+    ptr = addr.to(tl.pointer_type(DT)) + start
     if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
-    return addr.to(tl.pointer_type(DT)) + start
+        # on the pointer itself: the alignment of the integer address does not carry through
+        # the int-to-pointer cast (every access compiled to a scalar 32-bit load or store)
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit

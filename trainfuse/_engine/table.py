@@ -31,6 +31,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # the row layout the kernels read (trainfuse/_engine/kernels.py)
 ROW = kernels.ROW.value
 MAX_OPERANDS = kernels.COL_STEP.value  # operand slots precede the step column
+COL_NCHUNKS = kernels.COL_NCHUNKS.value
 assert [c.value for c in (kernels.COL_STEP, kernels.COL_NUMEL, kernels.COL_GROUP, kernels.COL_CODE,
                           kernels.COL_NCHUNKS)] == list(range(MAX_OPERANDS, MAX_OPERANDS + 5))
 OP_PARAM, OP_GRAD, OP_MASTER, OP_EMA, OP_STATE = (k.value for k in (
@@ -60,12 +61,13 @@ class LaunchConfig:
         return self.block * self.unroll
 
 
-def _config_from_env() -> LaunchConfig:
-    """``TRAINFUSE_LAUNCH=BLOCKxUNROLLxWARPS`` (e.g. ``512x8x4``) overrides the defaults, for tuning
-    on other GPUs with ``python -m trainfuse.bench optim --sweep``."""
+def _config_from_env(default: LaunchConfig) -> LaunchConfig:
+    """``TRAINFUSE_LAUNCH=BLOCKxUNROLLxWARPS`` (e.g. ``512x8x4``) overrides the defaults (of plans
+    with and without float32 masters alike), for tuning on other GPUs with
+    ``python -m trainfuse.bench optim --sweep``."""
     spec = os.environ.get("TRAINFUSE_LAUNCH", "")
     if not spec:
-        return LaunchConfig()
+        return default
     try:
         block, unroll, warps = (int(v) for v in spec.lower().split("x"))
     except ValueError:
@@ -75,7 +77,11 @@ def _config_from_env() -> LaunchConfig:
     return LaunchConfig(block, unroll, warps)
 
 
-config = _config_from_env()
+config = _config_from_env(LaunchConfig())
+# plans with float32-master rows (fuse_casts): GPT-2 bf16 AdamW on the H200 (torch 2.11, triton
+# 3.6) took 0.883 ms (93% of the floor) at 512 x 4 x 4 with vector accesses and the 2-ulp division
+# and square root, against 0.915 at 512 x 8 x 4 and 0.956 or more for every wider shape
+master_config = _config_from_env(LaunchConfig(512, 4, 4))
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -107,7 +113,7 @@ def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _Plan:
-    __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
+    __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad", "launch",
                  "ntensors", "codes", "pds", "aligned", "volatile", "keepalive", "copy_back", "slots",
                  "gstrides", "partials", "flags", "counter", "with_grad", "without_grad", "hot_gkey")
 
@@ -121,15 +127,16 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 class RowBuilder:
     """Collects one row per tensor (operand addresses by slot, numel, group, row code, step) and
     turns them into a device plan. Rows that carry a gradient must come before EMA-only rows: the
-    gradient-statistics pass walks only the first ``ngrad`` work items."""
+    gradient-statistics pass walks only the first ``ngrad`` work items. The launch shape (and with
+    it the chunk size) is the plan's: :data:`master_config` when any row has a float32 master."""
 
     def __init__(self) -> None:
         self.rows: list[list[int]] = []
-        self.nchunks: list[int] = []
+        self.numels: list[int] = []
         self.aligned = True
         self.codes = 0
         self.pds = 0
-        self.ngrad = 0
+        self.grad_rows = 0
 
     def add(self, operands: dict[int, torch.Tensor | None], numel: int, code: int, group: int = 0,
             step: torch.Tensor | None = None) -> None:
@@ -138,18 +145,26 @@ class RowBuilder:
             if t is not None:
                 slots[k] = t.data_ptr()
                 self.aligned = self.aligned and slots[k] % 16 == 0
-        nchunks = max(1, -(-numel // config.chunk))  # empty tensors still count a step
-        row = slots + [0 if step is None else step.data_ptr(), numel, group, code, nchunks]
+        row = slots + [0 if step is None else step.data_ptr(), numel, group, code, 0]  # + nchunks
         self.rows.append(row + [0] * (ROW - len(row)))
-        self.nchunks.append(nchunks)
+        self.numels.append(numel)
         self.codes |= 1 << code
         if not code & CODE_EMA_ONLY:
-            assert self.ngrad == sum(self.nchunks[:-1]), "gradient rows go first"
+            assert self.grad_rows == len(self.rows) - 1, "gradient rows go first"
             self.pds |= 1 << (code % 4)
-            self.ngrad += nchunks
+            self.grad_rows += 1
+
+    def launch(self) -> LaunchConfig:
+        masters = any(self.codes >> c & 1 for c in range(kernels.NCODES.value) if c & CODE_MASTER)
+        return master_config if masters else config
 
     def build(self, device: torch.device) -> _Plan:
         plan = _Plan()
+        plan.launch = launch = self.launch()
+        nchunks = [max(1, -(-n // launch.chunk)) for n in self.numels]  # empty tensors count a step
+        for row, k in zip(self.rows, nchunks):
+            row[COL_NCHUNKS] = k
+        self.ngrad = sum(nchunks[: self.grad_rows])
         plan.volatile = False
         plan.with_grad, plan.without_grad, plan.hot_gkey = [], [], None
         plan.keepalive = []
@@ -160,7 +175,7 @@ class RowBuilder:
         if ntensors == 0:
             plan.nchunks = 0
             return plan
-        counts = torch.tensor(self.nchunks, dtype=torch.int64)
+        counts = torch.tensor(nchunks, dtype=torch.int64)
         total = int(counts.sum())
         tensor_of = torch.repeat_interleave(torch.arange(ntensors, dtype=torch.int64), counts)
         first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
@@ -205,9 +220,9 @@ def launch_update(launcher: CachedLauncher, kernel, plan: _Plan, hp: torch.Tenso
         kernel, (plan.nchunks,), plan.rows, plan.chunks, dummy if hp is None else hp, plan.arrivals,
         dummy if grad_scale is None else grad_scale, dummy if clip is None else clip,
         dummy if found_inf is None else found_inf, float(ema_w),
-        BLOCK=config.block, NB=config.unroll, CODES=plan.codes, ALIGNED=plan.aligned,
+        BLOCK=plan.launch.block, NB=plan.launch.unroll, CODES=plan.codes, ALIGNED=plan.aligned,
         HAS_SCALE=grad_scale is not None, HAS_CLIP=clip is not None,
-        HAS_INF=found_inf is not None, WIDTH=width, num_warps=config.num_warps,
+        HAS_INF=found_inf is not None, WIDTH=width, num_warps=plan.launch.num_warps,
     )
 
 
@@ -228,10 +243,10 @@ def launch_stats(launcher: CachedLauncher, plan: _Plan, out: torch.Tensor, *,
         kernels.grad_stats_kernel, (plan.ngrad,), plan.rows, plan.chunks,
         plan.rows if grad_scale is None else grad_scale, plan.partials, plan.flags, plan.counter,
         out, float(max_norm),
-        BLOCK=config.block, NB=config.unroll, PDS=plan.pds, ALIGNED=plan.aligned,
+        BLOCK=plan.launch.block, NB=plan.launch.unroll, PDS=plan.pds, ALIGNED=plan.aligned,
         HAS_SCALE=grad_scale is not None,
         NORM=kernels.NORM_NONE.value if norm_type is None else NORM_KINDS[float(norm_type)],
-        num_warps=config.num_warps,
+        num_warps=plan.launch.num_warps,
     )
 
 
@@ -634,5 +649,5 @@ class TensorListPlans:
 
 
 __all__ = ["DTYPE_CODES", "LaunchConfig", "MultiTensorEngine", "RowBuilder", "TensorListPlans",
-           "code_of", "config", "conform", "is_dense", "launch_stats", "launch_update",
+           "code_of", "config", "conform", "master_config", "is_dense", "launch_stats", "launch_update",
            "same_layout"]
