@@ -197,6 +197,24 @@ def _mainloop(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, off_m, off_n, k0, k
     return acc, rowsum
 
 
+@triton.jit
+def _tile_store(ptr, v, mask, FULL: tl.constexpr):
+    """Store a C-shaped tile; ``FULL`` (the tile lies inside C: M and N are multiples of the tile)
+    drops the mask, whose per-element test of the unspecialized M and N otherwise keeps every
+    store scalar (one 2-byte st.global per element)."""
+    if FULL:
+        tl.store(ptr, v.to(ptr.dtype.element_ty))
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_load(ptr, mask, FULL: tl.constexpr):
+    if FULL:
+        return tl.load(ptr).to(tl.float32)
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
 # sizes and the seed vary call to call: not specialized on (a kernel per divisibility class of
 # each would multiply the compiles); strides stay specialized (== 1 and 16-byte alignment matter)
 @triton.jit(do_not_specialize=["M", "N", "K", "k_split", "nsplit", "d_m", "d_n", "seed"])
@@ -251,6 +269,7 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
 
     in_m = rm < M
     mask = in_m[:, None] & (rn < N)[None, :]
+    FULL: tl.constexpr = EVEN_M and EVEN_N
     c_off = rm[:, None].to(tl.int64) * s_cm + rn[None, :].to(tl.int64) * s_cn
     if EPI == _EPI_WGRAD:
         if SPLIT_K:
@@ -268,7 +287,7 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                 acc = tl.zeros((BM, BN), tl.float32)
                 for j in range(nsplit):  # fixed order: the same sum whichever program came last
                     acc += tl.load(first + j * (BM * BN) + t_off, cache_modifier=".cg")
-                tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask)
+                _tile_store(c_ptr + c_off, acc, mask, FULL)
                 if ROWSUM:
                     if pid_n == 0:
                         rowsum = tl.zeros((BM,), tl.float32)
@@ -277,7 +296,7 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                         tl.store(db_ptr + rm, rowsum.to(db_ptr.dtype.element_ty), mask=in_m)
                 tl.store(cnt_ptr + tile, 0)  # re-armed for the next launch on this stream
         else:
-            tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask)
+            _tile_store(c_ptr + c_off, acc, mask, FULL)
             if ROWSUM:
                 if pid_n == 0:
                     tl.store(db_ptr + rm, rowsum.to(db_ptr.dtype.element_ty), mask=in_m)
@@ -291,19 +310,19 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                 else:
                     v += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             if STORE_PRE:
-                tl.store(pre_ptr + x_off, v.to(pre_ptr.dtype.element_ty), mask=mask)
+                _tile_store(pre_ptr + x_off, v, mask, FULL)
             v = _act(v, ACT)
             if DROP:
                 keep = _keep(seed, rm[:, None] * d_m + rn[None, :] * d_n, p)
                 v = tl.where(keep, v * scale, 0.0)
         elif EPI == _EPI_ACT_GRAD:
             if ACT != 0:
-                saved = tl.load(aux_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+                saved = _tile_load(aux_ptr + x_off, mask, FULL)
                 v = _act_grad(v, saved, ACT)
             if DROP:
                 keep = _keep(seed, rm[:, None] * d_m + rn[None, :] * d_n, p)
                 v = tl.where(keep, v * scale, 0.0)
-        tl.store(c_ptr + c_off, v.to(c_ptr.dtype.element_ty), mask=mask)
+        _tile_store(c_ptr + c_off, v, mask, FULL)
 
 
 @triton.jit
