@@ -188,3 +188,30 @@ def test_attached_ema_and_clipping_with_no_gradient_at_all(kernels, device):
     for k, v in ema.ema.state_dict().items():
         if v.dtype.is_floating_point:
             torch.testing.assert_close(v.double(), expected[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_attached_ema_follows_tensors_whose_storage_moved(kernels, device):
+    """The cached tables hold addresses: an EMA tensor or a model buffer given new storage in
+    place (``.data =``, what ``Module.to`` does) between steps must be read and written at its
+    new address, and the old storage left alone."""
+    model = _model(device)
+    opt = trainfuse.FusedSGD(model.parameters(), lr=0.1)
+    ema = FusedEMA(model, updates=100)
+    opt.attach_ema(ema)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # tables built and cached
+    old_ema_w = ema.ema[0].weight.data
+    ema.ema[0].weight.data = old_ema_w.clone()  # the EMA tensor moves
+    stale = old_ema_w.clone()
+    model[1].running_mean.data = model[1].running_mean.data.clone() + 1.0  # a source buffer moves
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    ema_before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    w = 1 - ema.decay(102)
+    opt.step()
+    expected = _reference(ema_before, model.state_dict(), w)  # params after the step, as ModelEMA
+    for k, v in ema.ema.state_dict().items():
+        if v.dtype.is_floating_point:
+            torch.testing.assert_close(v.double(), expected[k], rtol=1e-6, atol=1e-6, msg=k)
+    assert torch.equal(old_ema_w, stale)  # nothing was written to the old storage
