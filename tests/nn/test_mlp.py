@@ -186,6 +186,34 @@ def test_split_k_weight_grad_is_right_and_deterministic(small_tiles, device, mon
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+def test_split_k_and_loss_reductions_share_the_stream_scratch(small_tiles, device, monkeypatch):
+    """Split-K weight grads and the losses' one-launch sums use the same per-stream scratch and
+    arrival counters (trainfuse._engine.launch.stream_workspace), interleaved and growing: each
+    re-arms its counters, so every result stays right and bit-reproducible."""
+    from trainfuse._engine import launch
+    from trainfuse.losses import bce_with_logits
+
+    monkeypatch.setattr(launch, "_workspaces", {})  # start empty: the calls below grow it
+    monkeypatch.setattr(M.config, "wave_programs", 64)
+    monkeypatch.setattr(M.config, "min_split_k", 16)
+    logits, targets = torch.randn(40, 37, device=device), torch.rand(40, 37, device=device)
+    want_loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.double(), targets.double())
+    results = []
+    for width in (8, 24):  # the wider net needs more partial tiles: the scratch grows
+        mlp = FusedMLP([16, width, 8], activation="relu").to(device)
+        x, g = torch.randn(150, 16, device=device), torch.randn(150, 8, device=device)
+        seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+        for _ in range(2):
+            loss = bce_with_logits(logits, targets)
+            torch.testing.assert_close(loss.double(), want_loss, rtol=1e-6, atol=1e-7)
+            got = run(mlp, x, g)
+            assert_close_to_reference(got, run(seq, x, g), reference(mlp, x, g), torch.float32, "shared")
+            results.append(got)
+        assert all(torch.equal(a, b) for a, b in zip(results[-2], results[-1]))
+    (scratch, counters), = [v for k, v in launch._workspaces.items() if k[2] == torch.float32]
+    assert not counters.any()  # every counter re-armed
+
+
 def test_input_without_grad_and_frozen_layer(small_tiles, device):
     mlp = FusedMLP([16, 32, 16, 8], activation="gelu_tanh").to(device)
     mlp[2].weight.requires_grad_(False)

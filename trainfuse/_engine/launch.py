@@ -10,6 +10,8 @@ Triton lacks) takes the normal path.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -78,4 +80,38 @@ class CachedLauncher:
                    *args, *consts)
 
 
-__all__ = ["CachedLauncher"]
+@functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (persistent grids, split-K choices)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_workspaces: dict[tuple, list[torch.Tensor]] = {}
+
+
+def stream_workspace(device: torch.device, stream: int | None, dtype: torch.dtype, floats: int,
+                     counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for one-launch reductions (a loss's partial sums, a split-K matmul's partial
+    tiles) on one stream: ``floats`` elements of ``dtype`` and ``counters`` int32 arrival counters
+    at zero. One set per (device, stream, dtype), kept across calls: kernels on a stream run in
+    order and the program that arrives last re-arms its counter, so a call allocates nothing.
+    ``stream`` is a raw CUDA stream handle (None: the current one); a new or grown set is made on
+    that stream, so the counters' zero fill is ordered before their first use."""
+    if device.type == "cuda" and stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+    key = (device, stream, dtype)
+    ws = _workspaces.get(key)
+    if ws is None or ws[0].numel() < floats or ws[1].numel() < counters:
+        have_f, have_c = (0, 0) if ws is None else (ws[0].numel(), ws[1].numel())
+        ctx = (torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) if device.type == "cuda"
+               else contextlib.nullcontext())
+        with ctx:
+            scratch = ws[0] if have_f >= floats else torch.empty(max(floats, 2 * have_f, 1024), dtype=dtype,
+                                                                  device=device)
+            count = ws[1] if have_c >= counters else torch.zeros(max(counters, have_c), dtype=torch.int32,
+                                                                  device=device)
+        ws = _workspaces[key] = [scratch, count]
+    return ws[0], ws[1]
+
+
+__all__ = ["CachedLauncher", "sm_count", "stream_workspace"]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainfuse._engine.launch import CachedLauncher
+from trainfuse._engine.launch import CachedLauncher, stream_workspace
 
 launcher = CachedLauncher()
 
@@ -89,21 +89,11 @@ def reduce_partials(partials, counter, out, part, nparts, denom):
         tl.store(counter, 0)
 
 
-_workspaces: dict[tuple, list] = {}
-
-
 def workspace(device: torch.device, nparts: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partials, counter)`` for a reduction of ``nparts`` programs on ``device``'s current
-    stream. One set per stream, reused launch after launch (kernels on a stream run in order, and
-    the last program leaves the counter at zero), so a loss call allocates nothing for it."""
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    key = (device, stream, dtype)
-    ws = _workspaces.get(key)
-    if ws is None or ws[0].numel() < nparts:
-        size = max(nparts, 1024 if ws is None else 2 * ws[0].numel())
-        counter = torch.zeros(1, dtype=torch.int32, device=device) if ws is None else ws[1]
-        ws = _workspaces[key] = [torch.empty(size, dtype=dtype, device=device), counter]
-    return ws[0], ws[1]
+    stream: the engine's per-stream scratch (:func:`trainfuse._engine.launch.stream_workspace`),
+    so a loss call allocates nothing for it."""
+    return stream_workspace(device, None, dtype, nparts, 1)
 
 
 def broadcast_operand(t: torch.Tensor, shape: tuple[int, ...], inner: int = 0

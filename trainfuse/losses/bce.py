@@ -25,13 +25,12 @@ the grad in the logits' dtype, as torch returns them. Torch rounds every interme
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from trainfuse._backend import use_triton
+from trainfuse._engine.launch import sm_count
 from trainfuse.losses._common import (
     REDUCTIONS,
     bcast_index,
@@ -180,15 +179,10 @@ def _scale_kernel(g_ptr, go_ptr, n, BLOCK: tl.constexpr):
 WIDE_FROM = 2**31 - 2**24  # element offsets go 64-bit here (a tile past the end must not overflow)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _max_programs(device: torch.device, per_sm: int) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs, so the persistent loop runs more than once
-    return _sm_count(device) * per_sm
+    return sm_count(device.index) * per_sm
 
 
 def _run(x, y, weight, pos_weight, *, go=None, out=None, grad=None, total=None, denom=1):

@@ -35,9 +35,7 @@ runs the same chain in torch, optionally with our dropout mask.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import itertools
 import math
 
@@ -46,7 +44,7 @@ import triton
 import triton.language as tl
 
 from trainfuse._backend import interpreting
-from trainfuse._engine.launch import CachedLauncher
+from trainfuse._engine.launch import CachedLauncher, sm_count, stream_workspace
 
 launcher = CachedLauncher()
 
@@ -433,33 +431,6 @@ def _stages(cfg: MatmulConfig, a: torch.Tensor, b: torch.Tensor) -> int:
     return max(2, min(cfg.stages, _SMEM_BUDGET // per_stage))
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-_workspaces: dict[tuple, list] = {}
-
-
-def _workspace(device: torch.device, stream: int | None, floats: int, tiles: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials and per-tile arrival counters for one stream, kept across calls (kernels
-    on one stream run in order and the last program re-arms its counter)."""
-    key = (device, stream)
-    ws = _workspaces.get(key)
-    if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
-        # made on the stream that uses them, so the counters' zero fill is ordered before the use
-        ctx = (torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) if stream is not None
-               else contextlib.nullcontext())
-        with ctx:
-            ws = _workspaces[key] = [
-                torch.empty(max(floats, 1 if ws is None else ws[0].numel()), dtype=torch.float32,
-                            device=device),
-                torch.zeros(max(tiles, 1 if ws is None else ws[1].numel()), dtype=torch.int32,
-                            device=device)]
-    return ws[0], ws[1]
-
-
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -491,7 +462,7 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
     M, K = a.shape
     N = b.shape[1]
     kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
-    sms = _sm_count(a.device.index) if a.device.type == "cuda" else 4
+    sms = sm_count(a.device.index) if a.device.type == "cuda" else 4
     if kind is None:
         kind = default_tile(epi, M, N, K, cd, cd != torch.float32 and torch.float32 in (a.dtype, b.dtype),
                             drop, sms)
@@ -585,10 +556,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
                                         drop, drop_index)
     if plan.constexprs["TMA"]:
         _ensure_allocator()
-    if plan.split > 1:
-        if stream is None and a.device.type == "cuda":
-            stream = torch._C._cuda_getCurrentRawStream(a.device.index)
-        ws, cnt = _workspace(a.device, stream, plan.ws_floats, plan.tiles)
+    if plan.split > 1:  # split-K partials and per-tile arrival counters of this stream
+        ws, cnt = stream_workspace(a.device, stream, torch.float32, plan.ws_floats, plan.tiles)
     else:
         ws = cnt = a
     launcher(_mm_kernel, plan.grid, a, b, c, bias_t, x, x, bias_t, ws, cnt, *plan.ints, seed, float(p),
