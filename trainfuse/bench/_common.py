@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 
@@ -107,3 +109,24 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+def bench_parser(doc: str, *, no_compile: bool = False, only: str | None = None) -> argparse.ArgumentParser:
+    """The command line every ``python -m trainfuse.bench X`` shares: ``--out`` (the report's
+    folder, default ``$OUT`` or ``.``), optionally ``--no-compile`` (leave torch.compile rows out)
+    and ``--only`` (with ``only`` as its help); the benchmark adds its own options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the report")
+    if no_compile:
+        parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    if only is not None:
+        parser.add_argument("--only", default="", help=only)
+    return parser
+
+
+def parse_and_start(parser: argparse.ArgumentParser, argv, what: str
+                    ) -> tuple[argparse.Namespace, dict, float] | None:
+    """Parse ``argv`` and :func:`start_report`: ``(args, report, copy bandwidth)``, or None where
+    there is no GPU to measure on."""
+    args = parser.parse_args(argv)
+    started = start_report(what)
+    return None if started is None else (args, *started)

@@ -14,7 +14,6 @@ Rows, each beside what torch users run today, in one run:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
@@ -23,7 +22,14 @@ from torch import nn
 from torch.nn import functional as F
 
 import trainfuse
-from trainfuse.bench._common import kernel_ms, print_table, save_report, start_report, wall_ms
+from trainfuse.bench._common import (
+    bench_parser,
+    kernel_ms,
+    parse_and_start,
+    print_table,
+    save_report,
+    wall_ms,
+)
 from trainfuse.bench.optim import gpt2_shapes
 
 
@@ -286,17 +292,14 @@ def bench_clip(bw):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the json")
+    parser = bench_parser(__doc__, only="casts, gpt, clip or yolo")
     parser.add_argument("--steps", type=int, default=200, help="training steps of the GPT-like model")
-    parser.add_argument("--only", default="", help="casts, gpt, clip or yolo")
     parser.add_argument("--gpt-batches", default="8,32",
                         help="batch sizes (x 256 tokens) of the GPT-like model, comma separated")
-    args = parser.parse_args(argv)
-    started = start_report("amp")
+    started = parse_and_start(parser, argv, "amp")
     if started is None:
         return
-    report, bw = started
+    args, report, bw = started
     gpt = lambda: {b: bench_small_gpt(args.steps, batch=int(b))  # noqa: E731
                    for b in args.gpt_batches.split(",")}
     for key, fn in (("casts", lambda: bench_cast_fusion(bw)), ("clip", lambda: bench_clip(bw)),

@@ -3,14 +3,20 @@ GPT-2 124M (float32) and yolov5n (params and BatchNorm buffers), with the bandwi
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 from torch import nn
 
 import trainfuse
-from trainfuse.bench._common import kernel_ms, print_table, save_report, start_report, wall_ms
+from trainfuse.bench._common import (
+    bench_parser,
+    kernel_ms,
+    parse_and_start,
+    print_table,
+    save_report,
+    wall_ms,
+)
 from trainfuse.bench.optim import gpt2_shapes
 
 
@@ -60,13 +66,10 @@ def _bench(name, model, bw):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the json")
-    args = parser.parse_args(argv)
-    started = start_report("EMA")
+    started = parse_and_start(bench_parser(__doc__), argv, "EMA")
     if started is None:
         return
-    report, bw = started
+    args, report, bw = started
     report["workloads"] = {}
     for name, model in _models():
         report["workloads"][name] = _bench(name, model, bw)

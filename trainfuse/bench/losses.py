@@ -8,13 +8,18 @@ Python and autograd on the host. At 8,400 boxes the host dominates every variant
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import torch
 import torch.nn.functional as F
 
-from trainfuse.bench._common import graph_ms, kernel_ms, print_table, save_report, start_report, wall_ms
+from trainfuse.bench._common import (
+    bench_parser,
+    graph_ms,
+    kernel_ms,
+    parse_and_start,
+    print_table,
+    save_report,
+    wall_ms,
+)
 from trainfuse.losses import bce_with_logits, iou_loss
 from trainfuse.losses.iou import bbox_iou_reference
 
@@ -98,15 +103,12 @@ def _bce(bw, shapes, with_compile):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the json")
-    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    parser = bench_parser(__doc__, no_compile=True)
     parser.add_argument("--sizes", default="8400,100000,1000000", help="CIoU box counts")
-    args = parser.parse_args(argv)
-    started = start_report("loss")
+    started = parse_and_start(parser, argv, "loss")
     if started is None:
         return
-    report, bw = started
+    args, report, bw = started
     header = ["forward + backward", "do_bench ms", "wall ms", "CUDA-graph replay ms (% floor)",
               "vs trainfuse (do_bench)", ""]
     rows, report["ciou"] = _ciou(bw, [int(s) for s in args.sizes.split(",")], not args.no_compile)

@@ -8,19 +8,18 @@ and prints the best per shape: how the defaults in ``trainfuse.nn.mlp.config`` w
 
 from __future__ import annotations
 
-import argparse
 import copy
-import os
 
 import torch
 
 from trainfuse.bench._common import (
+    bench_parser,
     graph_ms,
     host_ms,
     kernel_ms,
+    parse_and_start,
     print_table,
     save_report,
-    start_report,
     wall_ms,
 )
 from trainfuse.nn import FusedMLP
@@ -104,16 +103,12 @@ def _sweep(batch, width, rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the json")
-    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    parser = bench_parser(__doc__, no_compile=True, only="run only workloads whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="time tile shapes per matmul first")
-    parser.add_argument("--only", default="", help="run only workloads whose name contains this")
-    args = parser.parse_args(argv)
-    started = start_report("MLP")
+    started = parse_and_start(parser, argv, "MLP")
     if started is None:
         return
-    report, _ = started
+    args, report, _ = started
     if args.sweep:
         rows, report["sweep"] = [], {}
         for _, batch, width, *_ in WORKLOADS[:3]:

@@ -9,7 +9,6 @@ over torch's fused step.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -18,7 +17,15 @@ import torch
 
 import trainfuse
 from trainfuse._engine import config
-from trainfuse.bench._common import host_ms, kernel_ms, print_table, save_report, start_report, wall_ms
+from trainfuse.bench._common import (
+    bench_parser,
+    host_ms,
+    kernel_ms,
+    parse_and_start,
+    print_table,
+    save_report,
+    wall_ms,
+)
 
 
 def gpt2_shapes() -> list[tuple[int, ...]]:
@@ -189,19 +196,15 @@ def sweep_launch(workloads, bw, configs=DEFAULT_SWEEP):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for png/json")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
+    parser = bench_parser(__doc__, no_compile=True, only="run only workloads whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="also sweep block, unroll and warps")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
     parser.add_argument("--configs", default="",
                         help="sweep these BLOCKxUNROLLxWARPS configurations, e.g. 512x8x4,512x16x2")
-    parser.add_argument("--only", default="", help="run only workloads whose name contains this")
-    args = parser.parse_args(argv)
-    started = start_report("optimizer")
+    started = parse_and_start(parser, argv, "optimizer")
     if started is None:
         return
-    report, bw = started
+    args, report, bw = started
     workloads = [("GPT-2 124M", _params(gpt2_shapes())),
                  ("216-tensor YOLO-like", _params(yolo_like_shapes()))]
     if args.sweep or args.sweep_only:
