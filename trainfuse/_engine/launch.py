@@ -6,6 +6,10 @@ launches repeat the same specialization every step (the same constexprs, device-
 aligned buffers), so after Triton has compiled and launched one the normal way we keep its compiled
 kernel and call its launcher directly. Any surprise (launch hooks set, the interpreter, an API this
 Triton lacks) takes the normal path.
+
+Beside it, what every one-launch reduction needs: :func:`stream_workspace`, the per-stream
+partials and arrival counters (the losses' sums, FusedMLP's split-K weight grads), and
+:func:`sm_count` for persistent grids.
 """
 
 from __future__ import annotations
