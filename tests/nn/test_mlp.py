@@ -189,7 +189,8 @@ def test_split_k_weight_grad_is_right_and_deterministic(small_tiles, device, mon
 def test_split_k_and_loss_reductions_share_the_stream_scratch(small_tiles, device, monkeypatch):
     """Split-K weight grads and the losses' one-launch sums use the same per-stream scratch and
     arrival counters (trainfuse._engine.launch.stream_workspace), interleaved and growing: each
-    re-arms its counters, so every result stays right and bit-reproducible."""
+    re-arms its counters, so every result stays right and bit-reproducible. One stream (with two,
+    the weight grads would run on the side stream, which has its own scratch)."""
     from trainfuse._engine import launch
     from trainfuse.losses import bce_with_logits
 
@@ -200,7 +201,7 @@ def test_split_k_and_loss_reductions_share_the_stream_scratch(small_tiles, devic
     want_loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.double(), targets.double())
     results = []
     for width in (8, 24):  # the wider net needs more partial tiles: the scratch grows
-        mlp = FusedMLP([16, width, 8], activation="relu").to(device)
+        mlp = FusedMLP([16, width, 8], activation="relu", streams=1).to(device)
         x, g = torch.randn(150, 16, device=device), torch.randn(150, 8, device=device)
         seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
         for _ in range(2):
