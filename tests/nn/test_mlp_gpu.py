@@ -61,8 +61,12 @@ def test_side_stream_delayed_grads_still_right(monkeypatch):
 
 
 @cuda
-def test_forward_backward_captured_in_cuda_graph():
-    mlp = FusedMLP([256, 512, 256], activation="relu", last_activation=True).cuda()
+@pytest.mark.parametrize("streams", [1, 2])
+def test_forward_backward_captured_in_cuda_graph(streams):
+    """Both streams' kernels in one graph. At these widths every matmul reads its operands through
+    TMA descriptors, written per launch to scratch memory: with two streams the replay runs a
+    weight grad and an input grad at once, and hung when their scratch was the same memory."""
+    mlp = FusedMLP([256, 512, 256], activation="relu", last_activation=True, streams=streams).cuda()
     x = torch.randn(1024, 256, device="cuda", requires_grad=True)
     g = torch.randn(1024, 256, device="cuda")
     want = run(mlp, x, g, autocast=torch.bfloat16)
@@ -134,3 +138,41 @@ def test_float32_follows_torch_tf32_switch(monkeypatch):
     ours = run(mlp, x, g)
     ref = reference(mlp, x, g)
     assert all(rel(a, r) < 1e-5 for a, r in zip(ours, ref))
+
+
+# input layouts for the bound-launch test: (base tensor's shape, the view of it the chain reads)
+_LAYOUTS = {
+    "contiguous": ((512, 256), lambda t: t),
+    "transposed": ((256, 512), lambda t: t.t()),
+    "misaligned by 4 bytes": ((512 * 256 + 1,), lambda t: t[1:].view(512, 256)),  # no TMA: pointers
+    "another batch": ((384, 256), lambda t: t),
+}
+
+
+def _run_view(model, base, view, g):
+    """Output and the grads of ``base`` and of every param, the chain reading ``view(base)``."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=base.dtype == torch.float32):
+        y = model(view(base))
+    return [y.detach(), *torch.autograd.grad(y, [base, *model.parameters()], g.to(y.dtype))]
+
+
+@cuda
+@pytest.mark.parametrize("streams", [1, 2])
+def test_repeated_calls_launch_bound_sites_and_follow_layout_changes(streams, monkeypatch):
+    """From its second call with a given signature a chain launches every kernel straight from
+    its bound launch sites (trainfuse.nn.mlp._chains), keying nothing per launch. An input with
+    another layout (transposed, misaligned, another batch) is another signature with sites of its
+    own; every call, first or repeated, matches torch and a float64 reference."""
+    monkeypatch.setattr(M, "_chains", {})
+    mlp = FusedMLP([256, 256, 128], activation="relu", last_activation=True, streams=streams).cuda()
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    rounded = _rounded(mlp, torch.bfloat16).double()
+    for name in [*_LAYOUTS, *_LAYOUTS]:  # each twice: the second call runs on bound sites
+        shape, view = _LAYOUTS[name]
+        base = torch.randn(shape, device="cuda", requires_grad=True)
+        g = torch.randn(view(base).shape[0], 128, device="cuda")
+        ours = _run_view(mlp, base, view, g)
+        ref = _run_view(rounded, base.detach().bfloat16().double().requires_grad_(), view, g.double())
+        assert_close_to_reference(ours, _run_view(seq, base, view, g), ref, torch.bfloat16, name)
+    assert len(M._chains) == 2 * len(_LAYOUTS)  # a forward and a backward signature per layout
+    assert all(slot.run is not None for slots in M._chains.values() for slot in slots)

@@ -84,6 +84,23 @@ class CachedLauncher:
                    *args, *consts)
 
 
+    def direct(self) -> bool:
+        """Whether a caller may launch kernels it got from :meth:`compiled` itself, straight
+        through their launchers (no launch hooks set, the cache in use): checked once per batch
+        of such launches."""
+        import triton
+
+        hooks = triton.knobs.runtime
+        return self._usable and not (_hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook))
+
+    def compiled(self, fn, device_index: int, key: Any) -> tuple[Any, list] | None:
+        """The compiled kernel and trailing constexpr values that an earlier call with ``key=key``
+        cached, or None: for callers that launch the same kernel many times with the arguments
+        already resolved (``kernel.run(grid, 1, 1, stream, kernel.function,
+        kernel.packed_metadata, None, None, None, *args, *consts)``)."""
+        return self._kernels.get((fn, device_index, key))
+
+
 @functools.cache
 def sm_count(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (persistent grids, split-K choices)."""
@@ -110,10 +127,10 @@ def stream_workspace(device: torch.device, stream: int | None, dtype: torch.dtyp
         ctx = (torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) if device.type == "cuda"
                else contextlib.nullcontext())
         with ctx:
-            scratch = ws[0] if have_f >= floats else torch.empty(max(floats, 2 * have_f, 1024), dtype=dtype,
-                                                                  device=device)
-            count = ws[1] if have_c >= counters else torch.zeros(max(counters, have_c), dtype=torch.int32,
-                                                                  device=device)
+            scratch = ws[0] if ws is not None and have_f >= floats else torch.empty(
+                max(floats, 2 * have_f, 1024), dtype=dtype, device=device)
+            count = ws[1] if ws is not None and have_c >= counters else torch.zeros(
+                max(counters, have_c), dtype=torch.int32, device=device)
         ws = _workspaces[key] = [scratch, count]
     return ws[0], ws[1]
 

@@ -512,7 +512,15 @@ def _tma_layout(t: torch.Tensor) -> bool | None:
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Global memory for the tensor descriptors a launch writes (one slice per program): the
+    scratch of the stream the kernel runs on, kept across launches. Kernels on one stream run in
+    order, so they can share it; a kernel on another stream (the side stream's weight grads) has
+    its own. A fresh ``torch.empty`` here would be freed, on the current stream, as soon as the
+    launch returns: the main stream's next launch could then be handed the memory a side-stream
+    kernel is still writing its descriptors to (under CUDA-graph replay, where the two run at
+    once, that garbles both descriptors and the graph hangs)."""
+    ws, _ = stream_workspace(torch.device("cuda", torch.cuda.current_device()), stream, torch.int8, size, 0)
+    return ws
 
 
 def _ensure_allocator() -> None:
@@ -527,21 +535,68 @@ def _ensure_allocator() -> None:
                              lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
 
 
+class _Slot:
+    """One launch site of a chain (a layer's forward, weight grad or input grad) under one chain
+    signature (:func:`_chain_key`): once its plan and compiled kernel are known, later calls
+    launch it straight through the kernel's launcher, with no per-launch keying. The chain
+    signature fixes everything the launch's own key would hold (shapes, strides, dtypes,
+    alignment, epilogue); only the tensors' addresses, the seed and ``p`` change call to call."""
+
+    __slots__ = ("run", "function", "meta", "grid", "ints", "consts", "split", "ws_floats", "tiles")
+
+    def __init__(self) -> None:
+        self.run = None
+
+    def bind(self, kernel, consts: list, plan: _Plan) -> None:
+        self.function, self.meta = kernel.function, kernel.packed_metadata
+        self.grid, self.ints = plan.grid[0], plan.ints
+        self.consts, self.split, self.ws_floats, self.tiles = consts, plan.split, plan.ws_floats, plan.tiles
+        self.run = kernel.run
+
+    def launch(self, stream: int, a, b, c, bias, x, seed: int, p: float) -> None:
+        """The bound launch on ``stream`` with the operands of :func:`matmul` (``bias`` and ``x``
+        resolved as there). Only their addresses are read, so a caller may pass the tensors a
+        transposed view was taken of and skip making the view."""
+        if self.split > 1:
+            ws, cnt = stream_workspace(a.device, stream, torch.float32, self.ws_floats, self.tiles)
+        else:
+            ws = cnt = a
+        self.run(self.grid, 1, 1, stream, self.function, self.meta, None, None, None,
+                 a, b, c, bias, x, x, bias, ws, cnt, *self.ints, seed, float(p), _drop_scale(p), *self.consts)
+
+
+_chains: dict[tuple, list[_Slot]] = {}
+
+
+def _chain_slots(key: tuple, sites: int) -> list[_Slot]:
+    slots = _chains.get(key)
+    if slots is None:
+        if len(_chains) >= _MAX_PLANS:
+            _chains.clear()
+        slots = _chains[key] = [_Slot() for _ in range(sites)]
+    return slots
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, epi: int, *,
            act: int = 0, bias: torch.Tensor | None = None, bias_rows: bool = False,
            aux: torch.Tensor | None = None, pre: torch.Tensor | None = None, db: torch.Tensor | None = None,
            seed: int = 0, p: float = 0.0, drop_index: tuple[int, int] | None = None,
-           stream: int | None = None) -> None:
+           stream: int | None = None, slot: _Slot | None = None) -> None:
     """``c = epilogue(a @ b)`` for 2-d views ``a`` (M, K), ``b`` (K, N), ``c``, ``aux``, ``pre``
     (M, N) with any strides. See :func:`_mm_kernel` for the epilogues; ``drop_index`` is
     ``(d_m, d_n)``, by default ``(N, 1)``; ``stream`` a raw CUDA stream (default: the current).
 
     The launch plan is cached on the call's signature, and the compiled kernel is launched
     directly: a training step repeats the same calls, and the host time per launch is what a
-    small MLP's step is made of."""
+    small MLP's step is made of. A ``slot`` (a launch site of :class:`FusedMLPFunction`, whose
+    chain signature already fixes this call's) skips even the keying once bound; its caller
+    passes ``stream`` and has set Triton's allocator (:func:`_ensure_allocator`)."""
     x = aux if aux is not None else pre if pre is not None else c
     has_bias = bias is not None or db is not None
     bias_t = bias if bias is not None else db if db is not None else c
+    if slot is not None and slot.run is not None:
+        slot.launch(stream, a, b, c, bias_t, x, seed, p)
+        return
     drop = p > 0.0
     key = (config.serial, epi, act, cd, bias_rows, drop, drop_index, pre is None, a.device,
            a.shape, b.shape, a.stride(), b.stride(), c.stride(), x.stride(),
@@ -562,6 +617,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
         ws = cnt = a
     launcher(_mm_kernel, plan.grid, a, b, c, bias_t, x, x, bias_t, ws, cnt, *plan.ints, seed, float(p),
              _drop_scale(p), num_warps=plan.warps, key=key, stream=stream, **plan.constexprs)
+    if slot is not None:
+        compiled = launcher.compiled(_mm_kernel, a.device.index, key)
+        if compiled is not None:
+            slot.bind(*compiled, plan)
 
 
 def _weight_first(w: torch.Tensor, cd: torch.dtype) -> bool:
@@ -571,26 +630,38 @@ def _weight_first(w: torch.Tensor, cd: torch.dtype) -> bool:
 
 
 def linear_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-                   pre: torch.Tensor | None, cd: torch.dtype, act: int, seed: int, p: float) -> None:
+                   pre: torch.Tensor | None, cd: torch.dtype, act: int, seed: int, p: float,
+                   stream: int | None = None, slot: _Slot | None = None) -> None:
     """``out = dropout(f(x W^T + b))`` (and ``pre = x W^T + b``); with ``config.weight_first`` as
     ``out^T = W x^T``, so that the weight is the matmul's A operand."""
-    if _weight_first(w, cd):
+    first = _weight_first(w, cd)
+    if slot is not None and slot.run is not None:
+        slot.launch(stream, w if first else x, x if first else w, out, out if b is None else b,
+                    out if pre is None else pre, seed, p)
+    elif first:
         matmul(w, x.t(), out.t(), cd, EPI_FORWARD, act=act, bias=b, bias_rows=True,
-               pre=None if pre is None else pre.t(), seed=seed, p=p, drop_index=(1, out.shape[1]))
+               pre=None if pre is None else pre.t(), seed=seed, p=p, drop_index=(1, out.shape[1]),
+               stream=stream, slot=slot)
     else:
-        matmul(x, w.t(), out, cd, EPI_FORWARD, act=act, bias=b, pre=pre, seed=seed, p=p)
+        matmul(x, w.t(), out, cd, EPI_FORWARD, act=act, bias=b, pre=pre, seed=seed, p=p, stream=stream,
+               slot=slot)
 
 
 def linear_dgrad(dpre: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cd: torch.dtype, act: int,
-                 saved: torch.Tensor | None, seed: int, p: float) -> None:
+                 saved: torch.Tensor | None, seed: int, p: float, stream: int | None = None,
+                 slot: _Slot | None = None) -> None:
     """``out = (dpre W) * f'(saved) * keep / (1 - p)`` (the previous layer's activation and dropout
     grads; plain ``dpre W`` when there are none); ``config.weight_first`` as for the forward."""
     epi = EPI_ACT_GRAD if act or p > 0.0 else EPI_PLAIN
-    if _weight_first(w, cd):
+    first = _weight_first(w, cd)
+    if slot is not None and slot.run is not None:
+        slot.launch(stream, w if first else dpre, dpre if first else w, out, out,
+                    out if saved is None else saved, seed, p)
+    elif first:
         matmul(w.t(), dpre.t(), out.t(), cd, epi, act=act, aux=None if saved is None else saved.t(),
-               seed=seed, p=p, drop_index=(1, out.shape[1]))
+               seed=seed, p=p, drop_index=(1, out.shape[1]), stream=stream, slot=slot)
     else:
-        matmul(dpre, w, out, cd, epi, act=act, aux=saved, seed=seed, p=p)
+        matmul(dpre, w, out, cd, epi, act=act, aux=saved, seed=seed, p=p, stream=stream, slot=slot)
 
 
 def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, seed: int, p: float) -> None:
@@ -633,6 +704,19 @@ def _side_stream(device: torch.device, events: int) -> tuple[torch.cuda.Stream, 
     return side
 
 
+def _chain_key(x: torch.Tensor, weights, biases, layers: list[Layer], cd: torch.dtype, grads: bool) -> tuple:
+    """What fixes every launch of a chain's forward (and, with the grad's layout, its backward):
+    the input's and parameters' shapes, strides, dtypes and 16-byte alignment, the layers'
+    activations and whether they drop, the compute dtype and the launch shapes. The tensors the
+    chain makes itself (outputs, grads) are contiguous and aligned, so theirs follow from these."""
+    key = [config.serial, cd, grads, x.device, x.shape, x.stride(), x.dtype, x.data_ptr() % 16,
+           torch.backends.cuda.matmul.allow_tf32]
+    for layer, w, b in zip(layers, weights, biases):
+        key += (layer.act, layer.p > 0.0, w.shape, w.stride(), w.dtype, w.data_ptr() % 16,
+                None if b is None else (b.dtype, b.data_ptr() % 16))
+    return tuple(key)
+
+
 class FusedMLPFunction(torch.autograd.Function):
     """The whole chain as one autograd node: ``apply(x, layers, cd, seed, streams, *weights,
     *biases)`` with ``x`` 2-d; ``biases`` entries may be None."""
@@ -642,13 +726,20 @@ class FusedMLPFunction(torch.autograd.Function):
         n = len(layers)
         weights, biases = params[:n], params[n:]
         grads = any(ctx.needs_input_grad)
+        ctx.key = slots = stream = None
+        if x.device.type == "cuda" and launcher.direct():
+            ctx.key = _chain_key(x, weights, biases, layers, cd, grads)
+            slots = _chain_slots(ctx.key, n)
+            stream = torch._C._cuda_getCurrentRawStream(x.device.index)
+            _ensure_allocator()
         h = x
         inputs, saved_act = [], []
         for i, (layer, w, b) in enumerate(zip(layers, weights, biases)):
             out = torch.empty((x.shape[0], w.shape[0]), dtype=cd, device=x.device)
             keep_pre = grads and layer.act not in (0, ACTIVATIONS["relu"])
             pre = torch.empty_like(out) if keep_pre else None
-            linear_forward(h, w, b, out, pre, cd, layer.act, seed + i, layer.p)
+            linear_forward(h, w, b, out, pre, cd, layer.act, seed + i, layer.p, stream,
+                           None if slots is None else slots[i])
             inputs.append(h)
             saved_act.append(pre if keep_pre else out if layer.act else None)
             h = out
@@ -676,6 +767,11 @@ class FusedMLPFunction(torch.autograd.Function):
         side_raw = side.cuda_stream if two else None  # launched on directly: no stream switches
         keep = []  # tensors the side stream reads: alive until the main stream has joined it
         grad = grad.contiguous()
+        slots = main_raw = None
+        if ctx.key is not None and launcher.direct():
+            slots = _chain_slots((ctx.key, grad.dtype, grad.data_ptr() % 16, need, two), 2 * n)
+            main_raw = torch._C._cuda_getCurrentRawStream(device.index)
+            _ensure_allocator()
         last = layers[-1]
         if last.act or last.p > 0.0:
             dpre = torch.empty(grad.shape, dtype=cd, device=device)
@@ -697,16 +793,22 @@ class FusedMLPFunction(torch.autograd.Function):
                     if _debug_side_sleep_cycles:
                         with torch.cuda.stream(side):
                             torch.cuda._sleep(_debug_side_sleep_cycles)
-                matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i], stream=side_raw)
+                slot = None if slots is None else slots[2 * i]
+                stream = side_raw if two else main_raw
+                if slot is not None and slot.run is not None:
+                    db = gw[i] if gb[i] is None else gb[i]
+                    slot.launch(stream, dpre, inputs[i], gw[i], db, gw[i], 0, 0.0)
+                else:
+                    matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i], stream=stream, slot=slot)
             if i > 0:
                 prev = layers[i - 1]
                 out = torch.empty((grad.shape[0], w.shape[1]), dtype=cd, device=device)
                 linear_dgrad(dpre, w, out, cd, prev.act, acts[i - 1] if prev.act else None, ctx.seed + i - 1,
-                             prev.p)
+                             prev.p, main_raw, None if slots is None else slots[2 * i + 1])
                 dpre = out
             elif need_x:
                 dx = torch.empty(inputs[0].shape, dtype=inputs[0].dtype, device=device)
-                linear_dgrad(dpre, w, dx, cd, 0, None, 0, 0.0)
+                linear_dgrad(dpre, w, dx, cd, 0, None, 0, 0.0, main_raw, None if slots is None else slots[1])
         if two:
             events[n].record(side)
             main.wait_event(events[n])
