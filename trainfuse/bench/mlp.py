@@ -32,21 +32,23 @@ WORKLOADS = [("relu B=8192 D=1024", 8192, 1024, 4, "relu", 0.0),
              ("gelu B=8192 D=1024", 8192, 1024, 4, "gelu", 0.0),
              ("relu+dropout0.1 B=8192 D=1024", 8192, 1024, 4, "relu", 0.1)]
 
-# t: operands through TMA descriptors, p: through pointers
+# t: operands through TMA descriptors, p: through pointers; :gN groups N row tiles (default 8)
 SWEEP = {"forward": ["128x128x64w8s3t", "128x256x64w8s3t", "128x128x64w8s4t", "128x128x64w8s3p",
-                     "128x256x64w8s3p", "64x128x64w4s4t"],
+                     "128x256x64w8s3p", "128x256x64w8s4t", "64x128x64w4s4t"],
          "wgrad": ["128x128x64w8s3t", "64x128x64w4s4t", "128x128x64w8s4t", "128x256x64w8s3t",
-                   "64x128x64w4s4p"]}
+                   "128x256x64w8s3t:g16", "64x128x64w4s4p"]}
 SWEEP["dgrad"] = SWEEP["forward"]
 
 
 def parse_config(text: str) -> M.MatmulConfig:
-    """``"BMxBNxBKwWARPSsSTAGES[t|p]"`` (e.g. ``128x128x64w8s3t``) as a MatmulConfig (t: TMA)."""
+    """``"BMxBNxBKwWARPSsSTAGES[t|p][:gGROUP]"`` (e.g. ``128x128x64w8s3t``, ``128x256x64w8s3t:g16``)
+    as a MatmulConfig (t: TMA, p: pointers; GROUP row tiles walk the column tiles together)."""
+    text, _, group = text.partition(":g")
     tma = not text.endswith("p")
     tiles, rest = text.rstrip("tp").split("w")
     warps, stages = rest.split("s")
     bm, bn, bk = (int(v) for v in tiles.split("x"))
-    return M.MatmulConfig(bm, bn, bk, int(warps), int(stages), tma=tma)
+    return M.MatmulConfig(bm, bn, bk, int(warps), int(stages), group_m=int(group or 8), tma=tma)
 
 
 def _step(mlp, x, cache=True):
