@@ -36,7 +36,7 @@ WORKLOADS = [("relu B=8192 D=1024", 8192, 1024, 4, "relu", 0.0),
 SWEEP = {"forward": ["128x128x64w8s3t", "128x256x64w8s3t", "128x128x64w8s4t", "128x128x64w8s3p",
                      "128x256x64w8s3p", "128x256x64w8s4t", "64x128x64w4s4t"],
          "wgrad": ["128x128x64w8s3t", "64x128x64w4s4t", "128x128x64w8s4t", "128x256x64w8s3t",
-                   "128x256x64w8s3t:g16", "64x128x64w4s4p"]}
+                   "128x256x64w8s3t:g16", "64x128x64w4s3t", "64x128x64w4s4p"]}
 SWEEP["dgrad"] = SWEEP["forward"]
 
 

@@ -410,19 +410,22 @@ def default_tile(epi: int, M: int, N: int, K: int, cd: torch.dtype, converts: bo
     programs resident per SM, one's epilogue overlapping another's loads); weight grads in
     128 x 256 tiles when those alone fill the GPU twice, else 64 x 128 tiles split over the batch.
 
-    A second sweep (this time per op alone at each shape, 16-bit weights as after fuse_casts)
-    moved three choices: input grads with a 16-bit weight take 128 x 256 tiles through TMA with 4
-    stages wherever those fill the GPU once (5 % less time than pointers and 3 stages at D=1024,
-    9-17 % at D=4096, 16 % at D=256 against 64 x 128 tiles), the big weight grads walk 16 row
-    tiles per group (12 % less time at 4096^2 x 2048 than 8), and a float32 weight rounded in
-    registers takes 128 x 256 tiles through pointers at short reductions too, where those fill the
-    GPU (K = 256, 65536 rows: 41 % less time for the forward, 24 % for the input grad)."""
+    A second sweep (each op alone at each of the three shapes, float32 and 16-bit weights) moved
+    four choices:
+
+    - input grads with a 16-bit weight: 128 x 256 tiles through TMA, 4 stages, wherever those
+      fill the GPU once (time -5 % at D=1024, -9 to -17 % at D=4096, -16 % at D=256);
+    - a float32 weight rounded in registers at a short reduction: 128 x 256 tiles through pointers
+      where those fill the GPU (K = 256, 65536 rows: forward -41 %, input grad -24 %);
+    - big weight grads: 16 row tiles per group, not 8 (-12 % at 4096^2 x 2048);
+    - split weight grads: 3 pipeline stages, not 4 (-13 % at 1024^2 x 8192, equal at 256^2 x 65536).
+    """
     if cd == torch.float32:  # float32 operands: twice the shared memory per stage
         return MatmulConfig(128, 128, 32, 8, 3)
     if epi == EPI_WGRAD:
         if -(-M // 128) * -(-N // 256) >= 2 * sms:
             return MatmulConfig(128, 256, 64, 8, 3, group_m=16)
-        return MatmulConfig(64, 128, 64, 4, 4)
+        return MatmulConfig(64, 128, 64, 4, 3)
     if drop:
         return MatmulConfig(64, 128, 64, 4, 4) if K < 512 else MatmulConfig(128, 128, 64, 8, 3, tma=False)
     fills = -(-M // 128) * -(-N // 256) >= sms  # 128 x 256 tiles fill the GPU at least once
