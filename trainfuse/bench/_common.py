@@ -110,6 +110,7 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
 
+
 def bench_parser(doc: str, *, no_compile: bool = False, only: str | None = None) -> argparse.ArgumentParser:
     """The command line every ``python -m trainfuse.bench X`` shares: ``--out`` (the report's
     folder, default ``$OUT`` or ``.``), optionally ``--no-compile`` (leave torch.compile rows out)

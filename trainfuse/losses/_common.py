@@ -41,14 +41,15 @@ config = LossLaunch(block=4096, unroll=2, num_warps=8, per_sm=4)
 # 16-bit logits: half the bytes per element, so the math is the limit: that tile needs 164
 # registers a thread, one program (8 warps) per SM; smaller tiles keep several resident
 config16 = LossLaunch(block=1024, unroll=4, num_warps=4, per_sm=8)
+# box pairs (IoU): a few hundred flops per pair, so small programs and many of them: 8,400 boxes
+# (YOLO at 640 px) still spread over 33 SMs
+box_config = LossLaunch(block=256, unroll=1)
 
 
 def stream_config(t: torch.Tensor) -> LossLaunch:
     """The launch shape of an elementwise loss stream over ``t`` (by its element size)."""
     return config16 if t.element_size() == 2 else config
-# box pairs (IoU): a few hundred flops per pair, so small programs and many of them: 8,400 boxes
-# (YOLO at 640 px) still spread over 33 SMs
-box_config = LossLaunch(block=256, unroll=1)
+
 
 REDUCTIONS = ("none", "mean", "sum")
 

@@ -16,9 +16,9 @@ on float32 masters of 16-bit params (``master_weights``, :func:`trainfuse.amp.fu
 torch has no counterpart of: there both are the 2-ulp approximations (1-2 ulp of float32 in the
 update, far below the 16-bit rounding of the weight the model reads), which keeps that
 16-bit-stream kernel memory-bound. The per-step scalars (bias corrections, step size) are float64
-as in torch. States are stored in the
-param's dtype, like torch.optim. This file holds the kernel, the optimizer classes and the torch
-reference path (torch.optim's own functional Adam/AdamW, so CPU results are identical to torch).
+as in torch. States are stored in the param's dtype, like torch.optim. This file holds the kernel,
+the optimizer classes and the torch reference path (torch.optim's own functional Adam/AdamW, so
+CPU results are identical to torch).
 """
 
 from __future__ import annotations
