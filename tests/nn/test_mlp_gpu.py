@@ -176,3 +176,44 @@ def test_repeated_calls_launch_bound_sites_and_follow_layout_changes(streams, mo
         assert_close_to_reference(ours, _run_view(seq, base, view, g), ref, torch.bfloat16, name)
     assert len(M._chains) == 2 * len(_LAYOUTS)  # a forward and a backward signature per layout
     assert all(slot.run is not None for slots in M._chains.values() for slot in slots)
+
+
+# launch shapes that only full-size matmuls select (the tests above never reach them): the chain,
+# its rows and param dtype (bfloat16: as after fuse_casts, no autocast; float32: under bf16
+# autocast), and the epilogue and MatmulConfig that default_tile must pick for one of its matmuls
+_FULL_SIZE = {
+    "16-bit weight input grad in 128x256 TMA tiles, 4 stages":
+        ([1024, 1024, 1024], 8192, torch.bfloat16, M.EPI_ACT_GRAD, M.MatmulConfig(128, 256, 64, 8, 4)),
+    "float32 weight at K=256 in 128x256 pointer tiles":
+        ([256, 256, 256], 32768, torch.float32, M.EPI_FORWARD, M.MatmulConfig(128, 256, 64, 8, 3, tma=False)),
+    "big weight grad in groups of 16 row tiles":
+        ([4096, 3072], 512, torch.float32, M.EPI_WGRAD, M.MatmulConfig(128, 256, 64, 8, 3, group_m=16)),
+}
+
+
+@cuda
+@pytest.mark.parametrize("case", list(_FULL_SIZE))
+def test_full_size_launch_shapes_match_torch(case, monkeypatch):
+    sizes, rows, dtype, epi, want = _FULL_SIZE[case]
+    chosen = []
+    tile = M.default_tile
+
+    def spy(epi_, *args):
+        chosen.append((epi_, tile(epi_, *args)))
+        return chosen[-1][1]
+
+    monkeypatch.setattr(M, "default_tile", spy)
+    monkeypatch.setattr(M, "_plans", {})  # plans cached by another test would skip default_tile
+    monkeypatch.setattr(M, "_chains", {})
+    mlp = FusedMLP(sizes, activation="relu", last_activation=True).cuda().to(dtype)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    x = torch.randn(rows, sizes[0], device="cuda", dtype=dtype)
+    g = torch.randn(rows, sizes[-1], device="cuda")
+    if dtype == torch.bfloat16:
+        ours, same = run(mlp, x, g), run(seq, x, g)
+        ref = reference(mlp, x, g)
+    else:
+        ours, same = run(mlp, x, g, autocast=torch.bfloat16), run(seq, x, g, autocast=torch.bfloat16)
+        ref = reference(_rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
+    assert (epi, want) in chosen, chosen
+    assert_close_to_reference(ours, same, ref, torch.bfloat16, case)
