@@ -252,6 +252,22 @@ def test_grads_accumulate_like_torch(small_tiles, device):
     assert rel(mlp[0].weight.grad, 2 * once) < 1e-6
 
 
+def test_param_grads_are_taken_without_copies_and_keep_the_weight_layout(small_tiles, device):
+    """The weight and bias grads are carved from one allocation per dtype and autograd takes them
+    as the params' .grad as they are (a copy would give each its own storage); a weight stored
+    column-major gets a grad of its own layout."""
+    mlp = FusedMLP([16, 24, 32, 8], activation="silu").to(device)
+    mlp[2].weight = nn.Parameter(mlp[2].weight.detach().t().contiguous().t())
+    x, g = torch.randn(19, 16, device=device), torch.randn(19, 8, device=device)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+    ours = run(mlp, x, g)
+    assert_close_to_reference(ours, run(seq, x, g), reference(mlp, x, g), torch.float32)
+    shared = [p for p in mlp.parameters() if p is not mlp[2].weight]
+    assert len({p.grad.untyped_storage().data_ptr() for p in shared}) == 1
+    assert mlp[2].weight.grad.stride() == mlp[2].weight.stride() == (1, 32)
+    assert all(p.grad.is_contiguous() for p in shared)
+
+
 def test_ddp_gradient_hooks(small_tiles, device, tmp_path):
     """Under DistributedDataParallel (one process) the grads DDP's hooks reduce are ours."""
     import torch.distributed as dist

@@ -533,8 +533,16 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     launch returns: the main stream's next launch could then be handed the memory a side-stream
     kernel is still writing its descriptors to (under CUDA-graph replay, where the two run at
     once, that garbles both descriptors and the graph hangs)."""
-    ws, _ = stream_workspace(torch.device("cuda", torch.cuda.current_device()), stream, torch.int8, size, 0)
+    key = (torch._C._cuda_getDevice(), stream)  # the default stream is handle 0 on every device
+    ws = _descriptor_scratch.get(key)
+    if ws is None or ws.numel() < size:
+        ws, _ = stream_workspace(torch.device("cuda", key[0]), stream, torch.int8, size, 0)
+        _descriptor_scratch[key] = ws
     return ws
+
+
+# the scratch per (device, stream), as stream_workspace last returned it: one lookup a launch
+_descriptor_scratch: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _ensure_allocator() -> None:
@@ -547,6 +555,22 @@ def _ensure_allocator() -> None:
     if isinstance(current, _allocation.NullAllocator):
         triton.set_allocator(_scratch if not interpreting() else
                              lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+
+
+def _carve(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Row-major tensors of ``shapes`` (1-d or 2-d) carved from one allocation, each starting 128-byte aligned
+    (TMA needs 16): one trip through the caching allocator instead of one per tensor (a CUDA
+    ``torch.empty`` costs several microseconds of host time; a view one)."""
+    if not shapes:
+        return []
+    align = 128 // dtype.itemsize
+    offsets, total = [], 0
+    for shape in shapes:
+        offsets.append(total)
+        total += -(-math.prod(shape) // align) * align
+    buf = torch.empty(total, dtype=dtype, device=device)
+    return [buf.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), off)
+            for shape, off in zip(shapes, offsets)]
 
 
 class _Slot:
@@ -731,6 +755,28 @@ def _chain_key(x: torch.Tensor, weights, biases, layers: list[Layer], cd: torch.
     return tuple(key)
 
 
+def _param_grads(weights, bias_dtypes, need_w, need_b, device) -> tuple[list, list]:
+    """Empty weight grads (also where only the bias grad is wanted: the kernel writes both) and
+    bias grads, carved from one allocation per dtype; a non-contiguous weight gets a grad of its
+    own layout (autograd would copy a contiguous one)."""
+    n = len(weights)
+    gw, gb = [None] * n, [None] * n
+    wanted: dict[torch.dtype, list[tuple[list, int, tuple]]] = {}
+    for i, w in enumerate(weights):
+        if not (need_w[i] or need_b[i]):
+            continue
+        if w.is_contiguous():
+            wanted.setdefault(w.dtype, []).append((gw, i, tuple(w.shape)))
+        else:
+            gw[i] = torch.empty_like(w)
+        if need_b[i]:
+            wanted.setdefault(bias_dtypes[i], []).append((gb, i, (w.shape[0],)))
+    for dtype, items in wanted.items():
+        for (dest, i, _), t in zip(items, _carve([shape for *_, shape in items], dtype, device)):
+            dest[i] = t
+    return gw, gb
+
+
 class FusedMLPFunction(torch.autograd.Function):
     """The whole chain as one autograd node: ``apply(x, layers, cd, seed, streams, *weights,
     *biases)`` with ``x`` 2-d; ``biases`` entries may be None."""
@@ -746,16 +792,24 @@ class FusedMLPFunction(torch.autograd.Function):
             slots = _chain_slots(ctx.key, n)
             stream = torch._C._cuda_getCurrentRawStream(x.device.index)
             _ensure_allocator()
+        rows = x.shape[0]
+        # the inner layers' outputs and the saved pre-activations share one allocation; the
+        # chain's output, which the caller keeps, has its own
+        keep_pre = [grads and layer.act not in (0, ACTIVATIONS["relu"]) for layer in layers]
+        shapes = [(rows, w.shape[0]) for w in weights[:-1]]
+        shapes += [(rows, w.shape[0]) for w, k in zip(weights, keep_pre) if k]
+        carved = _carve(shapes, cd, x.device)
+        outs = carved[:n - 1] + [torch.empty((rows, weights[-1].shape[0]), dtype=cd, device=x.device)]
+        pres = iter(carved[n - 1:])
         h = x
         inputs, saved_act = [], []
         for i, (layer, w, b) in enumerate(zip(layers, weights, biases)):
-            out = torch.empty((x.shape[0], w.shape[0]), dtype=cd, device=x.device)
-            keep_pre = grads and layer.act not in (0, ACTIVATIONS["relu"])
-            pre = torch.empty_like(out) if keep_pre else None
+            out = outs[i]
+            pre = next(pres) if keep_pre[i] else None
             linear_forward(h, w, b, out, pre, cd, layer.act, seed + i, layer.p, stream,
                            None if slots is None else slots[i])
             inputs.append(h)
-            saved_act.append(pre if keep_pre else out if layer.act else None)
+            saved_act.append(pre if keep_pre[i] else out if layer.act else None)
             h = out
         ctx.layers, ctx.cd, ctx.seed, ctx.streams = layers, cd, seed, streams
         ctx.has_bias = [b is not None for b in biases]
@@ -787,19 +841,23 @@ class FusedMLPFunction(torch.autograd.Function):
             main_raw = torch._C._cuda_getCurrentRawStream(device.index)
             _ensure_allocator()
         last = layers[-1]
-        if last.act or last.p > 0.0:
-            dpre = torch.empty(grad.shape, dtype=cd, device=device)
+        first_act = bool(last.act or last.p > 0.0)
+        # the input grads of the inner layers (and the last activation's grad) share one
+        # allocation, and so do the weight and bias grads of each dtype (autograd takes such a
+        # view as the param's .grad as it is, no copy: it is contiguous and the only reference)
+        rows = grad.shape[0]
+        inner = _carve(([tuple(grad.shape)] if first_act else []) + [(rows, w.shape[1]) for w in weights[1:]],
+                       cd, device)
+        gw, gb = _param_grads(weights, ctx.bias_dtypes, need_w, need_b, device)
+        if first_act:
+            dpre = inner[0]
             act_grad(grad, acts[-1] if last.act else grad, dpre, last.act, ctx.seed + n - 1, last.p)
         else:
             dpre = grad
-        gw, gb = [None] * n, [None] * n
         dx = None
         for i in reversed(range(n)):
             w = weights[i]
             if need_w[i] or need_b[i]:
-                gw[i] = torch.empty_like(w)
-                if need_b[i]:
-                    gb[i] = torch.empty(w.shape[0], dtype=ctx.bias_dtypes[i], device=device)
                 if two:
                     events[i].record(main)
                     side.wait_event(events[i])
@@ -816,7 +874,7 @@ class FusedMLPFunction(torch.autograd.Function):
                     matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i], stream=stream, slot=slot)
             if i > 0:
                 prev = layers[i - 1]
-                out = torch.empty((grad.shape[0], w.shape[1]), dtype=cd, device=device)
+                out = inner[i - 1 + first_act]
                 linear_dgrad(dpre, w, out, cd, prev.act, acts[i - 1] if prev.act else None, ctx.seed + i - 1,
                              prev.p, main_raw, None if slots is None else slots[2 * i + 1])
                 dpre = out
