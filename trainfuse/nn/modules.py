@@ -189,9 +189,9 @@ class FusedMLP(nn.Sequential):
         streams = self.streams
         if streams == "auto":
             streams = 2 if x.device.type == "cuda" and self._narrow else 1
-        with torch.autocast(x.device.type, enabled=False):
-            out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]), layers, cd, seed, streams,
-                                         *weights, *biases)
+        # no autocast context needed around it: a custom Function's forward casts nothing unless
+        # asked to, and ours runs no autocast-eligible op
+        out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]), layers, cd, seed, streams, *weights, *biases)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
