@@ -268,6 +268,24 @@ def test_param_grads_are_taken_without_copies_and_keep_the_weight_layout(small_t
     assert all(p.grad.is_contiguous() for p in shared)
 
 
+def test_one_stream_input_grads_take_turns_in_two_slices():
+    """With one stream the backward's input grads alternate between two slices of one buffer (as
+    many held at a time as when each had its own allocation): neighbours never overlap, every
+    other one starts where the first does, and the buffer is the two largest of each turn."""
+    shapes = [(5, 8), (5, 24), (5, 16), (5, 40), (5, 8)]
+    views = M._alternating(shapes, torch.float16, torch.device("cpu"))
+    assert [tuple(v.shape) for v in views] == shapes and all(v.is_contiguous() for v in views)
+    base = views[0].untyped_storage().data_ptr()
+    starts = [v.data_ptr() - base for v in views]
+    assert starts[0] == starts[2] == starts[4] == 0 and starts[1] == starts[3] > 0
+    assert starts[1] >= 5 * 16 * 2 and starts[1] % 128 == 0  # after the largest even-turn tensor
+    assert views[0].untyped_storage().nbytes() == starts[1] + 5 * 40 * 2
+    for a, b in zip(views, views[1:]):  # written one after the other: disjoint memory
+        a.fill_(1.0)
+        b.fill_(2.0)
+        assert (a == 1.0).all()
+
+
 def test_ddp_gradient_hooks(small_tiles, device, tmp_path):
     """Under DistributedDataParallel (one process) the grads DDP's hooks reduce are ours."""
     import torch.distributed as dist

@@ -558,9 +558,9 @@ def _ensure_allocator() -> None:
 
 
 def _carve(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Row-major tensors of ``shapes`` (1-d or 2-d) carved from one allocation, each starting 128-byte aligned
-    (TMA needs 16): one trip through the caching allocator instead of one per tensor (a CUDA
-    ``torch.empty`` costs several microseconds of host time; a view one)."""
+    """Row-major tensors of ``shapes`` (1-d or 2-d) carved from one allocation, each starting
+    128-byte aligned (TMA needs 16): one trip through the caching allocator instead of one per
+    tensor (a CUDA ``torch.empty`` costs several microseconds of host time, a view about one)."""
     if not shapes:
         return []
     align = 128 // dtype.itemsize
@@ -571,6 +571,23 @@ def _carve(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.devi
     buf = torch.empty(total, dtype=dtype, device=device)
     return [buf.as_strided(shape, (shape[1], 1) if len(shape) == 2 else (1,), off)
             for shape, off in zip(shapes, offsets)]
+
+
+def _alternating(shapes: list[tuple[int, int]], dtype: torch.dtype,
+                 device: torch.device) -> list[torch.Tensor]:
+    """Row-major 2-d tensors of ``shapes``, in the order they are written, each read only until
+    the one after next is written (one stream's input grads: the input grad of layer ``i`` is read
+    by layer ``i``'s weight and input grads, which run before layer ``i - 1`` writes): they take
+    turns in two halves of one allocation, so the backward holds two such tensors at a time, as
+    it did when each had its own allocation, freed once the next was made."""
+    if not shapes:
+        return []
+    align = 128 // dtype.itemsize
+    even = max(math.prod(s) for s in shapes[0::2])
+    start = -(-even // align) * align
+    odd = max((math.prod(s) for s in shapes[1::2]), default=0)
+    buf = torch.empty(start + odd, dtype=dtype, device=device)
+    return [buf.as_strided(s, (s[1], 1), 0 if j % 2 == 0 else start) for j, s in enumerate(shapes)]
 
 
 class _Slot:
@@ -842,12 +859,15 @@ class FusedMLPFunction(torch.autograd.Function):
             _ensure_allocator()
         last = layers[-1]
         first_act = bool(last.act or last.p > 0.0)
-        # the input grads of the inner layers (and the last activation's grad) share one
-        # allocation, and so do the weight and bias grads of each dtype (autograd takes such a
-        # view as the param's .grad as it is, no copy: it is contiguous and the only reference)
+        # the last activation's grad and the inner layers' input grads, in the order they are
+        # written, from one allocation: each its own slice with two streams (the side stream reads
+        # them until the join), two slices taking turns with one; the weight and bias grads of
+        # each dtype share one allocation too (autograd takes such a view as the param's .grad as
+        # it is, no copy: it is contiguous and the only reference)
         rows = grad.shape[0]
-        inner = _carve(([tuple(grad.shape)] if first_act else []) + [(rows, w.shape[1]) for w in weights[1:]],
-                       cd, device)
+        written = ([tuple(grad.shape)] if first_act else []) + [(rows, weights[i].shape[1])
+                                                                for i in range(n - 1, 0, -1)]
+        inner = (_carve if two else _alternating)(written, cd, device)
         gw, gb = _param_grads(weights, ctx.bias_dtypes, need_w, need_b, device)
         if first_act:
             dpre = inner[0]
@@ -874,7 +894,7 @@ class FusedMLPFunction(torch.autograd.Function):
                     matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i], stream=stream, slot=slot)
             if i > 0:
                 prev = layers[i - 1]
-                out = inner[i - 1 + first_act]
+                out = inner[first_act + n - 1 - i]
                 linear_dgrad(dpre, w, out, cd, prev.act, acts[i - 1] if prev.act else None, ctx.seed + i - 1,
                              prev.p, main_raw, None if slots is None else slots[2 * i + 1])
                 dpre = out
