@@ -135,6 +135,51 @@ def test_checkpoint_round_trip_keeps_float32_masters(cls, kernels, device):
         assert torch.equal(p, q)
 
 
+class _TiedLM(nn.Module):
+    """Embedding, a Linear, and an output layer tied to the embedding (as GPT-2 ties them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.fc(self.emb(idx))))
+
+
+def test_embeddings_and_params_tied_to_them_stay_float32(kernels, device):
+    """Autocast runs an embedding in its weight's dtype: fuse_casts leaves embeddings float32 by
+    default (and an output layer sharing the weight with it), so the activations after them stay
+    what autocast gives; the rest trains on float32 masters as before. NORM_LAYERS alone converts
+    embeddings too."""
+    model = _TiedLM().to(device)
+    ref = copy.deepcopy(model)
+    opt = trainfuse.FusedAdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    fuse_casts(model, opt)
+    assert model.emb.weight.dtype == torch.float32 and model.head.weight is model.emb.weight
+    assert model.fc.weight.dtype == torch.bfloat16 and model.fc.bias.dtype == torch.bfloat16
+    assert "master_param" not in opt.state[model.emb.weight]
+    for _ in range(3):
+        idx = torch.randint(0, 10, (8, 5), device=device)
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(idx)
+        assert model.emb(idx).dtype == torch.float32  # as autocast alone leaves it
+        out.float().pow(2).mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(opt.state[p].get("master_param", p), q.detach(), rtol=1e-5, atol=1e-6)
+
+    old = _TiedLM().to(device)
+    fuse_casts(old, trainfuse.FusedAdamW(old.parameters()), keep_fp32=trainfuse.amp.NORM_LAYERS)
+    assert old.emb.weight.dtype == torch.bfloat16 and old.head.weight is old.emb.weight
+
+
 def test_fp32_state_dict_loads_into_the_unmodified_model(kernels, device):
     model = _model(device)
     opt = trainfuse.FusedSGD(model.parameters(), lr=0.1, momentum=0.9)
