@@ -96,8 +96,9 @@ def test_last_activation_and_no_bias(small_tiles, device, last_activation):
 @pytest.mark.parametrize("weight_first", [False, True], ids=["x_first", "weight_first"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_autocast_float32_params_and_input(small_tiles, device, dtype, weight_first, monkeypatch):
-    """Under autocast: float32 weights and input are read as stored and rounded in the kernel;
-    the output is in the autocast dtype, the grads in the params' and input's float32."""
+    """Under autocast: float32 weights are read as stored and rounded in the kernel, the float32
+    input is rounded once (as autocast would); the output is in the autocast dtype, the grads in
+    the params' and input's float32."""
     monkeypatch.setattr(small_tiles, "weight_first", weight_first)
     mlp = FusedMLP([32, 48, 16], activation="silu", last_activation=True).to(device)
     x, g = torch.randn(40, 32, device=device), torch.randn(40, 16, device=device)

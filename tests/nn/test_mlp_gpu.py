@@ -144,7 +144,7 @@ def test_float32_follows_torch_tf32_switch(monkeypatch):
 _LAYOUTS = {
     "contiguous": ((512, 256), lambda t: t),
     "transposed": ((256, 512), lambda t: t.t()),
-    "misaligned by 4 bytes": ((512 * 256 + 1,), lambda t: t[1:].view(512, 256)),  # no TMA: pointers
+    "misaligned by one element": ((512 * 256 + 1,), lambda t: t[1:].view(512, 256)),  # no TMA: pointers
     "another batch": ((384, 256), lambda t: t),
 }
 
@@ -162,14 +162,16 @@ def test_repeated_calls_launch_bound_sites_and_follow_layout_changes(streams, mo
     """From its second call with a given signature a chain launches every kernel straight from
     its bound launch sites (trainfuse.nn.mlp._chains), keying nothing per launch. An input with
     another layout (transposed, misaligned, another batch) is another signature with sites of its
-    own; every call, first or repeated, matches torch and a float64 reference."""
+    own; every call, first or repeated, matches torch and a float64 reference. A bf16 chain on
+    bf16 inputs: a float32 input under autocast is cast first, into a fresh aligned tensor."""
     monkeypatch.setattr(M, "_chains", {})
-    mlp = FusedMLP([256, 256, 128], activation="relu", last_activation=True, streams=streams).cuda()
+    mlp = FusedMLP([256, 256, 128], activation="relu", last_activation=True, streams=streams)
+    mlp = mlp.cuda().bfloat16()
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
     rounded = _rounded(mlp, torch.bfloat16).double()
     for name in [*_LAYOUTS, *_LAYOUTS]:  # each twice: the second call runs on bound sites
         shape, view = _LAYOUTS[name]
-        base = torch.randn(shape, device="cuda", requires_grad=True)
+        base = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(view(base).shape[0], 128, device="cuda")
         ours = _run_view(mlp, base, view, g)
         ref = _run_view(rounded, base.detach().bfloat16().double().requires_grad_(), view, g.double())
