@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from trainfuse.nn import FusedMLP, FuseReport, fuse_mlps
 from trainfuse.nn import mlp as M
@@ -91,6 +92,25 @@ def test_last_activation_and_no_bias(small_tiles, device, last_activation):
     x, g = torch.randn(9, 20, device=device), torch.randn(9, 12, device=device)
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
     assert_close_to_reference(run(mlp, x, g), run(seq, x, g), reference(mlp, x, g), torch.float32)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_forward_saves_the_activation_derivative(small_tiles, device, act):
+    """GELU/SiLU: the forward stores f'(x W^T + b) beside f(x W^T + b) for the backward, which
+    then multiplies by it instead of evaluating erf or exp again; ReLU (whose backward reads the
+    output) and no activation have nothing to store and refuse the buffer."""
+    x, w = torch.randn(37, 24, device=device), torch.randn(40, 24, device=device)
+    b = torch.randn(40, device=device)
+    out, deriv = torch.empty(37, 40, device=device), torch.empty(37, 40, device=device)
+    M.linear_forward(x, w, b, out, deriv, torch.float32, M.ACTIVATIONS[act], 0, 0.0)
+    pre = (x.double() @ w.double().t() + b.double()).requires_grad_()
+    f = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[act]
+    y = f(pre)
+    (want,) = torch.autograd.grad(y.sum(), pre)
+    assert rel(out, y.detach()) < 1e-5 and rel(deriv, want) < 1e-5
+    for other in ("relu", "none"):
+        with pytest.raises(ValueError, match="GELU and SiLU only"):
+            M.linear_forward(x, w, b, out, deriv, torch.float32, M.ACTIVATIONS[other], 0, 0.0)
 
 
 @pytest.mark.parametrize("weight_first", [False, True], ids=["x_first", "weight_first"])
