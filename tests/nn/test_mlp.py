@@ -134,11 +134,12 @@ def test_autocast_float32_params_and_input(small_tiles, device, dtype, weight_fi
 
 
 @pytest.mark.parametrize("weight_first", [False, True], ids=["x_first", "weight_first"])
-@pytest.mark.parametrize("act", ["relu", "gelu", "none"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu", "none"])
 def test_dropout_mask_is_regenerated_in_backward(small_tiles, device, act, weight_first, monkeypatch):
-    """The backward applies the very mask the forward drew (from the seed, not from memory):
-    output and grads equal a float64 chain run with the masks that dropout_mask() returns. The
-    module first runs with another p: a changed Dropout.p must take effect (scale included)."""
+    """The backward applies the very mask the forward drew, without storing it (read back from
+    the saved output or derivative; drawn again from the seed with no activation): output and
+    grads equal a float64 chain run with the masks that dropout_mask() returns. The module first
+    runs with another p: a changed Dropout.p must take effect (scale included)."""
     monkeypatch.setattr(small_tiles, "weight_first", weight_first)
     p = 0.3
     mlp = FusedMLP([24, 40, 33, 8], activation=act, last_activation=True, dropout=0.1).to(device).train()

@@ -26,9 +26,11 @@ share the erf / tanh / sigmoid) and rounded to the compute dtype: the input grad
 multiplies instead of evaluating erf and exp for each of the 128 accumulator elements a thread
 holds, which had made it 80 us against ReLU's 44.5 us (B=8192, D=1024, H200). Torch saves the
 rounded pre-activation and differentiates that; the two differ by one rounding of ``f'``.
-ReLU needs nothing more: its mask is ``out > 0`` (with dropout,
-``out`` is zero where dropped, so the same test holds). Dropout draws its mask from Philox
-(``tl.rand(seed, element index)``); the backward regenerates it from the seed instead of storing it.
+ReLU needs nothing more: its mask is ``out > 0``. Dropout draws its mask from Philox
+(``tl.rand(seed, element index)``) and nothing stores it: the backward reads it back from what
+the forward saves anyway (ReLU's output is zero where dropped; GELU/SiLU's derivative is stored
+times the mask and the scale), and draws it again from the seed only where no activation saved
+anything.
 
 The backward runs each layer's wgrad on a side CUDA stream (``streams=2``), so it overlaps the
 next dgrad on the main stream. The side stream waits on the main one before each wgrad; every
@@ -134,6 +136,18 @@ def _act_grad(g, saved, ACT: tl.constexpr):
         return g
     else:
         return g * saved
+
+
+@triton.jit
+def _undo_act(g, saved, scale, ACT: tl.constexpr, DROP: tl.constexpr):
+    """g * f'(pre) * keep / (1 - p) from what the forward saved, without drawing the dropout mask
+    again: ReLU's saved output is > 0 only where kept (so only the scale is left to apply), and
+    GELU/SiLU's saved derivative was stored times the mask and the scale. (With no activation the
+    caller draws the mask again from the seed.)"""
+    g = _act_grad(g, saved, ACT)
+    if DROP and ACT == _RELU:
+        g = g * scale
+    return g
 
 
 @triton.jit
@@ -324,19 +338,21 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                     v += tl.load(bias_ptr + rm, mask=in_m, other=0.0).to(tl.float32)[:, None]
                 else:
                     v += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            if STORE_PRE:  # f' for the backward, beside f
+            if DROP:
+                keep = _keep(seed, rm[:, None] * d_m + rn[None, :] * d_n, p)
+            if STORE_PRE:  # f' for the backward, beside f (and times the mask: see _undo_act)
                 v, deriv = _act_deriv(v, ACT)
+                if DROP:
+                    deriv = tl.where(keep, deriv * scale, 0.0)
                 _tile_store(pre_ptr + x_off, deriv, mask, FULL)
             else:
                 v = _act(v, ACT)
             if DROP:
-                keep = _keep(seed, rm[:, None] * d_m + rn[None, :] * d_n, p)
                 v = tl.where(keep, v * scale, 0.0)
         elif EPI == _EPI_ACT_GRAD:
             if ACT != 0:
-                saved = _tile_load(aux_ptr + x_off, mask, FULL)
-                v = _act_grad(v, saved, ACT)
-            if DROP:
+                v = _undo_act(v, _tile_load(aux_ptr + x_off, mask, FULL), scale, ACT, DROP)
+            elif DROP:
                 keep = _keep(seed, rm[:, None] * d_m + rn[None, :] * d_n, p)
                 v = tl.where(keep, v * scale, 0.0)
         _tile_store(c_ptr + c_off, v, mask, FULL)
@@ -351,9 +367,8 @@ def _act_grad_kernel(g_ptr, aux_ptr, out_ptr, n, seed, p, scale, ACT: tl.constex
     mask = offs < n
     v = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ACT != 0:
-        saved = tl.load(aux_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = _act_grad(v, saved, ACT)
-    if DROP:
+        v = _undo_act(v, tl.load(aux_ptr + offs, mask=mask, other=0.0).to(tl.float32), scale, ACT, DROP)
+    elif DROP:
         v = tl.where(_keep(seed, offs.to(tl.int32), p), v * scale, 0.0)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -752,7 +767,8 @@ def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, 
 
 def dropout_mask(seed: int, shape: tuple[int, int], p: float, device: torch.device | str) -> torch.Tensor:
     """The keep mask (bool, ``shape``) that a layer's dropout draws from ``seed``: what the
-    forward applies and the backward regenerates. For tests and debugging."""
+    forward applies (and the backward reads back or, with no activation, draws again). For tests
+    and debugging."""
     n = math.prod(shape)
     out = torch.empty(shape, dtype=torch.int8, device=device)
     if n:
