@@ -33,7 +33,11 @@ def test_bf16_autocast_matches_torch(act, rows, width):
     ours = run(mlp, x, g, autocast=torch.bfloat16)
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
     ref = reference(_rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
-    assert_close_to_reference(ours, run(seq, x, g, autocast=torch.bfloat16), ref, torch.bfloat16, act)
+    # ReLU's grad is a step at 0: a pre-activation that rounds across 0 flips an element's grad,
+    # so a bf16 chain's error against float64 is a handful of flips, and an equally exact chain
+    # may have twice torch's (seen once in 540 cases: a last-layer bias grad at 2.03x)
+    factor = 3.0 if act == "relu" else 2.0
+    assert_close_to_reference(ours, run(seq, x, g, autocast=torch.bfloat16), ref, torch.bfloat16, act, factor)
 
 
 @cuda
