@@ -8,9 +8,12 @@ import copy
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch import nn
 from torch.nn import functional as F
 
+from trainfuse._backend import interpreting
 from trainfuse.nn import FusedMLP, FuseReport, fuse_mlps
 from trainfuse.nn import mlp as M
 
@@ -92,6 +95,26 @@ def test_last_activation_and_no_bias(small_tiles, device, last_activation):
     x, g = torch.randn(9, 20, device=device), torch.randn(9, 12, device=device)
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
     assert_close_to_reference(run(mlp, x, g), run(seq, x, g), reference(mlp, x, g), torch.float32)
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, n, RNE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, M._to(tl.load(x_ptr + offs, mask=offs < n), tl.bfloat16, RNE), mask=offs < n)
+
+
+def test_bf16_stores_round_to_nearest_even_as_torch(kernels, device):
+    """The kernels' float32 -> bf16 stores round as torch does, halfway cases, huge values, inf
+    and NaN included, on the GPU and in the interpreter (whose own conversion rounds toward zero:
+    the kernels pass RNE there, so the CPU tests check the GPU's numerics)."""
+    x = torch.randn(1000, device=device) * torch.logspace(-30, 30, 1000, device=device)
+    x[:5] = torch.tensor([float("inf"), -float("inf"), 3.3895e38, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8])
+    y = torch.empty(1000, device=device, dtype=torch.bfloat16)
+    _round_kernel[(1,)](x, y, 1000, RNE=interpreting(), BLOCK=1024)
+    assert torch.equal(y, x.bfloat16())
+    x[0] = float("nan")
+    _round_kernel[(1,)](x, y, 1000, RNE=interpreting(), BLOCK=1024)
+    assert torch.isnan(y[0])
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])

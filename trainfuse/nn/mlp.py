@@ -159,6 +159,19 @@ def _keep(seed, idx, p):
 
 # ---- the matmul -----------------------------------------------------------------------------------
 @triton.jit
+def _to(v, dtype: tl.constexpr, RNE: tl.constexpr):
+    """``v.to(dtype)``. With ``RNE`` (set under the interpreter, whose float32 -> bfloat16
+    conversion rounds toward zero up to triton 3.9) a bfloat16 result is first rounded to nearest
+    even in float32, as the GPU rounds, so that the interpreter tests check the GPU's numerics."""
+    if RNE:
+        if dtype == tl.bfloat16:
+            bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
 def _mma(a, b, acc, rowsum, ROWSUM: tl.constexpr, CD: tl.constexpr, PREC: tl.constexpr,
          UPCAST: tl.constexpr):
     if ROWSUM:  # the bias grad: rows of A = dpre^T summed over the batch, as read
@@ -166,7 +179,8 @@ def _mma(a, b, acc, rowsum, ROWSUM: tl.constexpr, CD: tl.constexpr, PREC: tl.con
     if UPCAST:
         # the interpreter (triton <= 3.9) returns garbage for a bfloat16 tl.dot: round the
         # operands to the compute dtype, then multiply them in float32 (the same products)
-        acc = tl.dot(a.to(CD).to(tl.float32), b.to(CD).to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(_to(a, CD, True).to(tl.float32), _to(b, CD, True).to(tl.float32), acc,
+                     input_precision="ieee")
     else:
         acc = tl.dot(a.to(CD), b.to(CD), acc, input_precision=PREC)
     return acc, rowsum
@@ -227,14 +241,14 @@ def _mainloop(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn, off_m, off_n, k0, k
 
 
 @triton.jit
-def _tile_store(ptr, v, mask, FULL: tl.constexpr):
+def _tile_store(ptr, v, mask, FULL: tl.constexpr, RNE: tl.constexpr):
     """Store a C-shaped tile; ``FULL`` (the tile lies inside C: M and N are multiples of the tile)
     drops the mask, whose per-element test of the unspecialized M and N otherwise keeps every
-    store scalar (one 2-byte st.global per element)."""
+    store scalar (one 2-byte st.global per element); ``RNE``: see :func:`_to`."""
     if FULL:
-        tl.store(ptr, v.to(ptr.dtype.element_ty))
+        tl.store(ptr, _to(v, ptr.dtype.element_ty, RNE))
     else:
-        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr, _to(v, ptr.dtype.element_ty, RNE), mask=mask)
 
 
 @triton.jit
@@ -316,19 +330,19 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                 acc = tl.zeros((BM, BN), tl.float32)
                 for j in range(nsplit):  # fixed order: the same sum whichever program came last
                     acc += tl.load(first + j * (BM * BN) + t_off, cache_modifier=".cg")
-                _tile_store(c_ptr + c_off, acc, mask, FULL)
+                _tile_store(c_ptr + c_off, acc, mask, FULL, UPCAST)
                 if ROWSUM:
                     if pid_n == 0:
                         rowsum = tl.zeros((BM,), tl.float32)
                         for j in range(nsplit):
                             rowsum += tl.load(db_ws + j * BM + tl.arange(0, BM), cache_modifier=".cg")
-                        tl.store(db_ptr + rm, rowsum.to(db_ptr.dtype.element_ty), mask=in_m)
+                        tl.store(db_ptr + rm, _to(rowsum, db_ptr.dtype.element_ty, UPCAST), mask=in_m)
                 tl.store(cnt_ptr + tile, 0)  # re-armed for the next launch on this stream
         else:
-            _tile_store(c_ptr + c_off, acc, mask, FULL)
+            _tile_store(c_ptr + c_off, acc, mask, FULL, UPCAST)
             if ROWSUM:
                 if pid_n == 0:
-                    tl.store(db_ptr + rm, rowsum.to(db_ptr.dtype.element_ty), mask=in_m)
+                    tl.store(db_ptr + rm, _to(rowsum, db_ptr.dtype.element_ty, UPCAST), mask=in_m)
     else:
         v = acc
         x_off = rm[:, None].to(tl.int64) * s_xm + rn[None, :].to(tl.int64) * s_xn
@@ -344,7 +358,7 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                 v, deriv = _act_deriv(v, ACT)
                 if DROP:
                     deriv = tl.where(keep, deriv * scale, 0.0)
-                _tile_store(pre_ptr + x_off, deriv, mask, FULL)
+                _tile_store(pre_ptr + x_off, deriv, mask, FULL, UPCAST)
             else:
                 v = _act(v, ACT)
             if DROP:
@@ -355,12 +369,12 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
             elif DROP:
                 keep = _keep(seed, rm[:, None] * d_m + rn[None, :] * d_n, p)
                 v = tl.where(keep, v * scale, 0.0)
-        _tile_store(c_ptr + c_off, v, mask, FULL)
+        _tile_store(c_ptr + c_off, v, mask, FULL, UPCAST)
 
 
 @triton.jit
 def _act_grad_kernel(g_ptr, aux_ptr, out_ptr, n, seed, p, scale, ACT: tl.constexpr,
-                     DROP: tl.constexpr, BLOCK: tl.constexpr):
+                     DROP: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr):
     """The last layer's activation (and dropout) grad, elementwise: its upstream grad comes from
     outside the chain, so no matmul of ours can take it in an epilogue."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -370,7 +384,7 @@ def _act_grad_kernel(g_ptr, aux_ptr, out_ptr, n, seed, p, scale, ACT: tl.constex
         v = _undo_act(v, tl.load(aux_ptr + offs, mask=mask, other=0.0).to(tl.float32), scale, ACT, DROP)
     elif DROP:
         v = tl.where(_keep(seed, offs.to(tl.int32), p), v * scale, 0.0)
-    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, _to(v, out_ptr.dtype.element_ty, RNE), mask=mask)
 
 
 @triton.jit
@@ -762,7 +776,8 @@ def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, 
     n = g.numel()
     block = config.act_block
     launcher(_act_grad_kernel, (max(1, -(-n // block)),), g, saved, out, n, seed, float(p),
-             _drop_scale(p), ACT=act, DROP=p > 0.0, BLOCK=block, num_warps=4)
+             _drop_scale(p), ACT=act, DROP=p > 0.0, RNE=interpreting() and out.dtype == torch.bfloat16,
+             BLOCK=block, num_warps=4)
 
 
 def dropout_mask(seed: int, shape: tuple[int, int], p: float, device: torch.device | str) -> torch.Tensor:
