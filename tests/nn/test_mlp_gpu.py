@@ -192,6 +192,9 @@ _FULL_SIZE = {
         ([1024, 1024, 1024], 8192, torch.bfloat16, M.EPI_ACT_GRAD, M.MatmulConfig(128, 256, 64, 8, 4)),
     "float32 weight at K=256 in 128x256 pointer tiles":
         ([256, 256, 256], 32768, torch.float32, M.EPI_FORWARD, M.MatmulConfig(128, 256, 64, 8, 3, tma=False)),
+    "16-bit weight input grad at K=256 in 128x128 pointer tiles":
+        ([256, 256, 256], 32768, torch.bfloat16, M.EPI_ACT_GRAD,
+         M.MatmulConfig(128, 128, 64, 8, 3, tma=False)),
     "big weight grad in groups of 16 row tiles":
         ([4096, 3072], 512, torch.float32, M.EPI_WGRAD, M.MatmulConfig(128, 256, 64, 8, 3, group_m=16)),
 }

@@ -468,6 +468,10 @@ def default_tile(epi: int, M: int, N: int, K: int, cd: torch.dtype, converts: bo
       where those fill the GPU (K = 256, 65536 rows: forward -41 %, input grad -24 %);
     - big weight grads: 16 row tiles per group, not 8 (-12 % at 4096^2 x 2048);
     - split weight grads: 3 pipeline stages, not 4 (-13 % at 1024^2 x 8192, equal at 256^2 x 65536).
+
+    A third (the whole step timed in a CUDA graph per candidate): 16-bit weights at a short
+    reduction take 128 x 128 pointer tiles for the forward and input grad where those fill the GPU
+    (K = 256, 65536 rows, bf16 params: step -14 %; float32 weights keep their own choice).
     """
     if cd == torch.float32:  # float32 operands: twice the shared memory per stage
         return MatmulConfig(128, 128, 32, 8, 3)
@@ -478,6 +482,8 @@ def default_tile(epi: int, M: int, N: int, K: int, cd: torch.dtype, converts: bo
     if drop:
         return MatmulConfig(64, 128, 64, 4, 4) if K < 512 else MatmulConfig(128, 128, 64, 8, 3, tma=False)
     fills = -(-M // 128) * -(-N // 256) >= sms  # 128 x 256 tiles fill the GPU at least once
+    if K < 512 and not converts and fills:
+        return MatmulConfig(128, 128, 64, 8, 3, tma=False)
     if epi != EPI_FORWARD and not converts and fills:
         return MatmulConfig(128, 256, 64, 8, 4)
     if K < 512 and not (converts and fills):
