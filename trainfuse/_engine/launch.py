@@ -34,6 +34,21 @@ def _arg_key(a) -> tuple | type:
     return float
 
 
+class Compiled:
+    """A compiled kernel and its trailing constexpr values, launched straight through Triton's
+    launcher: ``compiled(grid, stream, *args)`` with a 1-d grid size and a raw stream handle. The
+    one place that knows the launcher's calling convention."""
+
+    __slots__ = ("run", "function", "meta", "consts")
+
+    def __init__(self, kernel, consts: list) -> None:
+        self.run, self.function, self.meta = kernel.run, kernel.function, kernel.packed_metadata
+        self.consts = consts
+
+    def __call__(self, grid: int, stream: int, *args) -> None:
+        self.run(grid, 1, 1, stream, self.function, self.meta, None, None, None, *args, *self.consts)
+
+
 class CachedLauncher:
     """``launcher(fn, grid, *args, num_warps=..., **constexprs)``: ``args`` are tensors, Python
     floats (never specialized by Triton, so any value reuses a kernel) and Python ints (keyed on
@@ -73,16 +88,13 @@ class CachedLauncher:
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
-                self._kernels[key] = (kernel, [constexprs[n] for n in fn.arg_names[len(args):]])
+                self._kernels[key] = Compiled(kernel, [constexprs[n] for n in fn.arg_names[len(args):]])
             else:
                 self._usable = False
             return
-        kernel, consts = kernel
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(device.index)
-        kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *args, *consts)
-
+        kernel(grid[0], stream, *args)
 
     def direct(self) -> bool:
         """Whether a caller may launch kernels it got from :meth:`compiled` itself, straight
@@ -93,11 +105,9 @@ class CachedLauncher:
         hooks = triton.knobs.runtime
         return self._usable and not (_hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook))
 
-    def compiled(self, fn, device_index: int, key: Any) -> tuple[Any, list] | None:
-        """The compiled kernel and trailing constexpr values that an earlier call with ``key=key``
-        cached, or None: for callers that launch the same kernel many times with the arguments
-        already resolved (``kernel.run(grid, 1, 1, stream, kernel.function,
-        kernel.packed_metadata, None, None, None, *args, *consts)``)."""
+    def compiled(self, fn, device_index: int, key: Any) -> Compiled | None:
+        """The kernel that an earlier call with ``key=key`` compiled, or None: for callers that
+        launch the same kernel many times with the arguments already resolved."""
         return self._kernels.get((fn, device_index, key))
 
 

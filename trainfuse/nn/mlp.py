@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from trainfuse._backend import interpreting
-from trainfuse._engine.launch import CachedLauncher, sm_count, stream_workspace
+from trainfuse._engine.launch import CachedLauncher, Compiled, sm_count, stream_workspace
 
 launcher = CachedLauncher()
 
@@ -96,24 +96,9 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _act(x, ACT: tl.constexpr):
-    """f(x) in float32, as torch's ReLU / GELU / GELU(approximate="tanh") / SiLU compute it."""
-    if ACT == _RELU:
-        return tl.where(x < 0.0, 0.0, x)  # NaN stays NaN, as in torch.relu
-    elif ACT == _GELU:
-        return 0.5 * x * (1.0 + tl.erf(x * _SQRT1_2))
-    elif ACT == _GELU_TANH:
-        return 0.5 * x * (1.0 + _tanh((x + x * x * x * _TANH_K) * _TANH_C))
-    elif ACT == _SILU:
-        return x * _sigmoid(x)
-    else:
-        return x
-
-
-@triton.jit
 def _act_deriv(x, ACT: tl.constexpr):
     """(f(x), f'(x)) in float32 for GELU / GELU(approximate="tanh") / SiLU, sharing their erf,
-    tanh or sigmoid."""
+    tanh or sigmoid: the forward's output and, when it saves it, the backward's derivative."""
     if ACT == _GELU:
         cdf = 0.5 * (1.0 + tl.erf(x * _SQRT1_2))
         return x * cdf, cdf + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
@@ -125,6 +110,18 @@ def _act_deriv(x, ACT: tl.constexpr):
     else:
         s = _sigmoid(x)
         return x * s, s * (1.0 + x * (1.0 - s))
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """f(x) in float32, as torch's ReLU / GELU / GELU(approximate="tanh") / SiLU compute it."""
+    if ACT == _RELU:
+        return tl.where(x < 0.0, 0.0, x)  # NaN stays NaN, as in torch.relu
+    elif ACT == 0:
+        return x
+    else:
+        f, _ = _act_deriv(x, ACT)  # one formula for f: the compiler drops the unused derivative
+        return f
 
 
 @triton.jit
@@ -652,16 +649,15 @@ class _Slot:
     signature fixes everything the launch's own key would hold (shapes, strides, dtypes,
     alignment, epilogue); only the tensors' addresses, the seed and ``p`` change call to call."""
 
-    __slots__ = ("run", "function", "meta", "grid", "ints", "consts", "split", "ws_floats", "tiles")
+    __slots__ = ("run", "grid", "ints", "split", "ws_floats", "tiles")
 
     def __init__(self) -> None:
         self.run = None
 
-    def bind(self, kernel, consts: list, plan: _Plan) -> None:
-        self.function, self.meta = kernel.function, kernel.packed_metadata
+    def bind(self, compiled: Compiled, plan: _Plan) -> None:
         self.grid, self.ints = plan.grid[0], plan.ints
-        self.consts, self.split, self.ws_floats, self.tiles = consts, plan.split, plan.ws_floats, plan.tiles
-        self.run = kernel.run
+        self.split, self.ws_floats, self.tiles = plan.split, plan.ws_floats, plan.tiles
+        self.run = compiled
 
     def launch(self, stream: int, a, b, c, bias, x, seed: int, p: float) -> None:
         """The bound launch on ``stream`` with the operands of :func:`matmul` (``bias`` and ``x``
@@ -671,8 +667,8 @@ class _Slot:
             ws, cnt = stream_workspace(a.device, stream, torch.float32, self.ws_floats, self.tiles)
         else:
             ws = cnt = a
-        self.run(self.grid, 1, 1, stream, self.function, self.meta, None, None, None,
-                 a, b, c, bias, x, x, bias, ws, cnt, *self.ints, seed, float(p), _drop_scale(p), *self.consts)
+        self.run(self.grid, stream, a, b, c, bias, x, x, bias, ws, cnt, *self.ints, seed, float(p),
+                 _drop_scale(p))
 
 
 _chains: dict[tuple, list[_Slot]] = {}
@@ -732,7 +728,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
     if slot is not None:
         compiled = launcher.compiled(_mm_kernel, a.device.index, key)
         if compiled is not None:
-            slot.bind(*compiled, plan)
+            slot.bind(compiled, plan)
 
 
 def _weight_first(w: torch.Tensor, cd: torch.dtype) -> bool:
@@ -745,8 +741,7 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out
                    pre: torch.Tensor | None, cd: torch.dtype, act: int, seed: int, p: float,
                    stream: int | None = None, slot: _Slot | None = None) -> None:
     """``out = dropout(f(x W^T + b))`` (and ``pre = f'(x W^T + b)``, GELU and SiLU only); with
-    ``config.weight_first`` as
-    ``out^T = W x^T``, so that the weight is the matmul's A operand."""
+    ``config.weight_first`` as ``out^T = W x^T``, so that the weight is the matmul's A operand."""
     first = _weight_first(w, cd)
     if slot is not None and slot.run is not None:
         slot.launch(stream, w if first else x, x if first else w, out, out if b is None else b,
