@@ -264,6 +264,36 @@ def test_split_k_and_loss_reductions_share_the_stream_scratch(small_tiles, devic
     assert not counters.any()  # every counter re-armed
 
 
+@pytest.mark.parametrize("act,p", [("gelu", 0.0), ("silu", 0.2), ("gelu_tanh", 0.0), ("relu", 0.2)])
+def test_recompute_gives_the_same_bits_and_keeps_less(small_tiles, device, act, p):
+    """recompute=True: the backward runs each GELU/SiLU layer's forward matmul again for its
+    derivative instead of the forward keeping it. Output and every grad equal recompute=False's
+    bit for bit (dropout masks included), and what autograd holds from forward to backward
+    shrinks by exactly the derivatives (rows x width per layer), less the biases the recompute
+    reads. ReLU keeps only its outputs either way."""
+    kept = FusedMLP([24, 40, 33, 8], activation=act, last_activation=True, dropout=p).to(device)
+    again = FusedMLP.from_sequential(kept, recompute=True)
+    assert "recompute=True" in repr(again)
+    x, g = torch.randn(29, 24, device=device), torch.randn(29, 8, device=device)
+    results, held = [], []
+    for mlp in (kept, again):
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.numel())
+            return t
+
+        torch.manual_seed(7)  # the same dropout seed for both
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results.append(run(mlp, x, g))
+        held.append(sum(sizes))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    widths = 40 + 33 + 8
+    assert held[0] - held[1] == (0 if act == "relu" else 29 * widths - widths)
+    with pytest.raises(TypeError, match="recompute must be a bool"):
+        FusedMLP([8, 8], recompute="yes")
+
+
 def test_input_without_grad_and_frozen_layer(small_tiles, device):
     mlp = FusedMLP([16, 32, 16, 8], activation="gelu_tanh").to(device)
     mlp[2].weight.requires_grad_(False)

@@ -1,6 +1,7 @@
 """MLP benchmark: ``Linear + activation`` chains, forward + backward under bf16 autocast, as
 ../shared/bench/anchors.py measures them (``mlp(x).float().sum().backward()``, float32 params and
-input): eager torch, torch.compile, and FusedMLP with one and with two streams. TFLOP/s counts the
+input): eager torch, torch.compile, and FusedMLP with one and with two streams (and, for GELU,
+recomputing the activation's derivative in the backward). TFLOP/s counts the
 three matmuls per layer (forward, input grad, weight grad).
 
 ``--sweep`` times each matmul of the chain (forward, dgrad, wgrad) alone for candidate tile shapes
@@ -133,6 +134,8 @@ def main(argv=None):
             impls["torch.compile"] = torch.compile(eager)
         impls["trainfuse streams=1"] = FusedMLP.from_sequential(eager, streams=1)
         impls["trainfuse streams=2"] = FusedMLP.from_sequential(eager, streams=2)
+        if act != "relu":  # the derivative recomputed in the backward instead of kept
+            impls["trainfuse recompute"] = FusedMLP.from_sequential(eager, streams=1, recompute=True)
         # bf16 params, as trainfuse.amp.fuse_casts leaves them (float32 masters in the optimizer)
         impls["trainfuse bf16 params"] = FusedMLP.from_sequential(copy.deepcopy(eager).bfloat16())
         res = {}

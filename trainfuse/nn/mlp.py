@@ -797,6 +797,10 @@ def dropout_mask(seed: int, shape: tuple[int, int], p: float, device: torch.devi
 class Layer:
     act: int  # ACTIVATIONS value
     p: float  # dropout probability (0: no dropout)
+    # GELU/SiLU: the forward saves nothing for the activation; the backward runs the layer's
+    # forward matmul again for f'(pre) (a rows x width buffer less held from forward to backward
+    # per layer, for one more matmul)
+    recompute: bool = False
 
 
 _side_streams: dict[int, tuple[torch.cuda.Stream, list[torch.cuda.Event]]] = {}
@@ -822,7 +826,7 @@ def _chain_key(x: torch.Tensor, weights, biases, layers: list[Layer], cd: torch.
     key = [config.serial, cd, grads, x.device, x.shape, x.stride(), x.dtype, x.data_ptr() % 16,
            torch.backends.cuda.matmul.allow_tf32]
     for layer, w, b in zip(layers, weights, biases):
-        key += (layer.act, layer.p > 0.0, w.shape, w.stride(), w.dtype, w.data_ptr() % 16,
+        key += (layer.act, layer.p > 0.0, layer.recompute, w.shape, w.stride(), w.dtype, w.data_ptr() % 16,
                 None if b is None else (b.dtype, b.data_ptr() % 16))
     return tuple(key)
 
@@ -870,7 +874,7 @@ class FusedMLPFunction(torch.autograd.Function):
         rows = x.shape[0]
         # the inner layers' outputs and the saved activation derivatives share one allocation; the
         # chain's output, which the caller keeps, has its own
-        keep_pre = [grads and layer.act in _DERIV_SAVED for layer in layers]
+        keep_pre = [grads and layer.act in _DERIV_SAVED and not layer.recompute for layer in layers]
         shapes = [(rows, w.shape[0]) for w in weights[:-1]]
         shapes += [(rows, w.shape[0]) for w, k in zip(weights, keep_pre) if k]
         carved = _carve(shapes, cd, x.device)
@@ -884,13 +888,16 @@ class FusedMLPFunction(torch.autograd.Function):
             linear_forward(h, w, b, out, pre, cd, layer.act, seed + i, layer.p, stream,
                            None if slots is None else slots[i])
             inputs.append(h)
-            saved_act.append(pre if keep_pre[i] else out if layer.act else None)
+            saved_act.append(pre if keep_pre[i] else out if layer.act == ACTIVATIONS["relu"] else None)
             h = out
         ctx.layers, ctx.cd, ctx.seed, ctx.streams = layers, cd, seed, streams
         ctx.has_bias = [b is not None for b in biases]
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
-        ctx.save_for_backward(*inputs, *[s if s is not None else inputs[0].new_empty(0) for s in saved_act],
-                              *weights)
+        # recomputing a layer's forward takes its bias too
+        ctx.recomputes = grads and any(layer.recompute and layer.act in _DERIV_SAVED for layer in layers)
+        empty = inputs[0].new_empty(0)
+        ctx.save_for_backward(*inputs, *[s if s is not None else empty for s in saved_act], *weights,
+                              *([b if b is not None else empty for b in biases] if ctx.recomputes else []))
         return h
 
     @staticmethod
@@ -898,7 +905,7 @@ class FusedMLPFunction(torch.autograd.Function):
     def backward(ctx, grad):
         layers, cd, n = ctx.layers, ctx.cd, len(ctx.layers)
         saved = ctx.saved_tensors
-        inputs, acts, weights = saved[:n], saved[n:2 * n], saved[2 * n:]
+        inputs, acts, weights = saved[:n], saved[n:2 * n], saved[2 * n:3 * n]
         need = ctx.needs_input_grad
         need_x = need[0]
         need_w = need[5:5 + n]
@@ -910,11 +917,30 @@ class FusedMLPFunction(torch.autograd.Function):
         side_raw = side.cuda_stream if two else None  # launched on directly: no stream switches
         keep = []  # tensors the side stream reads: alive until the main stream has joined it
         grad = grad.contiguous()
+        rows = grad.shape[0]
         slots = main_raw = None
         if ctx.key is not None and launcher.direct():
-            slots = _chain_slots((ctx.key, grad.dtype, grad.data_ptr() % 16, need, two), 2 * n)
+            # each layer's weight grad and input grad, and its recomputed forward if any
+            slots = _chain_slots((ctx.key, grad.dtype, grad.data_ptr() % 16, need, two),
+                                 3 * n if ctx.recomputes else 2 * n)
             main_raw = torch._C._cuda_getCurrentRawStream(device.index)
             _ensure_allocator()
+        biases = [b if ctx.has_bias[j] else None for j, b in enumerate(saved[3 * n:])]
+
+        def saved_act(j: int) -> torch.Tensor | None:
+            """What layer ``j``'s activation grad reads; a derivative the forward did not save is
+            made now, just before its one use, by running the layer's forward matmul again (the
+            same launch shape, so the same bits as if saved)."""
+            layer = layers[j]
+            if not layer.act:
+                return None
+            if layer.recompute and layer.act in _DERIV_SAVED:
+                out_j, deriv = _carve([(rows, weights[j].shape[0])] * 2, cd, device)
+                linear_forward(inputs[j], weights[j], biases[j], out_j, deriv, cd, layer.act, ctx.seed + j,
+                               layer.p, main_raw, None if slots is None else slots[2 * n + j])
+                return deriv
+            return acts[j]
+
         last = layers[-1]
         first_act = bool(last.act or last.p > 0.0)
         # the last activation's grad and the inner layers' input grads, in the order they are
@@ -922,14 +948,13 @@ class FusedMLPFunction(torch.autograd.Function):
         # them until the join), two slices taking turns with one; the weight and bias grads of
         # each dtype share one allocation too (autograd takes such a view as the param's .grad as
         # it is, no copy: it is contiguous and the only reference)
-        rows = grad.shape[0]
         written = ([tuple(grad.shape)] if first_act else []) + [(rows, weights[i].shape[1])
                                                                 for i in range(n - 1, 0, -1)]
         inner = (_carve if two else _alternating)(written, cd, device)
         gw, gb = _param_grads(weights, ctx.bias_dtypes, need_w, need_b, device)
         if first_act:
             dpre = inner[0]
-            act_grad(grad, acts[-1] if last.act else grad, dpre, last.act, ctx.seed + n - 1, last.p)
+            act_grad(grad, saved_act(n - 1) if last.act else grad, dpre, last.act, ctx.seed + n - 1, last.p)
         else:
             dpre = grad
         dx = None
@@ -953,7 +978,7 @@ class FusedMLPFunction(torch.autograd.Function):
             if i > 0:
                 prev = layers[i - 1]
                 out = inner[first_act + n - 1 - i]
-                linear_dgrad(dpre, w, out, cd, prev.act, acts[i - 1] if prev.act else None, ctx.seed + i - 1,
+                linear_dgrad(dpre, w, out, cd, prev.act, saved_act(i - 1), ctx.seed + i - 1,
                              prev.p, main_raw, None if slots is None else slots[2 * i + 1])
                 dpre = out
             elif need_x:

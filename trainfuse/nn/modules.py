@@ -88,6 +88,10 @@ class FusedMLP(nn.Sequential):
         bias: Linear biases.
         streams: 2 runs weight grads on a side stream, 1 keeps one stream, ``"auto"`` = 2 on CUDA
             for layers at most 512 wide (where the overlap measured worth its host cost).
+        recompute: GELU/SiLU only: instead of keeping each layer's activation derivative (a
+            batch x width tensor) from the forward to the backward, the backward runs the layer's
+            forward matmul again for it, just before its use. Same results, bit for bit; one
+            more matmul per layer. (ReLU keeps nothing beyond the outputs either way.)
 
     Example:
         >>> mlp = FusedMLP([32, 64, 64, 8], activation="gelu")
@@ -99,7 +103,7 @@ class FusedMLP(nn.Sequential):
 
     def __init__(self, sizes: Sequence[int], activation: str = "relu", last_activation: bool = False,
                  dropout: float = 0.0, bias: bool = True, streams: int | str = "auto",
-                 device=None, dtype=None) -> None:
+                 recompute: bool = False, device=None, dtype=None) -> None:
         if activation not in ACTIVATIONS:
             raise ValueError(f"FusedMLP: activation must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {activation!r}")
@@ -117,10 +121,11 @@ class FusedMLP(nn.Sequential):
                 if dropout > 0.0:
                     modules.append(nn.Dropout(dropout))
         super().__init__(*modules)
-        self._setup(streams)
+        self._setup(streams, recompute)
 
     @classmethod
-    def from_sequential(cls, seq: nn.Sequential, streams: int | str = "auto") -> FusedMLP:
+    def from_sequential(cls, seq: nn.Sequential, streams: int | str = "auto",
+                        recompute: bool = False) -> FusedMLP:
         """A FusedMLP holding ``seq``'s own children (same Parameter objects, same keys).
 
         Raises:
@@ -128,13 +133,16 @@ class FusedMLP(nn.Sequential):
         """
         obj = cls.__new__(cls)
         nn.Sequential.__init__(obj, OrderedDict(seq.named_children()))
-        obj._setup(streams)
+        obj._setup(streams, recompute)
         return obj
 
-    def _setup(self, streams: int | str) -> None:
+    def _setup(self, streams: int | str, recompute: bool) -> None:
         if streams not in _STREAMS:
             raise ValueError(f"FusedMLP: streams must be 1, 2 or 'auto', got {streams!r}")
+        if not isinstance(recompute, bool):
+            raise TypeError(f"FusedMLP: recompute must be a bool, got {type(recompute).__name__}")
         self.streams = streams
+        self.recompute = recompute
         self._chain = _parse(list(self.named_children()))
         # "auto" streams: the side stream pays where a layer's matmuls are too narrow to fill the
         # GPU alone (H200, 4 x 256-wide layers at 65536 rows: 17 % less GPU time); for 1024 and
@@ -142,7 +150,7 @@ class FusedMLP(nn.Sequential):
         self._narrow = max(lin.out_features for lin, _, _ in self._chain) <= _AUTO_TWO_STREAMS_WIDTH
 
     def extra_repr(self) -> str:
-        return f"streams={self.streams!r}"
+        return f"streams={self.streams!r}, recompute={self.recompute}"
 
     def _kernel_dtype(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype | None:
         """The compute dtype if the kernels take this call, else None (torch's path)."""
@@ -182,7 +190,7 @@ class FusedMLP(nn.Sequential):
         if cd is None:
             return super().forward(x)
         # each Dropout child's own mode, as nn.Sequential would run it
-        layers = [Layer(ACTIVATIONS[act], d.p if d is not None and d.training else 0.0)
+        layers = [Layer(ACTIVATIONS[act], d.p if d is not None and d.training else 0.0, self.recompute)
                   for _, act, d in self._chain]
         seed = int(torch.randint(0, 2**31 - 2**16, (1,))) if any(layer.p > 0 for layer in layers) else 0
         self._last_seed = seed
@@ -209,14 +217,15 @@ class FuseReport:
         return "\n".join(lines)
 
 
-def fuse_mlps(model: nn.Module, streams: int | str = "auto") -> FuseReport:
+def fuse_mlps(model: nn.Module, streams: int | str = "auto", recompute: bool = False) -> FuseReport:
     """Swap every ``nn.Sequential`` of ``model`` that is a Linear [activation] [Dropout] chain
     for a :class:`FusedMLP` holding the same children, in place.
 
     The Parameter objects stay the same (optimizers built before keep working) and so do the
     state_dict keys. Only whole Sequentials are swapped: a chain mixed with other modules would
     change the keys. ``model`` itself, if it is the chain, cannot be swapped in place: use
-    ``FusedMLP.from_sequential(model)``.
+    ``FusedMLP.from_sequential(model)``. ``streams`` and ``recompute`` are the FusedMLP
+    arguments every swapped chain gets.
 
     Returns:
         A :class:`FuseReport`: what was swapped, what was skipped and why.
@@ -240,7 +249,7 @@ def fuse_mlps(model: nn.Module, streams: int | str = "auto") -> FuseReport:
             if reason is not None:
                 report.skipped.append((full, reason))
                 continue
-            setattr(parent, child_name, FusedMLP.from_sequential(child, streams))
+            setattr(parent, child_name, FusedMLP.from_sequential(child, streams, recompute))
             report.swapped.append(full)
     if type(model) is nn.Sequential and _why_not(model) is None:
         report.skipped.append(("(the model itself)", "a chain itself: use FusedMLP.from_sequential(model)"))
