@@ -5,6 +5,7 @@ split-K weight grads, state_dict, from_sequential and fuse_mlps."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -318,13 +319,115 @@ def test_leading_dims_and_non_contiguous_input(small_tiles, device):
     assert_close_to_reference(ours, run(seq, x, g), reference(mlp, x, g), torch.float32)
 
 
-def test_grads_accumulate_like_torch(small_tiles, device):
-    mlp = FusedMLP([16, 16, 16]).to(device)
-    x = torch.randn(20, 16, device=device)
-    mlp(x).sum().backward()
-    once = mlp[0].weight.grad.clone()
-    mlp(x).sum().backward()
-    assert rel(mlp[0].weight.grad, 2 * once) < 1e-6
+def _spy_direct(monkeypatch) -> list:
+    """Records what each backward's :func:`mlp._direct_grads` decided, per layer: None (grads
+    back through autograd), "assign" or "add"."""
+    seen = []
+    real = M._direct_grads
+
+    def spy(*args):
+        out = real(*args)
+        seen.append(None if out is None else [None if d is None else "add" if d[2] else "assign"
+                                              for d in out])
+        return out
+
+    monkeypatch.setattr(M, "_direct_grads", spy)
+    return seen
+
+
+@pytest.mark.parametrize("rows", [21, 70], ids=["one_program_per_tile", "split_k"])
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_grads_accumulate_like_torch(small_tiles, device, dtype, streams, rows, monkeypatch):
+    """Backward onto existing grads adds to them in the weight-grad kernel, in place as autograd
+    does (the same .grad tensors): float32 gives autograd's bits (old + new in float32); a 16-bit
+    sum is rounded once. The first backward assigns the grads it writes."""
+    seen = _spy_direct(monkeypatch)
+    mlp = FusedMLP([16, 24, 40, 8], activation="gelu", streams=streams).to(device, dtype)
+    xs = [torch.randn(rows, 16, device=device, dtype=dtype) for _ in range(2)]
+    gs = [torch.randn(rows, 8, device=device, dtype=dtype) for _ in range(2)]
+    apart = FusedMLP.from_sequential(copy.deepcopy(mlp), streams, fuse_grad_accumulation=False)
+    singles = [run(apart, x, g)[2:] for x, g in zip(xs, gs)]  # each backward onto no grads
+    seen.clear()
+    mlp.zero_grad(set_to_none=True)
+    mlp(xs[0]).backward(gs[0])
+    first = [p.grad for p in mlp.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(first, singles[0]))
+    mlp(xs[1]).backward(gs[1])
+    assert seen == [["assign"] * 3, ["add"] * 3]
+    assert all(p.grad is a for p, a in zip(mlp.parameters(), first))  # in place
+    for p, a, b in zip(mlp.parameters(), singles[0], singles[1]):
+        exact = a.double() + b.double()
+        if dtype == torch.float32:
+            assert torch.equal(p.grad, a + b)
+        else:  # the unrounded second grad plus the first, rounded once: within half an ulp of
+            # each of the second grad and the sum (float16: 2**-11 relative) of the stored sum
+            bound = 2**-11 * (b.double().abs() + exact.abs()) + 2**-24
+            assert ((p.grad.double() - exact).abs() <= bound).all()
+
+
+def test_grads_go_through_autograd_where_it_would_tell(small_tiles, device, monkeypatch):
+    """Where writing .grad directly would differ from autograd (autograd.grad, backward(inputs=),
+    hooks, create_graph, a grad that is not row-major, one layer's grads half there) the grads
+    take autograd's path, with autograd's results."""
+    seen = _spy_direct(monkeypatch)
+    mlp = FusedMLP([16, 24, 8], activation="silu").to(device)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children()))).double()
+    x = torch.randn(30, 16, device=device)
+    w0, b0, w1, b1 = mlp.parameters()
+
+    def loss(model, xx):
+        out = model(xx)
+        return out.square().sum() + (model[0].weight * 0.5).sum()  # w0 used twice
+
+    def expected():
+        seq.zero_grad(set_to_none=True)
+        loss(seq, x.double()).backward()
+        return [p.grad.clone() for p in seq.parameters()]
+
+    ref = expected()
+    grads = torch.autograd.grad(loss(mlp, x), [w0, b1])
+    assert all(p.grad is None for p in mlp.parameters())
+    assert rel(grads[0], ref[0]) < 1e-5 and rel(grads[1], ref[3]) < 1e-5
+    assert seen[-1] == [None, None]
+
+    loss(mlp, x).backward(inputs=[w0, b0, w1])
+    assert seen[-1] == ["assign", None] and b1.grad is None
+    assert all(rel(p.grad, r) < 1e-5 for p, r in zip((w0, b0, w1), ref))
+
+    calls = []
+    mlp.zero_grad(set_to_none=True)
+    w1.register_hook(lambda g: g * 2)
+    b1.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    w0.grad = torch.zeros_like(w0)
+    b0.grad = torch.zeros(24, 2, device=device)[:, 0]  # strided: added by autograd
+    with warnings.catch_warnings():  # "grad and param do not obey the gradient layout contract"
+        warnings.simplefilter("ignore")
+        loss(mlp, x).backward()
+    assert seen[-1] == [None, None]
+    assert rel(w1.grad, 2 * ref[2]) < 1e-5 and len(calls) == 1 and rel(calls[0], ref[3]) < 1e-5
+    assert rel(w0.grad, ref[0]) < 1e-5 and rel(b0.grad, ref[1]) < 1e-5
+
+    mlp2 = FusedMLP.from_sequential(copy.deepcopy(seq).float())
+    mlp2[0].weight.grad = torch.ones_like(mlp2[0].weight)  # the bias grad is None: not both
+    loss(mlp2, x).backward()
+    assert seen[-1] == [None, "assign"]
+    assert rel(mlp2[0].weight.grad, ref[0] + 1) < 1e-5
+
+    mlp2.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # create_graph=True: "a reference cycle ... and its gradient"
+        warnings.simplefilter("ignore")
+        loss(mlp2, x).backward(create_graph=True)
+    assert seen[-1] is None
+    assert all(rel(p.grad, r) < 1e-5 for p, r in zip(mlp2.parameters(), ref))
+    mlp2.zero_grad(set_to_none=True)
+
+    off = FusedMLP.from_sequential(copy.deepcopy(seq).float(), fuse_grad_accumulation=False)
+    asked = len(seen)
+    loss(off, x).backward()
+    loss(off, x).backward()
+    assert len(seen) == asked  # the switch is off: never asked
+    assert all(rel(p.grad, 2 * r) < 1e-5 for p, r in zip(off.parameters(), ref))
 
 
 def test_param_grads_are_taken_without_copies_and_keep_the_weight_layout(small_tiles, device):
@@ -361,19 +464,26 @@ def test_one_stream_input_grads_take_turns_in_two_slices():
         assert (a == 1.0).all()
 
 
-def test_ddp_gradient_hooks(small_tiles, device, tmp_path):
-    """Under DistributedDataParallel (one process) the grads DDP's hooks reduce are ours."""
+def test_ddp_gradient_hooks(small_tiles, device, tmp_path, monkeypatch):
+    """Under DistributedDataParallel (one process) the grads DDP's hooks reduce are ours; under a
+    process group they go back through autograd (hooks Python cannot see may be on the params'
+    AccumulateGrad nodes), also onto existing grads."""
     import torch.distributed as dist
 
+    seen = _spy_direct(monkeypatch)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mlp = FusedMLP([16, 32, 8], activation="relu").to(device)
         ddp = nn.parallel.DistributedDataParallel(mlp)
         x, g = torch.randn(10, 16, device=device), torch.randn(10, 8, device=device)
-        ours = run(ddp, x, g)
         seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
+        ours = run(ddp, x, g)
         assert_close_to_reference(ours, run(seq, x, g), reference(mlp, x, g), torch.float32, "DDP")
+        once = [t.clone() for t in ours[2:]]
+        ddp(x).backward(g)
+        assert all(rel(p.grad, 2 * r) < 1e-5 for p, r in zip(mlp.parameters(), once))
+        assert seen == [None, None]
     finally:
         dist.destroy_process_group()
 

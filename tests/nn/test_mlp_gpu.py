@@ -41,18 +41,21 @@ def test_bf16_autocast_matches_torch(act, rows, width):
 
 
 @cuda
-def test_side_stream_delayed_grads_still_right(monkeypatch):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_side_stream_delayed_grads_still_right(set_to_none, monkeypatch):
     """The side stream sleeps before every weight grad: the main stream races ahead, frees and
-    reallocates memory and returns; the grads must still be the ones a single stream computes."""
+    reallocates memory and returns; the grads must still be the ones a single stream computes.
+    With ``set_to_none=False`` the main stream zeroes the existing grads and the side stream
+    adds to them in place: it must wait for the zeroing."""
     mlp = FusedMLP([512, 1024, 1024, 1024, 512], activation="gelu", last_activation=True, streams=1).cuda()
     x = torch.randn(4096, 512, device="cuda")
     g = torch.randn(4096, 512, device="cuda")
-    want = run(mlp, x, g, autocast=torch.bfloat16)
+    want = [t.clone() for t in run(mlp, x, g, autocast=torch.bfloat16)]  # the loop adds to the grads
     two = FusedMLP.from_sequential(mlp, streams=2)
     monkeypatch.setattr(M, "_debug_side_sleep_cycles", 20_000_000)
     for _ in range(3):
         xx = x.clone().requires_grad_()
-        two.zero_grad(set_to_none=True)
+        two.zero_grad(set_to_none=set_to_none)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = two(xx)
         y.backward(g.bfloat16())

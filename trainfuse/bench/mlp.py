@@ -4,6 +4,11 @@ input): eager torch, torch.compile, and FusedMLP with one and with two streams (
 recomputing the activation's derivative in the backward). TFLOP/s counts the
 three matmuls per layer (forward, input grad, weight grad).
 
+As in the anchors nothing resets the grads between steps: each backward adds its param grads to
+the last step's (autograd: one add kernel per param; FusedMLP: inside its weight-grad kernels,
+``fuse_grad_accumulation``). The row "grads via autograd" is FusedMLP (one stream) with that
+switched off.
+
 ``--sweep`` times each matmul of the chain (forward, dgrad, wgrad) alone for candidate tile shapes
 and prints the best per shape: how the defaults in ``trainfuse.nn.mlp.config`` were picked."""
 
@@ -134,6 +139,8 @@ def main(argv=None):
             impls["torch.compile"] = torch.compile(eager)
         impls["trainfuse streams=1"] = FusedMLP.from_sequential(eager, streams=1)
         impls["trainfuse streams=2"] = FusedMLP.from_sequential(eager, streams=2)
+        impls["trainfuse grads via autograd"] = FusedMLP.from_sequential(eager, streams=1,
+                                                                          fuse_grad_accumulation=False)
         if act != "relu":  # the derivative recomputed in the backward instead of kept
             impls["trainfuse recompute"] = FusedMLP.from_sequential(eager, streams=1, recompute=True)
         # bf16 params, as trainfuse.amp.fuse_casts leaves them (float32 masters in the optimizer)

@@ -262,7 +262,8 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                M, N, K, k_split, nsplit, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_xm, s_xn, d_m, d_n,
                seed, p, scale,
                EPI: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ROWS: tl.constexpr,
-               STORE_PRE: tl.constexpr, DROP: tl.constexpr, SPLIT_K: tl.constexpr, CD: tl.constexpr,
+               STORE_PRE: tl.constexpr, DROP: tl.constexpr, SPLIT_K: tl.constexpr, ACCUM: tl.constexpr,
+               CD: tl.constexpr,
                PREC: tl.constexpr, UPCAST: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                EVEN_K: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
@@ -273,7 +274,9 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
     per column (per row with ``BIAS_ROWS``); the dropout element index is ``row * d_m + col * d_n``
     (the index in the layer's own row-major output). For ``EPI_WGRAD`` with ``SPLIT_K`` program
     ``tile * nsplit + s`` covers ``K`` range ``s``; the last of a tile's programs to finish adds
-    the ``nsplit`` partials in order (deterministic) and writes C."""
+    the ``nsplit`` partials in order (deterministic) and writes C. With ``ACCUM`` the weight grad
+    epilogue adds C's (and the bias grad's) current values to the result before storing it: a
+    param's existing .grad accumulated in place, as autograd would, with no separate add."""
     pid = tl.program_id(0)
     tile = pid // nsplit
     split = pid % nsplit
@@ -327,18 +330,26 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                 acc = tl.zeros((BM, BN), tl.float32)
                 for j in range(nsplit):  # fixed order: the same sum whichever program came last
                     acc += tl.load(first + j * (BM * BN) + t_off, cache_modifier=".cg")
+                if ACCUM:
+                    acc += _tile_load(c_ptr + c_off, mask, FULL)
                 _tile_store(c_ptr + c_off, acc, mask, FULL, UPCAST)
                 if ROWSUM:
                     if pid_n == 0:
                         rowsum = tl.zeros((BM,), tl.float32)
                         for j in range(nsplit):
                             rowsum += tl.load(db_ws + j * BM + tl.arange(0, BM), cache_modifier=".cg")
+                        if ACCUM:
+                            rowsum += tl.load(db_ptr + rm, mask=in_m, other=0.0).to(tl.float32)
                         tl.store(db_ptr + rm, _to(rowsum, db_ptr.dtype.element_ty, UPCAST), mask=in_m)
                 tl.store(cnt_ptr + tile, 0)  # re-armed for the next launch on this stream
         else:
+            if ACCUM:
+                acc += _tile_load(c_ptr + c_off, mask, FULL)
             _tile_store(c_ptr + c_off, acc, mask, FULL, UPCAST)
             if ROWSUM:
                 if pid_n == 0:
+                    if ACCUM:
+                        rowsum += tl.load(db_ptr + rm, mask=in_m, other=0.0).to(tl.float32)
                     tl.store(db_ptr + rm, _to(rowsum, db_ptr.dtype.element_ty, UPCAST), mask=in_m)
     else:
         v = acc
@@ -524,7 +535,7 @@ _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_index) -> _Plan:
+def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_index, accum) -> _Plan:
     M, K = a.shape
     N = b.shape[1]
     kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
@@ -548,7 +559,8 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
             c.stride(1), x.stride(0), x.stride(1), d_m, d_n)
     constexprs = dict(
         EPI=epi, ACT=act, HAS_BIAS=has_bias, BIAS_ROWS=bias_rows, STORE_PRE=pre, DROP=drop,
-        SPLIT_K=split > 1, CD=_TL[cd], PREC=_precision(cd), UPCAST=interpreting() and cd == torch.bfloat16,
+        SPLIT_K=split > 1, ACCUM=accum, CD=_TL[cd], PREC=_precision(cd),
+        UPCAST=interpreting() and cd == torch.bfloat16,
         EVEN_M=M % bm == 0, EVEN_N=N % bn == 0, EVEN_K=K % k_split == 0, TMA=tma, A_T=bool(a_t),
         B_T=bool(b_t), BM=bm, BN=bn, BK=bk,
         GROUP_M=kind.group_m, num_stages=_stages(kind, a, b))
@@ -687,10 +699,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
            act: int = 0, bias: torch.Tensor | None = None, bias_rows: bool = False,
            aux: torch.Tensor | None = None, pre: torch.Tensor | None = None, db: torch.Tensor | None = None,
            seed: int = 0, p: float = 0.0, drop_index: tuple[int, int] | None = None,
-           stream: int | None = None, slot: _Slot | None = None) -> None:
+           accumulate: bool = False, stream: int | None = None, slot: _Slot | None = None) -> None:
     """``c = epilogue(a @ b)`` for 2-d views ``a`` (M, K), ``b`` (K, N), ``c``, ``aux``, ``pre``
     (M, N) with any strides. See :func:`_mm_kernel` for the epilogues; ``drop_index`` is
-    ``(d_m, d_n)``, by default ``(N, 1)``; ``stream`` a raw CUDA stream (default: the current).
+    ``(d_m, d_n)``, by default ``(N, 1)``; ``accumulate`` (``EPI_WGRAD``): add to what ``c`` and
+    ``db`` hold; ``stream`` a raw CUDA stream (default: the current).
 
     The launch plan is cached on the call's signature, and the compiled kernel is launched
     directly: a training step repeats the same calls, and the host time per launch is what a
@@ -706,7 +719,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
         slot.launch(stream, a, b, c, bias_t, x, seed, p)
         return
     drop = p > 0.0
-    key = (config.serial, epi, act, cd, bias_rows, drop, drop_index, pre is None, a.device,
+    if accumulate and epi != EPI_WGRAD:
+        raise ValueError("matmul: accumulate is for the weight grad epilogue only")
+    key = (config.serial, epi, act, cd, bias_rows, drop, drop_index, pre is None, accumulate, a.device,
            a.shape, b.shape, a.stride(), b.stride(), c.stride(), x.stride(),
            a.dtype, b.dtype, c.dtype, x.dtype, has_bias and bias_t.dtype,
            a.data_ptr() % 16, b.data_ptr() % 16, c.data_ptr() % 16, x.data_ptr() % 16,
@@ -716,7 +731,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
         if len(_plans) >= _MAX_PLANS:  # e.g. a new batch size every call: start over
             _plans.clear()
         plan = _plans[key] = _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre is not None,
-                                        drop, drop_index)
+                                        drop, drop_index, accumulate)
     if plan.constexprs["TMA"]:
         _ensure_allocator()
     if plan.split > 1:  # split-K partials and per-tile arrival counters of this stream
@@ -853,12 +868,71 @@ def _param_grads(weights, bias_dtypes, need_w, need_b, device) -> tuple[list, li
     return gw, gb
 
 
+def _into_grad(node) -> torch.Tensor | None:
+    """The leaf param behind ``node`` (an edge of the chain's backward node) if its grad may be
+    written by the chain itself, as its AccumulateGrad node would: that node runs in this
+    backward (not ``autograd.grad``, not left out of ``backward(inputs=...)``), and the param has
+    no hooks that would see the grad on its way (tensor hooks, post-accumulate hooks)."""
+    if type(node).__name__ != "AccumulateGrad":
+        return None
+    v = node.variable
+    if v._backward_hooks or v._post_accumulate_grad_hooks:
+        return None
+    try:
+        if torch._C._will_engine_execute_node(node) is not True:
+            return None
+    except RuntimeError:  # a leaf autograd.grad() captures
+        return None
+    return v
+
+
+def _fusable(g: torch.Tensor | None, p: torch.Tensor) -> bool:
+    """Whether the existing ``.grad`` ``g`` of ``p`` can be added to in the kernel: dense, laid
+    out as the kernel writes a fresh one (row-major, 16-byte aligned), not part of a graph."""
+    return (g.layout == torch.strided and not g.requires_grad and g.shape == p.shape
+            and g.is_contiguous() and p.is_contiguous() and g.data_ptr() % 16 == 0)
+
+
+def _direct_grads(ctx, n: int, need_w, need_b) -> list[tuple | None] | None:
+    """Per layer, ``(weight, bias or None, accumulate)`` where the backward writes the layer's
+    param grads into ``.grad`` itself instead of returning them to autograd (whose AccumulateGrad
+    would then assign them, or add them to an existing grad in a kernel of its own), else None.
+
+    Only where that is what autograd would do and nobody could tell: grad mode off (no
+    ``create_graph``), no process group (DDP and FSDP reduce grads from hooks on the
+    AccumulateGrad nodes that Python cannot see), not under torch.compile, both of the layer's
+    params (:func:`_into_grad`), and their grads both None (assign) or both fusable (add)."""
+    if ctx.create_graph or torch.compiler.is_compiling():
+        return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None
+    edges = ctx.next_functions  # the tensor inputs that need grads: x, the weights, the biases there are
+    first_bias = 1 + n
+    direct: list[tuple | None] = [None] * n
+    for i in range(n):
+        has_bias = ctx.has_bias[i]
+        if not need_w[i] or (has_bias and not need_b[i]):
+            continue
+        w = _into_grad(edges[1 + i][0])
+        b = _into_grad(edges[first_bias + sum(ctx.has_bias[:i])][0]) if has_bias else None
+        if w is None or (has_bias and b is None):
+            continue
+        params = (w, b) if has_bias else (w,)
+        if all(p.grad is None for p in params):
+            direct[i] = (w, b, False)
+        elif all(p.grad is not None and _fusable(p.grad, p) for p in params):
+            direct[i] = (w, b, True)
+    return direct
+
+
 class FusedMLPFunction(torch.autograd.Function):
-    """The whole chain as one autograd node: ``apply(x, layers, cd, seed, streams, *weights,
-    *biases)`` with ``x`` 2-d; ``biases`` entries may be None."""
+    """The whole chain as one autograd node: ``apply(x, layers, cd, seed, streams, fuse_grads,
+    *weights, *biases)`` with ``x`` 2-d; ``biases`` entries may be None. ``fuse_grads``: where
+    autograd would, the backward writes the param grads into ``.grad`` itself, adding to existing
+    ones in the weight-grad kernel (:func:`_direct_grads`)."""
 
     @staticmethod
-    def forward(ctx, x, layers, cd, seed, streams, *params):
+    def forward(ctx, x, layers, cd, seed, streams, fuse_grads, *params):
         n = len(layers)
         weights, biases = params[:n], params[n:]
         grads = any(ctx.needs_input_grad)
@@ -890,7 +964,7 @@ class FusedMLPFunction(torch.autograd.Function):
             inputs.append(h)
             saved_act.append(pre if keep_pre[i] else out if layer.act == ACTIVATIONS["relu"] else None)
             h = out
-        ctx.layers, ctx.cd, ctx.seed, ctx.streams = layers, cd, seed, streams
+        ctx.layers, ctx.cd, ctx.seed, ctx.streams, ctx.fuse_grads = layers, cd, seed, streams, fuse_grads
         ctx.has_bias = [b is not None for b in biases]
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
         # recomputing a layer's forward takes its bias too
@@ -901,15 +975,24 @@ class FusedMLPFunction(torch.autograd.Function):
         return h
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        # once_differentiable runs the backward under no_grad: whether autograd builds a graph of
+        # the grads (create_graph), which decides how it accumulates them, is seen out here
+        ctx.create_graph = torch.is_grad_enabled()
+        return FusedMLPFunction._backward(ctx, grad)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def _backward(ctx, grad):
         layers, cd, n = ctx.layers, ctx.cd, len(ctx.layers)
         saved = ctx.saved_tensors
         inputs, acts, weights = saved[:n], saved[n:2 * n], saved[2 * n:3 * n]
         need = ctx.needs_input_grad
         need_x = need[0]
-        need_w = need[5:5 + n]
-        need_b = [need[5 + n + i] and ctx.has_bias[i] for i in range(n)]
+        need_w = need[6:6 + n]
+        need_b = [need[6 + n + i] and ctx.has_bias[i] for i in range(n)]
+        direct = (_direct_grads(ctx, n, need_w, need_b) if ctx.fuse_grads else None) or [None] * n
+        accum = tuple(d and d[2] for d in direct)
         device = grad.device
         two = ctx.streams == 2 and device.type == "cuda"
         main = torch.cuda.current_stream(device) if two else None
@@ -921,7 +1004,7 @@ class FusedMLPFunction(torch.autograd.Function):
         slots = main_raw = None
         if ctx.key is not None and launcher.direct():
             # each layer's weight grad and input grad, and its recomputed forward if any
-            slots = _chain_slots((ctx.key, grad.dtype, grad.data_ptr() % 16, need, two),
+            slots = _chain_slots((ctx.key, grad.dtype, grad.data_ptr() % 16, need, two, accum),
                                  3 * n if ctx.recomputes else 2 * n)
             main_raw = torch._C._cuda_getCurrentRawStream(device.index)
             _ensure_allocator()
@@ -951,7 +1034,12 @@ class FusedMLPFunction(torch.autograd.Function):
         written = ([tuple(grad.shape)] if first_act else []) + [(rows, weights[i].shape[1])
                                                                 for i in range(n - 1, 0, -1)]
         inner = (_carve if two else _alternating)(written, cd, device)
-        gw, gb = _param_grads(weights, ctx.bias_dtypes, need_w, need_b, device)
+        # a grad added to in place is the kernel's output; the others are made here
+        gw, gb = _param_grads(weights, ctx.bias_dtypes, [w and not a for w, a in zip(need_w, accum)],
+                              [b and not a for b, a in zip(need_b, accum)], device)
+        for i, d in enumerate(direct):
+            if d is not None and d[2]:
+                gw[i], gb[i] = d[0].grad, d[1].grad if d[1] is not None else None
         if first_act:
             dpre = inner[0]
             act_grad(grad, saved_act(n - 1) if last.act else grad, dpre, last.act, ctx.seed + n - 1, last.p)
@@ -974,7 +1062,8 @@ class FusedMLPFunction(torch.autograd.Function):
                     db = gw[i] if gb[i] is None else gb[i]
                     slot.launch(stream, dpre, inputs[i], gw[i], db, gw[i], 0, 0.0)
                 else:
-                    matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i], stream=stream, slot=slot)
+                    matmul(dpre.t(), inputs[i], gw[i], cd, EPI_WGRAD, db=gb[i], accumulate=bool(accum[i]),
+                           stream=stream, slot=slot)
             if i > 0:
                 prev = layers[i - 1]
                 out = inner[first_act + n - 1 - i]
@@ -989,7 +1078,14 @@ class FusedMLPFunction(torch.autograd.Function):
             main.wait_event(events[n])
             del keep
         gb = [g if need_b[i] else None for i, g in enumerate(gb)]
-        return (dx, None, None, None, None, *gw, *gb)
+        for i, d in enumerate(direct):
+            if d is not None:
+                if not d[2]:
+                    d[0].grad = gw[i]
+                    if d[1] is not None:
+                        d[1].grad = gb[i]
+                gw[i] = gb[i] = None
+        return (dx, None, None, None, None, None, *gw, *gb)
 
 
 def mlp_reference(x: torch.Tensor, weights, biases, activations, dropout_masks=None, ps=None) -> torch.Tensor:

@@ -92,6 +92,16 @@ class FusedMLP(nn.Sequential):
             batch x width tensor) from the forward to the backward, the backward runs the layer's
             forward matmul again for it, just before its use. Same results, bit for bit; one
             more matmul per layer. (ReLU keeps nothing beyond the outputs either way.)
+        fuse_grad_accumulation: the backward writes the weight and bias grads into their
+            ``.grad`` itself, adding to a grad already there inside the weight-grad kernel (one
+            pass over it, where autograd's AccumulateGrad would run an add kernel per param after
+            it): for gradient accumulation, or any backward onto existing grads. Only where autograd
+            would do the same and nothing could tell the difference; otherwise (a process group is
+            initialized, as under DDP/FSDP, whose hooks on the params' AccumulateGrad nodes Python
+            cannot see; ``create_graph``; ``autograd.grad``; params with hooks; grads that are
+            not dense and row-major) the grads go back through autograd as usual. False: always
+            through autograd. For 16-bit params the sum is rounded once (autograd rounds the new
+            grad, then the sum).
 
     Example:
         >>> mlp = FusedMLP([32, 64, 64, 8], activation="gelu")
@@ -103,7 +113,8 @@ class FusedMLP(nn.Sequential):
 
     def __init__(self, sizes: Sequence[int], activation: str = "relu", last_activation: bool = False,
                  dropout: float = 0.0, bias: bool = True, streams: int | str = "auto",
-                 recompute: bool = False, device=None, dtype=None) -> None:
+                 recompute: bool = False, fuse_grad_accumulation: bool = True, device=None,
+                 dtype=None) -> None:
         if activation not in ACTIVATIONS:
             raise ValueError(f"FusedMLP: activation must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {activation!r}")
@@ -121,11 +132,11 @@ class FusedMLP(nn.Sequential):
                 if dropout > 0.0:
                     modules.append(nn.Dropout(dropout))
         super().__init__(*modules)
-        self._setup(streams, recompute)
+        self._setup(streams, recompute, fuse_grad_accumulation)
 
     @classmethod
-    def from_sequential(cls, seq: nn.Sequential, streams: int | str = "auto",
-                        recompute: bool = False) -> FusedMLP:
+    def from_sequential(cls, seq: nn.Sequential, streams: int | str = "auto", recompute: bool = False,
+                        fuse_grad_accumulation: bool = True) -> FusedMLP:
         """A FusedMLP holding ``seq``'s own children (same Parameter objects, same keys).
 
         Raises:
@@ -133,16 +144,18 @@ class FusedMLP(nn.Sequential):
         """
         obj = cls.__new__(cls)
         nn.Sequential.__init__(obj, OrderedDict(seq.named_children()))
-        obj._setup(streams, recompute)
+        obj._setup(streams, recompute, fuse_grad_accumulation)
         return obj
 
-    def _setup(self, streams: int | str, recompute: bool) -> None:
+    def _setup(self, streams: int | str, recompute: bool, fuse_grad_accumulation: bool) -> None:
         if streams not in _STREAMS:
             raise ValueError(f"FusedMLP: streams must be 1, 2 or 'auto', got {streams!r}")
-        if not isinstance(recompute, bool):
-            raise TypeError(f"FusedMLP: recompute must be a bool, got {type(recompute).__name__}")
+        for name, value in (("recompute", recompute), ("fuse_grad_accumulation", fuse_grad_accumulation)):
+            if not isinstance(value, bool):
+                raise TypeError(f"FusedMLP: {name} must be a bool, got {type(value).__name__}")
         self.streams = streams
         self.recompute = recompute
+        self.fuse_grad_accumulation = fuse_grad_accumulation
         self._chain = _parse(list(self.named_children()))
         # "auto" streams: the side stream pays where a layer's matmuls are too narrow to fill the
         # GPU alone (H200, 4 x 256-wide layers at 65536 rows: 17 % less GPU time); for 1024 and
@@ -150,7 +163,8 @@ class FusedMLP(nn.Sequential):
         self._narrow = max(lin.out_features for lin, _, _ in self._chain) <= _AUTO_TWO_STREAMS_WIDTH
 
     def extra_repr(self) -> str:
-        return f"streams={self.streams!r}, recompute={self.recompute}"
+        return (f"streams={self.streams!r}, recompute={self.recompute}, "
+                f"fuse_grad_accumulation={self.fuse_grad_accumulation}")
 
     def _kernel_dtype(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype | None:
         """The compute dtype if the kernels take this call, else None (torch's path)."""
@@ -199,7 +213,8 @@ class FusedMLP(nn.Sequential):
             streams = 2 if x.device.type == "cuda" and self._narrow else 1
         # no autocast context needed around it: a custom Function's forward casts nothing unless
         # asked to, and ours runs no autocast-eligible op
-        out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]), layers, cd, seed, streams, *weights, *biases)
+        out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]), layers, cd, seed, streams,
+                                     self.fuse_grad_accumulation, *weights, *biases)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -217,15 +232,16 @@ class FuseReport:
         return "\n".join(lines)
 
 
-def fuse_mlps(model: nn.Module, streams: int | str = "auto", recompute: bool = False) -> FuseReport:
+def fuse_mlps(model: nn.Module, streams: int | str = "auto", recompute: bool = False,
+              fuse_grad_accumulation: bool = True) -> FuseReport:
     """Swap every ``nn.Sequential`` of ``model`` that is a Linear [activation] [Dropout] chain
     for a :class:`FusedMLP` holding the same children, in place.
 
     The Parameter objects stay the same (optimizers built before keep working) and so do the
     state_dict keys. Only whole Sequentials are swapped: a chain mixed with other modules would
     change the keys. ``model`` itself, if it is the chain, cannot be swapped in place: use
-    ``FusedMLP.from_sequential(model)``. ``streams`` and ``recompute`` are the FusedMLP
-    arguments every swapped chain gets.
+    ``FusedMLP.from_sequential(model)``. ``streams``, ``recompute`` and
+    ``fuse_grad_accumulation`` are the FusedMLP arguments every swapped chain gets.
 
     Returns:
         A :class:`FuseReport`: what was swapped, what was skipped and why.
@@ -249,7 +265,8 @@ def fuse_mlps(model: nn.Module, streams: int | str = "auto", recompute: bool = F
             if reason is not None:
                 report.skipped.append((full, reason))
                 continue
-            setattr(parent, child_name, FusedMLP.from_sequential(child, streams, recompute))
+            setattr(parent, child_name, FusedMLP.from_sequential(child, streams, recompute,
+                                                                 fuse_grad_accumulation))
             report.swapped.append(full)
     if type(model) is nn.Sequential and _why_not(model) is None:
         report.skipped.append(("(the model itself)", "a chain itself: use FusedMLP.from_sequential(model)"))
