@@ -674,13 +674,18 @@ class _Slot:
     def launch(self, stream: int, a, b, c, bias, x, seed: int, p: float) -> None:
         """The bound launch on ``stream`` with the operands of :func:`matmul` (``bias`` and ``x``
         resolved as there). Only their addresses are read, so a caller may pass the tensors a
-        transposed view was taken of and skip making the view."""
+        transposed view was taken of and skip making the view. The launcher gets the addresses
+        as ints: given a tensor it calls its ``data_ptr`` and asks the driver about the address,
+        per pointer argument (H200 host: 12.5 against 11.3 us a launch)."""
+        a_ = a.data_ptr()
         if self.split > 1:
             ws, cnt = stream_workspace(a.device, stream, torch.float32, self.ws_floats, self.tiles)
+            ws, cnt = ws.data_ptr(), cnt.data_ptr()
         else:
-            ws = cnt = a
-        self.run(self.grid, stream, a, b, c, bias, x, x, bias, ws, cnt, *self.ints, seed, float(p),
-                 _drop_scale(p))
+            ws = cnt = a_
+        bias_, x_ = bias.data_ptr(), x.data_ptr()
+        self.run(self.grid, stream, a_, b.data_ptr(), c.data_ptr(), bias_, x_, x_, bias_, ws, cnt, *self.ints,
+                 seed, float(p), _drop_scale(p))
 
 
 _chains: dict[tuple, list[_Slot]] = {}
