@@ -229,3 +229,29 @@ def test_full_size_launch_shapes_match_torch(case, monkeypatch):
         ref = reference(_rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
     assert (epi, want) in chosen, chosen
     assert_close_to_reference(ours, same, ref, torch.bfloat16, case)
+
+
+@cuda
+@pytest.mark.parametrize("accumulate", [False, True], ids=["store", "accumulate"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,width", [(2048, 4096), (8192, 1024), (65536, 256)])
+def test_weight_and_bias_grad_kernel_at_full_size(rows, width, grad_dtype, accumulate):
+    """The weight-grad matmul with the bias grad summed in, at the benchmark's shapes (the tests
+    above never launch its 128 x 256 tiles), against float64, tightly: the tiles that also sum
+    the bias once got wrong weight grads there (every run, float32 grads) while the loose
+    end-to-end tolerances held. Three launches each, as a race would not show every time."""
+    bf = torch.bfloat16
+    g = torch.randn(rows, width, device="cuda", dtype=bf)
+    x = torch.randn(rows, width, device="cuda", dtype=bf)
+    want_w, want_b = g.double().t() @ x.double(), g.double().sum(0)
+    tol = 1e-5 if grad_dtype == torch.float32 else 2**-8
+    for _ in range(3):
+        gw = torch.randn(width, width, device="cuda").to(grad_dtype) if accumulate else \
+            torch.empty(width, width, device="cuda", dtype=grad_dtype)
+        gb = torch.randn(width, device="cuda").to(grad_dtype) if accumulate else \
+            torch.empty(width, device="cuda", dtype=grad_dtype)
+        old_w, old_b = (gw.double(), gb.double()) if accumulate else (0.0, 0.0)
+        M.matmul(g.t(), x, gw, bf, M.EPI_WGRAD, db=gb, accumulate=accumulate)
+        for name, got, want in (("weight grad", gw, want_w + old_w), ("bias grad", gb, want_b + old_b)):
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err <= tol, f"{name}: max error {err:.2e} of the largest > {tol:.1e}"

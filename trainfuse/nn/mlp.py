@@ -75,6 +75,7 @@ EPI_WGRAD = 3  # weight grad (+ bias grad: row sums of A), split over K when K i
 _EPI_FORWARD = tl.constexpr(EPI_FORWARD)
 _EPI_ACT_GRAD = tl.constexpr(EPI_ACT_GRAD)
 _EPI_WGRAD = tl.constexpr(EPI_WGRAD)
+ROWSUM_N = tl.constexpr(16)  # columns of the bias grad's MMA (the narrowest tensor-core tile: n = 8 or 16)
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -171,15 +172,25 @@ def _to(v, dtype: tl.constexpr, RNE: tl.constexpr):
 @triton.jit
 def _mma(a, b, acc, rowsum, ROWSUM: tl.constexpr, CD: tl.constexpr, PREC: tl.constexpr,
          UPCAST: tl.constexpr):
-    if ROWSUM:  # the bias grad: rows of A = dpre^T summed over the batch, as read
-        rowsum += tl.sum(a.to(tl.float32), 1)
+    """``acc += a @ b``; with ``ROWSUM`` also ``rowsum += a @ ones`` (the bias grad: rows of
+    A = dpre^T summed over the batch, as read; ``rowsum`` is ``[BM, ROWSUM_N]``, every column
+    the same sum). The row sums run on the tensor cores too: summed in registers instead
+    (``tl.sum`` of the tile), triton 3.6 gave A's tiles one pipeline stage fewer than B's while
+    the asynchronous MMA still read them, and the weight grad of the tiles that sum the bias
+    came out wrong (H200, float32 grad 4096 x 4096 at K=2048: every run)."""
     if UPCAST:
         # the interpreter (triton <= 3.9) returns garbage for a bfloat16 tl.dot: round the
         # operands to the compute dtype, then multiply them in float32 (the same products)
-        acc = tl.dot(_to(a, CD, True).to(tl.float32), _to(b, CD, True).to(tl.float32), acc,
-                     input_precision="ieee")
+        a32 = _to(a, CD, True).to(tl.float32)
+        acc = tl.dot(a32, _to(b, CD, True).to(tl.float32), acc, input_precision="ieee")
+        if ROWSUM:
+            ones = tl.full((a.shape[1], ROWSUM_N), 1.0, tl.float32)
+            rowsum = tl.dot(a32, ones, rowsum, input_precision="ieee")
     else:
-        acc = tl.dot(a.to(CD), b.to(CD), acc, input_precision=PREC)
+        a16 = a.to(CD)
+        acc = tl.dot(a16, b.to(CD), acc, input_precision=PREC)
+        if ROWSUM:
+            rowsum = tl.dot(a16, tl.full((a.shape[1], ROWSUM_N), 1.0, CD), rowsum, input_precision=PREC)
     return acc, rowsum
 
 
@@ -300,7 +311,7 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
     if ACCUM and not SPLIT_K:  # offsets made here, not kept: live through the loop they cost registers
         acc = _tile_load(c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :].to(tl.int64) * s_cn,
                          (rm < M)[:, None] & (rn < N)[None, :], EVEN_M and EVEN_N)
-    rowsum = tl.zeros((BM,), tl.float32)
+    rowsum = tl.zeros((BM, ROWSUM_N), tl.float32)
     ROWSUM: tl.constexpr = EPI == _EPI_WGRAD and HAS_BIAS
     if ROWSUM:
         if pid_n == 0:  # one column of tiles sums the bias grad; the others skip the row sums
@@ -316,6 +327,8 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
                                 k0, k_end, acc, rowsum, False, TMA, A_T, B_T, EVEN_M, EVEN_N, EVEN_K,
                                 CD, PREC, UPCAST, BM, BN, BK)
 
+    if ROWSUM:
+        rowsum = tl.max(rowsum, 1)  # ROWSUM_N equal columns: any one of them
     in_m = rm < M
     mask = in_m[:, None] & (rn < N)[None, :]
     FULL: tl.constexpr = EVEN_M and EVEN_N
