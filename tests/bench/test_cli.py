@@ -12,7 +12,7 @@ ARGS = {
     "amp": ["--only", "casts", "--steps", "3", "--gpt-batches", "8"],
     "ema": [],
     "losses": ["--no-compile", "--sizes", "100"],
-    "mlp": ["--no-compile", "--only", "relu", "--sweep"],
+    "mlp": ["--no-compile", "--only", "relu", "--sweep", "--set-to-none"],
     "optim": ["--no-compile", "--only", "GPT", "--sweep-only", "--configs", "512x8x4"],
 }
 

@@ -7,7 +7,8 @@ three matmuls per layer (forward, input grad, weight grad).
 As in the anchors nothing resets the grads between steps: each backward adds its param grads to
 the last step's (autograd: one add kernel per param; FusedMLP: inside its weight-grad kernels,
 ``fuse_grad_accumulation``). The row "grads via autograd" is FusedMLP (one stream) with that
-switched off.
+switched off. ``--set-to-none`` instead sets every grad to None before each step (a training
+loop's ``zero_grad()``): nothing to accumulate, for eager or us.
 
 ``--sweep`` times each matmul of the chain (forward, dgrad, wgrad) alone for candidate tile shapes
 and prints the best per shape: how the defaults in ``trainfuse.nn.mlp.config`` were picked."""
@@ -57,8 +58,12 @@ def parse_config(text: str) -> M.MatmulConfig:
     return M.MatmulConfig(bm, bn, bk, int(warps), int(stages), group_m=int(group or 8), tma=tma)
 
 
-def _step(mlp, x, cache=True):
+def _step(mlp, x, cache=True, set_to_none=False):
+    params = list(mlp.parameters()) if set_to_none else []
+
     def step():
+        for p in params:
+            p.grad = None
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache):
             mlp(x).float().sum().backward()
     return step
@@ -113,6 +118,8 @@ def _sweep(batch, width, rows):
 def main(argv=None):
     parser = bench_parser(__doc__, no_compile=True, only="run only workloads whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="time tile shapes per matmul first")
+    parser.add_argument("--set-to-none", action="store_true",
+                        help="grads set to None before each step (default: they accumulate, as in anchors)")
     started = parse_and_start(parser, argv, "MLP")
     if started is None:
         return
@@ -147,11 +154,12 @@ def main(argv=None):
         impls["trainfuse bf16 params"] = FusedMLP.from_sequential(copy.deepcopy(eager).bfloat16())
         res = {}
         for label, mod in impls.items():
-            fn = _step(mod, x)
+            fn = _step(mod, x, set_to_none=args.set_to_none)
             try:
                 fn()
                 k, w, h = kernel_ms(fn), wall_ms(fn, iters=50), host_ms(fn, iters=50)
-                g = None if label == "torch.compile" else graph_ms(_step(mod, x, cache=False))
+                g = None if label == "torch.compile" else graph_ms(_step(mod, x, cache=False,
+                                                                         set_to_none=args.set_to_none))
             except Exception as e:  # noqa: BLE001 - torch.compile may fail on a machine; report it
                 rows.append([name, label, "ERR", str(e).splitlines()[0][:60], "", "", "", ""])
                 continue
@@ -167,7 +175,8 @@ def main(argv=None):
         report["mlp"][name] = res
         for p_ in eager.parameters():
             p_.grad = None
-    print_table("MLP forward + backward, bf16 autocast, float32 params (do_bench median)",
+    grads = "grads set to None each step" if args.set_to_none else "grads accumulate"
+    print_table(f"MLP forward + backward, bf16 autocast, float32 params, {grads} (do_bench median)",
                 ["workload", "implementation", "do_bench ms", "wall ms", "GPU ms (graph)", "host ms",
                  "TFLOP/s", "vs eager"], rows)
     save_report(report, args.out, "mlp")
