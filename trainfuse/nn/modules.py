@@ -158,8 +158,9 @@ class FusedMLP(nn.Sequential):
         self.fuse_grad_accumulation = fuse_grad_accumulation
         self._chain = _parse(list(self.named_children()))
         # "auto" streams: the side stream pays where a layer's matmuls are too narrow to fill the
-        # GPU alone (H200, 4 x 256-wide layers at 65536 rows: 17 % less GPU time); for 1024 and
-        # 4096 wide layers it saved 3-5 % of GPU time and cost more than that in host time
+        # GPU alone (H200, 4 x 256-wide layers at 65536 rows: 17 % less GPU time when it was
+        # chosen, 3 % since the weight grads got faster); for 1024 and 4096 wide layers it saved
+        # 0-5 % of GPU time and cost more than that in host time
         self._narrow = max(lin.out_features for lin, _, _ in self._chain) <= _AUTO_TWO_STREAMS_WIDTH
 
     def extra_repr(self) -> str:
