@@ -52,6 +52,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from trainfuse._backend import interpreting
 from trainfuse._engine.launch import CachedLauncher, Compiled, sm_count, stream_workspace
@@ -397,7 +398,7 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, aux_ptr, pre_ptr, db_ptr, ws_ptr, 
         _tile_store(c_ptr + c_off, v, mask, FULL, UPCAST)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _act_grad_kernel(g_ptr, aux_ptr, out_ptr, n, seed, p, scale, ACT: tl.constexpr,
                      DROP: tl.constexpr, RNE: tl.constexpr, BLOCK: tl.constexpr):
     """The last layer's activation (and dropout) grad, elementwise: its upstream grad comes from
@@ -629,8 +630,6 @@ _descriptor_scratch: dict[tuple[int, int], torch.Tensor] = {}
 def _ensure_allocator() -> None:
     """Tensor descriptors made in a kernel need scratch memory from Triton's allocator, which is
     per thread (autograd runs CUDA backwards on threads of its own): set ours where none is."""
-    from triton.runtime import _allocation
-
     current = _allocation._allocator
     current = current.get() if hasattr(current, "get") else current
     if isinstance(current, _allocation.NullAllocator):
@@ -686,6 +685,11 @@ class _Slot:
     def bind(self, compiled: Compiled, plan: _Plan) -> None:
         self.grid, self.ints = plan.grid[0], plan.ints
         self.split, self.ws_floats, self.tiles = plan.split, plan.ws_floats, plan.tiles
+        self.run = compiled
+
+    def bind_elementwise(self, compiled: Compiled, grid: int) -> None:
+        """An elementwise kernel's site (:func:`act_grad`): only the kernel and its grid."""
+        self.grid, self.ints, self.split = grid, (), 1
         self.run = compiled
 
     def launch(self, stream: int, a, b, c, bias, x, seed: int, p: float) -> None:
@@ -809,13 +813,28 @@ def linear_dgrad(dpre: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cd: tor
         matmul(dpre, w, out, cd, epi, act=act, aux=saved, seed=seed, p=p, stream=stream, slot=slot)
 
 
-def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, seed: int, p: float) -> None:
-    """``out = g * f'(saved)`` (and the dropout mask), elementwise over row-major tensors."""
+def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, seed: int, p: float,
+             stream: int | None = None, slot: _Slot | None = None) -> None:
+    """``out = g * f'(saved)`` (and the dropout mask), elementwise over row-major tensors. A
+    ``slot`` (a chain's launch site, see :func:`matmul`) launches straight through the compiled
+    kernel once bound: keying the launch took 45 us of host time on the H200 machines."""
     n = g.numel()
+    if slot is not None and slot.run is not None:
+        slot.run(slot.grid, stream, g.data_ptr(), saved.data_ptr(), out.data_ptr(), n, seed, float(p),
+                 _drop_scale(p))
+        return
     block = config.act_block
-    launcher(_act_grad_kernel, (max(1, -(-n // block)),), g, saved, out, n, seed, float(p),
-             _drop_scale(p), ACT=act, DROP=p > 0.0, RNE=interpreting() and out.dtype == torch.bfloat16,
-             BLOCK=block, num_warps=4)
+    grid = max(1, -(-n // block))
+    rne = interpreting() and out.dtype == torch.bfloat16
+    # what the compiled kernel depends on (seed is not specialized; n's classes are)
+    key = ("act_grad", config.serial, act, p > 0.0, rne, block, g.device, g.dtype, saved.dtype, out.dtype,
+           g.data_ptr() % 16, saved.data_ptr() % 16, out.data_ptr() % 16, n == 1, n % 16, n < 2**31)
+    launcher(_act_grad_kernel, (grid,), g, saved, out, n, seed, float(p), _drop_scale(p), ACT=act,
+             DROP=p > 0.0, RNE=rne, BLOCK=block, num_warps=4, key=key, stream=stream)
+    if slot is not None and g.device.type == "cuda":
+        compiled = launcher.compiled(_act_grad_kernel, g.device.index, key)
+        if compiled is not None:
+            slot.bind_elementwise(compiled, grid)
 
 
 def dropout_mask(seed: int, shape: tuple[int, int], p: float, device: torch.device | str) -> torch.Tensor:
@@ -929,21 +948,21 @@ def _direct_grads(ctx, n: int, need_w, need_b) -> list[tuple | None] | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
     edges = ctx.next_functions  # the tensor inputs that need grads: x, the weights, the biases there are
-    first_bias = 1 + n
+    bias_edge = 1 + n
     direct: list[tuple | None] = [None] * n
     for i in range(n):
         has_bias = ctx.has_bias[i]
-        if not need_w[i] or (has_bias and not need_b[i]):
-            continue
-        w = _into_grad(edges[1 + i][0])
-        b = _into_grad(edges[first_bias + sum(ctx.has_bias[:i])][0]) if has_bias else None
-        if w is None or (has_bias and b is None):
-            continue
-        params = (w, b) if has_bias else (w,)
-        if all(p.grad is None for p in params):
-            direct[i] = (w, b, False)
-        elif all(p.grad is not None and _fusable(p.grad, p) for p in params):
-            direct[i] = (w, b, True)
+        if need_w[i] and (need_b[i] or not has_bias):
+            w = _into_grad(edges[1 + i][0])
+            b = _into_grad(edges[bias_edge][0]) if has_bias else None
+            if w is not None and (b is not None or not has_bias):
+                gw, gb = w.grad, None if b is None else b.grad
+                if gw is None and gb is None:
+                    direct[i] = (w, b, False)
+                elif (gw is not None and _fusable(gw, w)
+                      and (b is None or (gb is not None and _fusable(gb, b)))):
+                    direct[i] = (w, b, True)
+        bias_edge += has_bias
     return direct
 
 
@@ -1026,8 +1045,9 @@ class FusedMLPFunction(torch.autograd.Function):
         slots = main_raw = None
         if ctx.key is not None and launcher.direct():
             # each layer's weight grad and input grad, and its recomputed forward if any
+            # ... and the last activation's grad (the last site)
             slots = _chain_slots((ctx.key, grad.dtype, grad.data_ptr() % 16, need, two, accum),
-                                 3 * n if ctx.recomputes else 2 * n)
+                                 (3 * n if ctx.recomputes else 2 * n) + 1)
             main_raw = torch._C._cuda_getCurrentRawStream(device.index)
             _ensure_allocator()
         biases = [b if ctx.has_bias[j] else None for j, b in enumerate(saved[3 * n:])]
@@ -1064,7 +1084,8 @@ class FusedMLPFunction(torch.autograd.Function):
                 gw[i], gb[i] = d[0].grad, d[1].grad if d[1] is not None else None
         if first_act:
             dpre = inner[0]
-            act_grad(grad, saved_act(n - 1) if last.act else grad, dpre, last.act, ctx.seed + n - 1, last.p)
+            act_grad(grad, saved_act(n - 1) if last.act else grad, dpre, last.act, ctx.seed + n - 1, last.p,
+                     main_raw, None if slots is None else slots[-1])
         else:
             dpre = grad
         dx = None
