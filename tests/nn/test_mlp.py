@@ -364,6 +364,25 @@ def test_grads_accumulate_like_torch(small_tiles, device, dtype, streams, rows, 
         assert rel(p.grad, want) <= limit, f"param {i}: {rel(p.grad, want):.2e} > {limit:.2e}"
 
 
+def test_a_chain_called_twice_in_one_graph_sums_its_grads(small_tiles, device, monkeypatch):
+    """Two calls of one chain before one backward: two backward nodes write the same params'
+    grads, the first assigning, the second adding to what the first wrote (and a third term of
+    the same weight goes through autograd on top)."""
+    seen = _spy_direct(monkeypatch)
+    mlp = FusedMLP([16, 24, 8], activation="relu").to(device)
+    seq = nn.Sequential(*copy.deepcopy(list(mlp.children()))).double()
+    x1, x2 = torch.randn(19, 16, device=device), torch.randn(23, 16, device=device)
+
+    def loss(model, a, b):
+        return model(a).square().sum() + model(b).sum() + model[0].weight.sum()
+
+    loss(mlp, x1, x2).backward()
+    loss(seq, x1.double(), x2.double()).backward()
+    assert sorted(map(tuple, seen)) == [("add", "add"), ("assign", "assign")]
+    for ours, ref in zip(mlp.parameters(), seq.parameters()):
+        assert rel(ours.grad, ref.grad) < 1e-5
+
+
 def test_grads_go_through_autograd_where_it_would_tell(small_tiles, device, monkeypatch):
     """Where writing .grad directly would differ from autograd (autograd.grad, backward(inputs=),
     hooks, create_graph, a grad that is not row-major, one layer's grads half there) the grads
