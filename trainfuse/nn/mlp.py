@@ -505,6 +505,12 @@ def default_tile(epi: int, M: int, N: int, K: int, cd: torch.dtype, converts: bo
         if -(-M // 128) * -(-N // 256) >= 2 * sms:
             return MatmulConfig(128, 256, 64, 8, 3, group_m=16)
         return MatmulConfig(64, 128, 64, 4, 3)
+    if converts and epi != EPI_FORWARD:
+        # the input grad reads a float32 weight transposed (A = W^T) and rounds it in registers:
+        # through pointers in 3-stage pipelines triton 3.6 gave wrong tiles (H200, 65536 x 256:
+        # 8 launches in 10; 8192 x 1024: 1 in 10; 128 x 128 tiles: nearly every launch), through
+        # TMA none in 30, at +5 us (D=256, 1024) and -8 us (D=4096) a launch
+        return MatmulConfig(128, 128, 64, 8, 3) if drop else MatmulConfig(128, 256, 64, 8, 3)
     if drop:
         return MatmulConfig(64, 128, 64, 4, 4) if K < 512 else MatmulConfig(128, 128, 64, 8, 3, tma=False)
     fills = -(-M // 128) * -(-N // 256) >= sms  # 128 x 256 tiles fill the GPU at least once
@@ -558,9 +564,9 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
     N = b.shape[1]
     kind = config.wgrad if epi == EPI_WGRAD else config.dgrad if epi != EPI_FORWARD else config.forward
     sms = sm_count(a.device.index) if a.device.type == "cuda" else 4
+    converts = cd != torch.float32 and torch.float32 in (a.dtype, b.dtype)
     if kind is None:
-        kind = default_tile(epi, M, N, K, cd, cd != torch.float32 and torch.float32 in (a.dtype, b.dtype),
-                            drop, sms)
+        kind = default_tile(epi, M, N, K, cd, converts, drop, sms)
     bm, bn, bk = kind.bm, kind.bn, kind.bk
     tiles = -(-M // bm) * -(-N // bn)
     split = 1
@@ -573,6 +579,9 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
     d_m, d_n = drop_index or (N, 1)
     a_t, b_t = _tma_layout(a), _tma_layout(b)
     tma = config.tma is not False and kind.tma and a_t is not None and b_t is not None
+    stages = _stages(kind, a, b)
+    if not tma and epi != EPI_FORWARD and converts:
+        stages = min(stages, 2)  # see default_tile: pointers, 3 stages and a rounded W^T went wrong
     ints = (M, N, K, k_split, split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
             c.stride(1), x.stride(0), x.stride(1), d_m, d_n)
     constexprs = dict(
@@ -581,7 +590,7 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
         UPCAST=interpreting() and cd == torch.bfloat16,
         EVEN_M=M % bm == 0, EVEN_N=N % bn == 0, EVEN_K=K % k_split == 0, TMA=tma, A_T=bool(a_t),
         B_T=bool(b_t), BM=bm, BN=bn, BK=bk,
-        GROUP_M=kind.group_m, num_stages=_stages(kind, a, b))
+        GROUP_M=kind.group_m, num_stages=stages)
     return _Plan((tiles * split,), ints, split, tiles * split * bm * bn + -(-M // bm) * split * bm, tiles,
                  kind.warps, constexprs)
 
