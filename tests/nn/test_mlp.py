@@ -293,6 +293,8 @@ def test_recompute_gives_the_same_bits_and_keeps_less(small_tiles, device, act, 
     assert held[0] - held[1] == (0 if act == "relu" else 29 * widths - widths)
     with pytest.raises(TypeError, match="recompute must be a bool"):
         FusedMLP([8, 8], recompute="yes")
+    with pytest.raises(TypeError, match="fuse_grad_accumulation must be a bool"):
+        FusedMLP([8, 8], fuse_grad_accumulation=1)
 
 
 def test_input_without_grad_and_frozen_layer(small_tiles, device):
@@ -581,6 +583,11 @@ def test_fuse_mlps_swaps_whole_chains_and_reports_the_rest():
     assert {id(p) for p in model.parameters()} == params and list(model.state_dict()) == keys
     assert torch.equal(model.head(x), before)
     assert "swapped head" in str(report) and "skipped mixed" in str(report)
+    # the FusedMLP options reach every swapped chain
+    other = nn.Module()
+    other.head = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 4))
+    fuse_mlps(other, streams=1, recompute=True, fuse_grad_accumulation=False)
+    assert (other.head.streams, other.head.recompute, other.head.fuse_grad_accumulation) == (1, True, False)
 
 
 def test_fuse_mlps_on_a_chain_itself():

@@ -6,8 +6,8 @@ For layer ``i`` with weight ``W_i`` (out x in), input ``X_i`` and activation ``f
              X_{i+1} = dropout(f(pre_i))                 activation and dropout in the epilogue
     dgrad    dpre_{i-1} = (dpre_i W_i) * f'(.) * keep/(1-p)   the previous layer's activation grad
                                                         (and dropout mask) in the epilogue
-    wgrad    dW_i = dpre_i^T X_i,  db_i = sum_rows dpre_i  the bias grad summed while the matmul
-                                                        reads dpre_i, deterministically
+    wgrad    dW_i = dpre_i^T X_i,  db_i = sum_rows dpre_i  the bias grad as a second MMA of the
+                                                        dpre_i^T tiles with ones, deterministically
 
 One kernel, :func:`_mm_kernel`, does all three: its operands are addressed by strides, so ``W^T``
 and ``dpre^T`` are read in place (through TMA tensor descriptors, or pointers where the launch
@@ -36,8 +36,19 @@ The backward runs each layer's wgrad on a side CUDA stream (``streams=2``), so i
 next dgrad on the main stream. The side stream waits on the main one before each wgrad; every
 tensor it reads stays referenced until the main stream has joined it, at the end of the backward,
 so the caching allocator cannot hand their memory to another kernel while the side stream still
-reads it; the weight grads are handed to autograd only after that join (DDP's hooks, GradScaler
-and CUDA-graph capture see an ordinary single-stream backward).
+reads it; the weight grads reach ``.grad`` or autograd only after that join (DDP's hooks,
+GradScaler and CUDA-graph capture see an ordinary single-stream backward).
+
+Param grads: where autograd's AccumulateGrad would assign or add them and nothing could tell the
+difference (:func:`_direct_grads`), the backward writes them into ``.grad`` itself, and onto an
+existing grad the weight-grad kernel starts its accumulator from the grad's tile (``ACCUM``): no
+add kernel per param. Elsewhere they go back to autograd as any Function's would.
+
+Two launch choices here avoid wrong results that triton 3.6's software pipelining gave on Hopper
+(not reproducible on CPU: the interpreter does not pipeline), and GPU tests at the benchmark's
+shapes guard both: the bias grad is not summed in registers from the MMA's A tile (:func:`_mma`),
+and a float32 weight read transposed (the input grad) goes through TMA, or through pointers in at
+most 2 stages (:func:`_rounds_weight_transposed`).
 
 The reference is ``torch.nn.Sequential(Linear, activation, Dropout, ...)``: :func:`mlp_reference`
 runs the same chain in torch, optionally with our dropout mask.
@@ -70,7 +81,7 @@ _SILU = tl.constexpr(4)
 EPI_FORWARD = 0  # + bias, activation, dropout; optionally store the activation's derivative
 EPI_ACT_GRAD = 1  # times the activation grad of the saved tensor, and the dropout mask
 EPI_PLAIN = 2  # store as is (dgrad of the first layer, or of a layer with nothing to undo)
-EPI_WGRAD = 3  # weight grad (+ bias grad: row sums of A), split over K when K is long
+EPI_WGRAD = 3  # weight grad (+ bias grad: row sums of A), split over K when K is long; ACCUM adds to C
 
 # the same numbers as constexprs, for the kernels (a jit function reads no other globals)
 _EPI_FORWARD = tl.constexpr(EPI_FORWARD)
@@ -472,6 +483,16 @@ config = MatmulConfigs()
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipeline stages may take (228 KB on Hopper)
 
 
+def _rounds_weight_transposed(epi: int, converts: bool) -> bool:
+    """The input grad of a float32 weight: it reads ``W^T`` and rounds it in registers. Through
+    pointers in 3-stage pipelines triton 3.6 gave wrong tiles (H200, 65536 x 256: 8 launches in
+    10; 8192 x 1024: 1 in 10; 128 x 128 tiles: nearly every launch); through TMA none in 30 (at
+    +5 us a launch at D=256 and 1024, -8 us at D=4096), through pointers in 2 stages none in 18.
+    :func:`default_tile` gives it TMA tiles; :func:`_make_plan` caps the stages where the layout
+    keeps it on pointers."""
+    return converts and epi != EPI_FORWARD
+
+
 def default_tile(epi: int, M: int, N: int, K: int, cd: torch.dtype, converts: bool, drop: bool,
                  sms: int) -> MatmulConfig:
     """The launch shape for an (M, N, K) matmul in compute dtype ``cd`` (``converts``: one operand
@@ -505,11 +526,7 @@ def default_tile(epi: int, M: int, N: int, K: int, cd: torch.dtype, converts: bo
         if -(-M // 128) * -(-N // 256) >= 2 * sms:
             return MatmulConfig(128, 256, 64, 8, 3, group_m=16)
         return MatmulConfig(64, 128, 64, 4, 3)
-    if converts and epi != EPI_FORWARD:
-        # the input grad reads a float32 weight transposed (A = W^T) and rounds it in registers:
-        # through pointers in 3-stage pipelines triton 3.6 gave wrong tiles (H200, 65536 x 256:
-        # 8 launches in 10; 8192 x 1024: 1 in 10; 128 x 128 tiles: nearly every launch), through
-        # TMA none in 30, at +5 us (D=256, 1024) and -8 us (D=4096) a launch
+    if _rounds_weight_transposed(epi, converts):  # TMA tiles: see there
         return MatmulConfig(128, 128, 64, 8, 3) if drop else MatmulConfig(128, 256, 64, 8, 3)
     if drop:
         return MatmulConfig(64, 128, 64, 4, 4) if K < 512 else MatmulConfig(128, 128, 64, 8, 3, tma=False)
@@ -580,8 +597,8 @@ def _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre, drop, drop_in
     a_t, b_t = _tma_layout(a), _tma_layout(b)
     tma = config.tma is not False and kind.tma and a_t is not None and b_t is not None
     stages = _stages(kind, a, b)
-    if not tma and epi != EPI_FORWARD and converts:
-        stages = min(stages, 2)  # see default_tile: pointers, 3 stages and a rounded W^T went wrong
+    if not tma and _rounds_weight_transposed(epi, converts):
+        stages = min(stages, 2)  # a layout TMA cannot read: pointers, at most 2 stages (see there)
     ints = (M, N, K, k_split, split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
             c.stride(1), x.stride(0), x.stride(1), d_m, d_n)
     constexprs = dict(
@@ -835,9 +852,9 @@ def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, 
     block = config.act_block
     grid = max(1, -(-n // block))
     rne = interpreting() and out.dtype == torch.bfloat16
-    # what the compiled kernel depends on (seed is not specialized; n's classes are)
+    # what the compiled kernel depends on: Triton specializes n on == 1, % 16 and 32-bit (not seed)
     key = ("act_grad", config.serial, act, p > 0.0, rne, block, g.device, g.dtype, saved.dtype, out.dtype,
-           g.data_ptr() % 16, saved.data_ptr() % 16, out.data_ptr() % 16, n == 1, n % 16, n < 2**31)
+           g.data_ptr() % 16, saved.data_ptr() % 16, out.data_ptr() % 16, n == 1, n % 16 == 0, n < 2**31)
     launcher(_act_grad_kernel, (grid,), g, saved, out, n, seed, float(p), _drop_scale(p), ACT=act,
              DROP=p > 0.0, RNE=rne, BLOCK=block, num_warps=4, key=key, stream=stream)
     if slot is not None and g.device.type == "cuda":
@@ -936,7 +953,7 @@ def _into_grad(node) -> torch.Tensor | None:
     return v
 
 
-def _fusable(g: torch.Tensor | None, p: torch.Tensor) -> bool:
+def _fusable(g: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether the existing ``.grad`` ``g`` of ``p`` can be added to in the kernel: dense, laid
     out as the kernel writes a fresh one (row-major, 16-byte aligned), not part of a graph."""
     return (g.layout == torch.strided and not g.requires_grad and g.shape == p.shape

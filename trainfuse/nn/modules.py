@@ -98,10 +98,12 @@ class FusedMLP(nn.Sequential):
             it): for gradient accumulation, or any backward onto existing grads. Only where autograd
             would do the same and nothing could tell the difference; otherwise (a process group is
             initialized, as under DDP/FSDP, whose hooks on the params' AccumulateGrad nodes Python
-            cannot see; ``create_graph``; ``autograd.grad``; params with hooks; grads that are
-            not dense and row-major) the grads go back through autograd as usual. False: always
-            through autograd. For 16-bit params the sum is rounded once (autograd rounds the new
-            grad, then the sum).
+            cannot see; ``create_graph``; ``autograd.grad`` or ``backward(inputs=...)`` leaving
+            the param out; torch.compile; params with hooks; grads that are not dense and
+            row-major) the grads go back through autograd as usual. False: always through
+            autograd. The sum is formed in the float32 accumulator: for float32 params not
+            autograd's bits (as close to the exact sum), for 16-bit ones rounded once (autograd
+            rounds the new grad, then the sum).
 
     Example:
         >>> mlp = FusedMLP([32, 64, 64, 8], activation="gelu")
