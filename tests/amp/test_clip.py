@@ -161,6 +161,33 @@ def test_grad_scaler_with_clipping_and_injected_inf(scaler_cls, unscale_first, k
     assert sa.state_dict() == sb.state_dict()
 
 
+def test_a_step_that_raises_after_the_scalers_check_leaves_no_check_behind(kernels, device):
+    """GradScaler's check validates the grads for the step right after it. When that step raises
+    (a pre-hook here), the next step validates again: grads set to None since are not read at
+    their old addresses (kept alive here, so reading them would move the params)."""
+    ps = _with_grads(SHAPES, torch.float32, device)
+    opt = trainfuse.FusedSGD(ps, lr=0.1, max_grad_norm=1.0)
+    scaler = GradScaler(device.type, init_scale=2.0)
+    scaler.scale(torch.ones((), device=device))
+    opt.step()  # tables built and cached
+
+    def refuse(*args):
+        raise RuntimeError("pre-hook refuses")
+
+    handle = opt.register_step_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="pre-hook refuses"):
+        scaler.step(opt)
+    handle.remove()
+    old = [p.grad for p in ps]
+    for p in ps:
+        p.grad = None
+    before = [p.detach().clone() for p in ps]
+    opt.step()
+    for p, p0 in zip(ps, before):
+        assert torch.equal(p.detach(), p0)
+    assert all(g is not None for g in old)
+
+
 def test_max_grad_norm_validation(device):
     p = torch.nn.Parameter(torch.randn(3, device=device))
     with pytest.raises(ValueError, match="max_grad_norm"):

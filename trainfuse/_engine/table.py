@@ -115,7 +115,8 @@ def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class _Plan:
     __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad", "launch",
                  "ntensors", "codes", "pds", "aligned", "volatile", "keepalive", "copy_back", "slots",
-                 "gstrides", "partials", "flags", "counter", "with_grad", "without_grad", "hot_gkey")
+                 "gstrides", "partials", "flags", "counter", "with_grad", "without_grad", "hot_gkey",
+                 "fixed", "fixed_key", "eflat", "tkey")
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -167,11 +168,12 @@ class RowBuilder:
         self.ngrad = sum(nchunks[: self.grad_rows])
         plan.volatile = False
         plan.with_grad, plan.without_grad, plan.hot_gkey = [], [], None
+        plan.fixed, plan.fixed_key, plan.eflat = [], None, None
         plan.keepalive = []
         plan.copy_back = []
         plan.codes, plan.pds, plan.aligned, plan.ngrad = self.codes, self.pds, self.aligned, self.ngrad
         plan.ntensors = ntensors = len(self.rows)
-        plan.partials = plan.flags = plan.counter = None
+        plan.partials = plan.flags = plan.counter = plan.tkey = None
         if ntensors == 0:
             plan.nchunks = 0
             return plan
@@ -192,6 +194,7 @@ def place(plan: _Plan, host: torch.Tensor, device: torch.device) -> None:
     buf = _upload(host, device) if device.type != "cpu" else host.clone()
     plan.rows = buf[: plan.ntensors * ROW]
     plan.chunks = buf[plan.ntensors * ROW :]
+    plan.tkey = None
 
 
 def code_of(dtype: torch.dtype, master: bool = False, ema: torch.Tensor | None = None,
@@ -218,10 +221,14 @@ def _tables_key(plan: _Plan) -> tuple:
     """The part of a launch's cache key that the plan fixes: its own buffers' alignment (made by
     the allocator: aligned, but the chunk table starts after the rows), the element-alignment
     flag and the launch shape. Passed as ``key=``, it spares the launcher keying every argument
-    and constexpr on every step (a tenth of the yolov5n optimizer phase's host time)."""
-    launch = plan.launch
-    return (plan.rows.data_ptr() % 16 == 0, plan.chunks.data_ptr() % 16 == 0,
-            plan.arrivals.data_ptr() % 16 == 0, plan.aligned, launch.block, launch.unroll, launch.num_warps)
+    and constexpr on every step (a tenth of the yolov5n optimizer phase's host time). Kept on the
+    plan until :func:`place` uploads new tables."""
+    if plan.tkey is None:
+        launch = plan.launch
+        plan.tkey = (plan.rows.data_ptr() % 16 == 0, plan.chunks.data_ptr() % 16 == 0,
+                     plan.arrivals.data_ptr() % 16 == 0, plan.aligned, launch.block, launch.unroll,
+                     launch.num_warps)
+    return plan.tkey
 
 
 def launch_update(launcher: CachedLauncher, kernel, plan: _Plan, hp: torch.Tensor | None = None, *,
@@ -289,6 +296,7 @@ class MultiTensorEngine:
         self._plans: dict[torch.device, _Plan] = {}
         self._hp: dict[torch.device, tuple[list[float], torch.Tensor]] = {}
         self._stats: dict[torch.device, torch.Tensor] = {}
+        self._clip_view: torch.Tensor | None = None
         # device -> (grad_scale, plan) of a statistics pass GradScaler ran just before the step
         self._checked: dict[torch.device, tuple[torch.Tensor, _Plan]] = {}
         self._ekey_flat = None  # the EMA pair list _ekey_tensors was made from
@@ -346,20 +354,23 @@ class MultiTensorEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def _hot_plan(self, device) -> _Plan | None:
-        """The cached plan when params, grads and EMA tensors sit where it expects them."""
+        """The cached plan when params, grads and EMA tensors sit where it expects them: two
+        address lists compared (the grads', then the params' and EMA tensors' together), the
+        whole check for yolov5n's 219 params and 358 EMA tensors."""
         plan = self._plans.get(device)
-        if plan is None or plan.volatile:
+        if plan is None or plan.volatile or plan.fixed_key is None:
             return None
         try:
-            gkey = list(map(_data_ptr, map(_grad, plan.with_grad)))
+            if list(map(_data_ptr, map(_grad, plan.with_grad))) != plan.hot_gkey:
+                return None
         except (TypeError, RuntimeError):  # a grad became None, or sparse
             return None
-        if gkey != plan.hot_gkey or list(map(_data_ptr, self._params)) != plan.pkey:
+        if list(map(_data_ptr, plan.fixed)) != plan.fixed_key:
             return None
         for p in plan.without_grad:  # frozen params: usually none, or a few
             if p.grad is not None:
                 return None
-        if plan.ekey is not None and self._ema_key() != plan.ekey:
+        if plan.eflat is not self.client._ema_all_pairs():  # EMA attached, detached or re-paired
             return None
         return plan
 
@@ -369,12 +380,13 @@ class MultiTensorEngine:
         params = self._params
         if self._single:
             (device,) = self._devices
+            checked = self._checked.get(device)
+            if checked is not None and checked[1] is self._plans.get(device):
+                # GradScaler's check_grads just validated the plan (and the backend) for this step
+                self._launch(device, checked[1], grad_scale, found_inf)
+                return
             if use_triton(device):
-                checked = self._checked.get(device)
-                if checked is not None and checked[1] is self._plans.get(device):
-                    plan = checked[1]  # GradScaler's check_grads just validated it
-                else:
-                    plan = self._hot_plan(device)
+                plan = self._hot_plan(device)
                 if plan is not None:  # the hot path: one pass over the params, then launch
                     self._launch(device, plan, grad_scale, found_inf)
                     return
@@ -421,6 +433,18 @@ class MultiTensorEngine:
                      norm_type=None if self.client.max_grad_norm is None else 2.0)
         self._checked[device] = (grad_scale, plan)
         return {device: out[2]}
+
+    def forget_check(self) -> None:
+        """Drop a :meth:`check_grads` result the step did not consume (the step raised): the next
+        step must validate its grads again."""
+        self._checked.clear()
+
+    def _clip_of(self, out: torch.Tensor) -> torch.Tensor:
+        """``out[1:2]``, the clip coefficient the update reads, made once (a view costs ~2 us)."""
+        clip = self._clip_view
+        if clip is None or clip._base is not out:
+            clip = self._clip_view = out[1:2]
+        return clip
 
     def _stats_out(self, device) -> torch.Tensor:
         out = self._stats.get(device)
@@ -490,10 +514,10 @@ class MultiTensorEngine:
             gkey = [0 if g is None else g.data_ptr() for g in grads]
         return pkey, gkey
 
-    def _ema_key(self):
-        """Addresses of the attached EMA's tensors and of their sources, less the sources that are
-        this optimizer's params: every check that compares this key compares the param key too
-        (yolov5n: 503 addresses a step instead of 716)."""
+    def _ema_tensors(self) -> list[torch.Tensor] | None:
+        """The attached EMA's tensors and their sources, less the sources that are this
+        optimizer's params: every check of their addresses checks the params' too (yolov5n: 503
+        addresses a step instead of 716)."""
         flat = self.client._ema_all_pairs()
         if flat is None:
             return None
@@ -501,7 +525,11 @@ class MultiTensorEngine:
             params = {id(p) for p in self._params}
             self._ekey_tensors = [t for t in flat if id(t) not in params]
             self._ekey_flat = flat
-        return list(map(_data_ptr, self._ekey_tensors))
+        return self._ekey_tensors
+
+    def _ema_key(self) -> list[int] | None:
+        tensors = self._ema_tensors()
+        return None if tensors is None else list(map(_data_ptr, tensors))
 
     def _plan_valid(self, device, idx, grads) -> bool:
         plan = self._plans.get(device)
@@ -537,6 +565,9 @@ class MultiTensorEngine:
             plan.with_grad = [p for p, g in zip(self._params, grads) if g is not None]
             plan.without_grad = [p for p, g in zip(self._params, grads) if g is None]
             plan.hot_gkey = [g.data_ptr() for g in grads if g is not None]
+            plan.eflat = self.client._ema_all_pairs()
+            plan.fixed = self._params + (self._ema_tensors() or [])
+            plan.fixed_key = list(map(_data_ptr, plan.fixed))
         return plan
 
     def _triton_step(self, device, idx, grads, grad_scale, found_inf) -> None:
@@ -584,7 +615,7 @@ class MultiTensorEngine:
             if checked is None or checked[0] is not grad_scale:  # GradScaler did not run it for us
                 launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
                              max_norm=client.max_grad_norm, norm_type=2.0)
-            clip = out[1:2]
+            clip = self._clip_of(out)
         ema_w = client._ema_w
         launch_update(self._launcher, client._kernel, plan, hp, grad_scale=grad_scale, clip=clip,
                       found_inf=found_inf, ema_w=0.0 if ema_w is None else ema_w,

@@ -58,6 +58,7 @@ class GradScaler(torch.amp.GradScaler):
         finally:
             del optimizer.grad_scale
             del optimizer.found_inf
+            optimizer._engine.forget_check()
         state["stage"] = OptState.STEPPED
         return retval
 

@@ -219,7 +219,19 @@ def _stock_phase(model, ModelEMA, kw, set_grads):
 
     set_grads()
     phase()
-    return kernel_ms(phase), wall_ms(phase, iters=100)
+    return kernel_ms(phase), wall_ms(phase, iters=100), _stock_pieces(model, opt, scaler, ema)
+
+
+def _stock_pieces(model, opt, scaler, ema) -> list[float]:
+    """The phase as ../shared/bench/yolo_step.py times it: do_bench medians of unscale_ +
+    clip_grad_norm_(10) (the scaler's per-optimizer state cleared so it can repeat), the optimizer
+    step and ModelEMA.update, each alone; no scaler.update, no zero_grad."""
+    def unscale_clip():
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+        scaler._per_optimizer_states.clear()
+
+    return [kernel_ms(unscale_clip), kernel_ms(opt.step), kernel_ms(lambda: ema.update(model))]
 
 
 def bench_yolo_phase(bw):
@@ -252,10 +264,14 @@ def bench_yolo_phase(bw):
         opt.zero_grad()
         set_grads()
 
+    def ours_step():  # the anchors' pieces in one call: unscale, clip, SGD, EMA
+        scaler.step(opt)
+        scaler._per_optimizer_states.clear()
+
     set_grads()
     ours()
     res["trainfuse (GradScaler + FusedSGD max_grad_norm + attached FusedEMA)"] = (
-        kernel_ms(ours), wall_ms(ours, iters=100))
+        kernel_ms(ours), wall_ms(ours, iters=100), [kernel_ms(ours_step)])
     # the same without the grad re-assignment the loop needs (it is part of both rows above)
     set_cost = wall_ms(set_grads, iters=100)
     nbuf = sum(b.numel() for b in model.buffers() if b.dtype.is_floating_point)
@@ -264,11 +280,18 @@ def bench_yolo_phase(bw):
     floor = ((4 + 32) * nparam + 12 * nbuf) / bw * 1e3
     base = res["ultralytics stock (foreach SGD)"]
     rows = [[k, f"{kk:.3f}", f"{w:.3f}", f"{w - set_cost:.3f}", f"{base[1] / w:.2f}x"]
-            for k, (kk, w) in res.items()]
+            for k, (kk, w, _) in res.items()]
     print_table(f"yolov5n optimizer phase: unscale, clip 10, SGD nesterov, EMA ({nparam / 1e6:.2f}M "
-                f"params in {len(params)} tensors), floor {floor:.3f} ms; grads re-attached each "
+                f"params in {len(params)} tensors), floor {floor:.3f} ms; the whole sequence "
+                "(+ scaler.update, zero_grad); grads re-attached each "
                 f"call ({set_cost:.3f} ms host, subtracted in 'phase ms')",
                 ["impl", "kernel ms", "wall ms", "phase ms", "vs stock (wall)"], rows)
+    rows = [[k, " + ".join(f"{v:.3f}" for v in pieces), f"{sum(pieces):.3f}",
+             f"{sum(base[2]) / sum(pieces):.2f}x"] for k, (_, _, pieces) in res.items()]
+    print_table("the same phase timed as ../shared/bench/yolo_step.py times it: do_bench medians of "
+                "unscale_ + clip_grad_norm_(10), the SGD step and ModelEMA.update (stock: three "
+                "calls; trainfuse: scaler.step does all three); no scaler.update or zero_grad",
+                ["impl", "do_bench ms", "phase ms", "vs stock"], rows)
     return {"floor_ms": floor, "set_grads_ms": set_cost, "results": res}
 
 
