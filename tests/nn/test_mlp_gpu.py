@@ -187,6 +187,54 @@ def test_repeated_calls_launch_bound_sites_and_follow_layout_changes(streams, mo
     assert all(slot.run is not None for slots in M._chains.values() for slot in slots)
 
 
+@cuda
+@pytest.mark.parametrize("act,recompute", [("relu", False), ("gelu", True)])
+def test_repeated_launches_replay_as_cuda_graphs_with_the_same_results(act, recompute, monkeypatch):
+    """Once a chain's forward, or its one-stream backward, repeats a list of launches it made
+    before (the same kernels, grids, addresses and scalars: ``_Chain.graphs``), it is
+    captured and from then on replayed as one CUDA graph. Every call's output and grads equal,
+    bit for bit, those of launching each kernel (config.graphs False), over inputs at two
+    alternating addresses and grads accumulating in .grad."""
+    monkeypatch.setattr(M, "_chains", {})
+    replays = []
+    real_capture = M._capture
+
+    def counting_capture(*args):
+        entry = real_capture(*args)
+        assert entry is not None, "capture failed"
+
+        class Counted:
+            def replay(self):
+                replays.append(1)
+                entry[0].replay()
+
+        return Counted(), entry[1]
+
+    monkeypatch.setattr(M, "_capture", counting_capture)
+    mlp = FusedMLP([256, 512, 512, 256], activation=act, last_activation=True, recompute=recompute,
+                   streams=1).cuda()
+    twin = copy.deepcopy(mlp)
+    xs = [torch.randn(1024, 256, device="cuda") for _ in range(2)]
+    g = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+
+    def steps(model):
+        outs = []
+        for i in range(8):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = model(xs[i % 2])
+            y.backward(g)
+            # copied to the host: a copy kept on the GPU would move the next call's buffers
+            outs.append([y.detach().cpu(), *(p.grad.cpu() for p in model.parameters())])
+        return outs
+
+    got = steps(mlp)
+    monkeypatch.setattr(M.config, "graphs", False)
+    want = steps(twin)
+    assert len(replays) >= 6  # from the 4th call on, forward and backward: 10 when addresses repeat
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"call {i}"
+
+
 # launch shapes that only full-size matmuls select (the tests above never reach them): the chain,
 # its rows and param dtype (bfloat16: as after fuse_casts, no autocast; float32: under bf16
 # autocast), and the epilogue and MatmulConfig that default_tile must pick for one of its matmuls

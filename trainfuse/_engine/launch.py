@@ -145,4 +145,11 @@ def stream_workspace(device: torch.device, stream: int | None, dtype: torch.dtyp
     return ws[0], ws[1]
 
 
-__all__ = ["CachedLauncher", "sm_count", "stream_workspace"]
+def stream_workspace_fits(device: torch.device, stream: int, dtype: torch.dtype, floats: int,
+                          counters: int) -> bool:
+    """Whether :func:`stream_workspace` would return its kept set as it is (no allocation)."""
+    ws = _workspaces.get((device, stream, dtype))
+    return ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters
+
+
+__all__ = ["CachedLauncher", "sm_count", "stream_workspace", "stream_workspace_fits"]
