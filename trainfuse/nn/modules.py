@@ -173,11 +173,12 @@ class FusedMLP(nn.Sequential):
         """The compute dtype if the kernels take this call, else None (torch's path)."""
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self._chain[0][0].in_features:
             return None
-        if any(p.device != x.device or p.dtype not in _DTYPES for p in params) or x.dtype not in _DTYPES:
+        device = x.device
+        if any(p.device != device or p.dtype not in _DTYPES for p in params) or x.dtype not in _DTYPES:
             return None
-        if x.numel() == 0 or not use_triton(x.device):
+        if x.numel() == 0 or not use_triton(device):
             return None
-        kind = x.device.type
+        kind = device.type
         if torch.is_autocast_enabled(kind):
             cd = torch.get_autocast_dtype(kind)
             if cd not in (torch.bfloat16, torch.float16):
@@ -201,14 +202,20 @@ class FusedMLP(nn.Sequential):
         return cd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [lin.weight for lin, _, _ in self._chain]
-        biases = [lin.bias for lin, _, _ in self._chain]
+        # what ``lin.weight`` returns (Module.__getattr__ reads _parameters), without its detour
+        weights = [lin._parameters["weight"] for lin, _, _ in self._chain]
+        biases = [lin._parameters["bias"] for lin, _, _ in self._chain]
         cd = self._kernel_dtype(x, weights + [b for b in biases if b is not None])
         if cd is None:
             return super().forward(x)
         # each Dropout child's own mode, as nn.Sequential would run it
-        layers = [Layer(ACTIVATIONS[act], d.p if d is not None and d.training else 0.0, self.recompute)
-                  for _, act, d in self._chain]
+        drops = tuple(d.p if d is not None and d.training else 0.0 for _, _, d in self._chain)
+        made = self.__dict__.setdefault("_layers", {})  # Layer lists by dropout p and recompute
+        layers = made.get((drops, self.recompute))
+        if layers is None:
+            layers = [Layer(ACTIVATIONS[act], p, self.recompute)
+                      for (_, act, _), p in zip(self._chain, drops)]
+            made[(drops, self.recompute)] = layers
         seed = int(torch.randint(0, 2**31 - 2**16, (1,))) if any(layer.p > 0 for layer in layers) else 0
         self._last_seed = seed
         streams = self.streams
