@@ -44,6 +44,12 @@ difference (:func:`_direct_grads`), the backward writes them into ``.grad`` itse
 existing grad the weight-grad kernel starts its accumulator from the grad's tile (``ACCUM``): no
 add kernel per param. Elsewhere they go back to autograd as any Function's would.
 
+Host time: after its first call a chain launches from sites bound to its signature
+(:class:`_Slot`), and those record their launches instead of making them; the forward and the
+one-stream backward each end by replaying their list as one CUDA graph where the same list was
+captured before (:func:`_finish_recording`). Equal lists are equal launches, so nothing but the
+host time changes.
+
 Two launch choices here avoid wrong results that triton 3.6's software pipelining gave on Hopper
 (not reproducible on CPU: the interpreter does not pipeline), and GPU tests at the benchmark's
 shapes guard both: the bias grad is not summed in registers from the MMA's A tile (:func:`_mma`),
