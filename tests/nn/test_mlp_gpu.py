@@ -235,6 +235,42 @@ def test_repeated_launches_replay_as_cuda_graphs_with_the_same_results(act, reco
         assert all(torch.equal(u, v) for u, v in zip(a, b)), f"call {i}"
 
 
+@cuda
+def test_a_failed_capture_warns_once_and_launches_kernel_by_kernel(monkeypatch):
+    """Where a chain pass's launches cannot be captured, it says so once per launch list (at most
+    4 a pass) and launches that list one by one from then on, with the same results."""
+    monkeypatch.setattr(M, "_chains", {})
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", refuse)
+    mlp = FusedMLP([256, 512, 256], activation="relu", last_activation=True, streams=1).cuda()
+    twin = copy.deepcopy(mlp)
+    x = torch.randn(1024, 256, device="cuda")
+    g = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+
+    def steps(model):
+        outs = []
+        for _ in range(6):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = model(x)
+            y.backward(g)
+            outs.append([y.detach().cpu(), *(p.grad.cpu() for p in model.parameters())])
+        return outs
+
+    with pytest.warns(RuntimeWarning, match="could not be captured") as caught:
+        got = steps(mlp)
+    entries = [entry for chain in M._chains.values() for entry in chain.graphs.values()]
+    assert all(entry is None for entry in entries)
+    # one try per list (a forward's and a backward's at least), never retried
+    assert sum("could not be captured" in str(w.message) for w in caught) == len(entries) >= 2
+    monkeypatch.setattr(M.config, "graphs", False)
+    want = steps(twin)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"call {i}"
+
+
 # launch shapes that only full-size matmuls select (the tests above never reach them): the chain,
 # its rows and param dtype (bfloat16: as after fuse_casts, no autocast; float32: under bf16
 # autocast), and the epilogue and MatmulConfig that default_tile must pick for one of its matmuls

@@ -835,11 +835,13 @@ def _finish_recording(chain: _Chain, device: torch.device) -> None:
         return
     stream = _recording.stream
     graphs, seen = chain.graphs, chain.seen
-    lkey = tuple(launches)
+    # the stream too: a graph writes the descriptor scratch of the stream it was captured for
+    lkey = (stream, *launches)
     entry = graphs.get(lkey)
     if entry is None and lkey in seen and len(graphs) < _MAX_GRAPHS:
-        entry = _capture(launches, stream, device)
-        graphs[lkey] = entry  # None: capture failed here; launch this list one by one from now on
+        del seen[lkey]
+        # None where capture failed: this list is launched one by one from now on
+        entry = graphs[lkey] = _capture(launches, stream, device)
     if entry is not None:
         entry[0].replay()  # on the current stream, which is ``stream``
         return
