@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tests.nn.test_mlp import assert_close_to_reference, reference, rel, run
+from trainfuse._engine import launch as L
 from trainfuse.nn import FusedMLP
 from trainfuse.nn import mlp as M
 
@@ -191,13 +192,13 @@ def test_repeated_calls_launch_bound_sites_and_follow_layout_changes(streams, mo
 @pytest.mark.parametrize("act,recompute", [("relu", False), ("gelu", True)])
 def test_repeated_launches_replay_as_cuda_graphs_with_the_same_results(act, recompute, monkeypatch):
     """Once a chain's forward, or its one-stream backward, repeats a list of launches it made
-    before (the same kernels, grids, addresses and scalars: ``_Chain.graphs``), it is
+    before (the same kernels, grids, addresses and scalars: ``_Chain.replays``), it is
     captured and from then on replayed as one CUDA graph. Every call's output and grads equal,
     bit for bit, those of launching each kernel (config.graphs False), over inputs at two
     alternating addresses and grads accumulating in .grad."""
     monkeypatch.setattr(M, "_chains", {})
     replays = []
-    real_capture = M._capture
+    real_capture = L._capture
 
     def counting_capture(*args):
         entry = real_capture(*args)
@@ -210,7 +211,7 @@ def test_repeated_launches_replay_as_cuda_graphs_with_the_same_results(act, reco
 
         return Counted(), entry[1]
 
-    monkeypatch.setattr(M, "_capture", counting_capture)
+    monkeypatch.setattr(L, "_capture", counting_capture)
     mlp = FusedMLP([256, 512, 512, 256], activation=act, last_activation=True, recompute=recompute,
                    streams=1).cuda()
     twin = copy.deepcopy(mlp)
@@ -261,7 +262,7 @@ def test_a_failed_capture_warns_once_and_launches_kernel_by_kernel(monkeypatch):
 
     with pytest.warns(RuntimeWarning, match="could not be captured") as caught:
         got = steps(mlp)
-    entries = [entry for chain in M._chains.values() for entry in chain.graphs.values()]
+    entries = [entry for chain in M._chains.values() for entry in chain.replays.graphs.values()]
     assert all(entry is None for entry in entries)
     # one try per list (a forward's and a backward's at least), never retried
     assert sum("could not be captured" in str(w.message) for w in caught) == len(entries) >= 2

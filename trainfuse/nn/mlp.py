@@ -47,8 +47,8 @@ add kernel per param. Elsewhere they go back to autograd as any Function's would
 Host time: after its first call a chain launches from sites bound to its signature
 (:class:`_Slot`), and those record their launches instead of making them; the forward and the
 one-stream backward each end by replaying their list as one CUDA graph where the same list was
-captured before (:func:`_finish_recording`). Equal lists are equal launches, so nothing but the
-host time changes.
+captured before (:func:`trainfuse._engine.launch.finish_recording`). Equal lists are equal
+launches, so nothing but the host time changes.
 
 Two launch choices here avoid wrong results that triton 3.6's software pipelining gave on Hopper
 (not reproducible on CPU: the interpreter does not pipeline), and GPU tests at the benchmark's
@@ -65,19 +65,23 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import threading
-import warnings
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 
 from trainfuse._backend import interpreting
 from trainfuse._engine.launch import (
     CachedLauncher,
     Compiled,
+    Replays,
+    drop_recording,
+    ensure_allocator,
+    finish_recording,
+    interrupt_recording,
+    recording,
     sm_count,
+    start_recording,
     stream_workspace,
     stream_workspace_fits,
 )
@@ -487,7 +491,7 @@ class MatmulConfigs:
     # False: operand tiles always through pointers (else as the launch shape says)
     tma: bool | None = None
     # replay a chain's forward and its one-stream backward as CUDA graphs once their launches
-    # repeat (:func:`_finish_recording`); False launches each kernel every call
+    # repeat (:func:`trainfuse._engine.launch.finish_recording`); False launches each kernel every call
     graphs: bool = True
 
     def __setattr__(self, name, value) -> None:
@@ -650,41 +654,6 @@ def _tma_layout(t: torch.Tensor) -> bool | None:
     return transposed
 
 
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global memory for the tensor descriptors a launch writes (one slice per program): the
-    scratch of the stream the kernel runs on, kept across launches. Kernels on one stream run in
-    order, so they can share it; a kernel on another stream (the side stream's weight grads) has
-    its own. A fresh ``torch.empty`` here would be freed, on the current stream, as soon as the
-    launch returns: the main stream's next launch could then be handed the memory a side-stream
-    kernel is still writing its descriptors to (under CUDA-graph replay, where the two run at
-    once, that garbles both descriptors and the graph hangs)."""
-    capture = _recording.capture
-    if capture is not None:  # a graph being captured: the scratch of the stream it replays on
-        stream = capture[0]
-    key = (torch._C._cuda_getDevice(), stream)  # the default stream is handle 0 on every device
-    ws = _descriptor_scratch.get(key)
-    if ws is None or ws.numel() < size:
-        ws, _ = stream_workspace(torch.device("cuda", key[0]), stream, torch.int8, size, 0)
-        _descriptor_scratch[key] = ws
-    if capture is not None:
-        capture[1].append(ws)  # the graph keeps the address: keep the memory with the graph
-    return ws
-
-
-# the scratch per (device, stream), as stream_workspace last returned it: one lookup a launch
-_descriptor_scratch: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _ensure_allocator() -> None:
-    """Tensor descriptors made in a kernel need scratch memory from Triton's allocator, which is
-    per thread (autograd runs CUDA backwards on threads of its own): set ours where none is."""
-    current = _allocation._allocator
-    current = current.get() if hasattr(current, "get") else current
-    if isinstance(current, _allocation.NullAllocator):
-        triton.set_allocator(_scratch if not interpreting() else
-                             lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
-
-
 def _carve(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Row-major tensors of ``shapes`` (1-d or 2-d) carved from one allocation, each starting
     128-byte aligned (TMA needs 16): one trip through the caching allocator instead of one per
@@ -747,11 +716,11 @@ class _Slot:
         as ints: given a tensor it calls its ``data_ptr`` and asks the driver about the address,
         per pointer argument (H200 host: 12.5 against 11.3 us a launch)."""
         a_ = a.data_ptr()
-        rec = _recording.launches
+        rec = recording.launches
         if self.split > 1:
             if rec is not None and not stream_workspace_fits(a.device, stream, torch.float32, self.ws_floats,
                                                              self.tiles):
-                _interrupt_recording()  # a new workspace: its zero fill must not pass the recorded
+                interrupt_recording()  # a new workspace: its zero fill must not pass the recorded
                 rec = None
             ws, cnt = stream_workspace(a.device, stream, torch.float32, self.ws_floats, self.tiles)
             ws, cnt = ws.data_ptr(), cnt.data_ptr()
@@ -766,16 +735,22 @@ class _Slot:
             self.run(self.grid, stream, *args)
 
 
-class _Chain(list):
-    """A chain pass's launch sites (a list of :class:`_Slot`), and its CUDA graphs by launch list
-    and the launch lists it has seen (:func:`_finish_recording`)."""
+def _start_recording(stream: int, layers: list[Layer]) -> None:
+    """Record a chain pass's launches for graph replay, unless ``config.graphs`` is off or a layer
+    drops (a fresh seed each call: its launches never repeat)."""
+    if config.graphs and not any(layer.p > 0.0 for layer in layers):
+        start_recording(stream)
 
-    __slots__ = ("graphs", "seen")
+
+class _Chain(list):
+    """A chain pass's launch sites (a list of :class:`_Slot`) and the CUDA graphs its recorded
+    launches replay as (``replays``, see :func:`trainfuse._engine.launch.finish_recording`)."""
+
+    __slots__ = ("replays",)
 
     def __init__(self, sites: int) -> None:
         super().__init__(_Slot() for _ in range(sites))
-        self.graphs: dict[tuple, tuple | None] = {}
-        self.seen: dict[tuple, None] = {}
+        self.replays = Replays()
 
 
 _chains: dict[tuple, _Chain] = {}
@@ -788,98 +763,6 @@ def _chain_slots(key: tuple, sites: int) -> _Chain:
             _chains.clear()
         slots = _chains[key] = _Chain(sites)
     return slots
-
-
-# ---- CUDA-graph replay of a chain's launches ------------------------------------------------------
-class _Recording(threading.local):
-    """Per thread (autograd runs CUDA backwards on threads of its own): the bound launches of the
-    chain pass being recorded, the stream they go to, and while a graph is captured, the stream
-    it will replay on and the scratch tensors it writes."""
-
-    launches: list | None = None
-    stream: int | None = None
-    capture: tuple[int, list] | None = None
-
-
-_recording = _Recording()
-_MAX_GRAPHS = 4  # per chain pass: the caching allocator usually hands back one or two address sets
-_MAX_SEEN = 8
-
-
-def _start_recording(stream: int, *, dropout: bool) -> None:
-    """Record instead of launch until :func:`_finish_recording`: a chain pass about to launch its
-    kernels on ``stream``. Not under dropout (a fresh seed each call: its launches never repeat)
-    nor inside a capture of the caller's own (the launches go into that graph)."""
-    if config.graphs and not dropout and not torch.cuda.is_current_stream_capturing():
-        _recording.launches, _recording.stream = [], stream
-
-
-def _interrupt_recording() -> None:
-    """Launch what was recorded, now, and record no further this pass: about to enqueue work
-    that is not a bound launch (a first call's keyed launch, a workspace's zero fill), which
-    must not overtake the launches recorded before it."""
-    launches, _recording.launches = _recording.launches, None
-    if launches:
-        stream = _recording.stream
-        for run, grid, args in launches:
-            run(grid, stream, *args)
-
-
-def _finish_recording(chain: _Chain, device: torch.device) -> None:
-    """The end of a recorded chain pass: its launches as one CUDA graph replay where this exact
-    list (kernels, grids, every address and scalar) was captured before, captured now where it
-    was seen before, else launched one by one. Equal lists are equal launches, so a replay does
-    what the launches would; it saves their host time (H200 host: 9-14 us each, a replay ~6)."""
-    launches, _recording.launches = _recording.launches, None
-    if not launches:
-        return
-    stream = _recording.stream
-    graphs, seen = chain.graphs, chain.seen
-    # the stream too: a graph writes the descriptor scratch of the stream it was captured for
-    lkey = (stream, *launches)
-    entry = graphs.get(lkey)
-    if entry is None and lkey in seen and len(graphs) < _MAX_GRAPHS:
-        del seen[lkey]
-        # None where capture failed: this list is launched one by one from now on
-        entry = graphs[lkey] = _capture(launches, stream, device)
-    if entry is not None:
-        entry[0].replay()  # on the current stream, which is ``stream``
-        return
-    if lkey not in graphs:
-        seen[lkey] = None
-        if len(seen) > _MAX_SEEN:
-            del seen[next(iter(seen))]
-    for run, grid, args in launches:
-        run(grid, stream, *args)
-
-
-_capture_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _capture(launches: list, stream: int, device: torch.device) -> tuple | None:
-    """``launches`` captured into a CUDA graph (on a side stream: capture cannot use the default
-    one), with the descriptor scratch of ``stream``, where it will replay; the graph holds that
-    scratch. None where capture fails."""
-    cap = _capture_streams.get(device.index)
-    if cap is None:
-        cap = _capture_streams[device.index] = torch.cuda.Stream(device)
-    graph, scratch = torch.cuda.CUDAGraph(), []
-    _recording.capture = (stream, scratch)
-    try:
-        with torch.cuda.stream(cap):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                for run, grid, args in launches:
-                    run(grid, cap.cuda_stream, *args)
-            finally:
-                graph.capture_end()
-    except RuntimeError as e:
-        warnings.warn(f"FusedMLP: a chain's launches could not be captured in a CUDA graph, so they "
-                      f"are launched one by one ({str(e).splitlines()[0]})", RuntimeWarning, stacklevel=2)
-        return None
-    finally:
-        _recording.capture = None
-    return graph, scratch
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, epi: int, *,
@@ -896,7 +779,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
     directly: a training step repeats the same calls, and the host time per launch is what a
     small MLP's step is made of. A ``slot`` (a launch site of :class:`FusedMLPFunction`, whose
     chain signature already fixes this call's) skips even the keying once bound; its caller
-    passes ``stream`` and has set Triton's allocator (:func:`_ensure_allocator`)."""
+    passes ``stream`` and has set Triton's allocator (:func:`trainfuse._engine.launch.ensure_allocator`)."""
     x = aux if aux is not None else pre if pre is not None else c
     if pre is not None and act not in _DERIV_SAVED:
         raise ValueError("matmul: pre (the activation's derivative) is stored for GELU and SiLU only")
@@ -905,8 +788,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
     if slot is not None and slot.run is not None:
         slot.launch(stream, a, b, c, bias_t, x, seed, p)
         return
-    if _recording.launches is not None:
-        _interrupt_recording()
+    if recording.launches is not None:
+        interrupt_recording()
     drop = p > 0.0
     if accumulate and epi != EPI_WGRAD:
         raise ValueError("matmul: accumulate is for the weight grad epilogue only")
@@ -922,7 +805,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
         plan = _plans[key] = _make_plan(a, b, c, x, cd, epi, act, has_bias, bias_rows, pre is not None,
                                         drop, drop_index, accumulate)
     if plan.constexprs["TMA"]:
-        _ensure_allocator()
+        ensure_allocator()
     if plan.split > 1:  # split-K partials and per-tile arrival counters of this stream
         ws, cnt = stream_workspace(a.device, stream, torch.float32, plan.ws_floats, plan.tiles)
     else:
@@ -984,14 +867,14 @@ def act_grad(g: torch.Tensor, saved: torch.Tensor, out: torch.Tensor, act: int, 
     n = g.numel()
     if slot is not None and slot.run is not None:
         args = (g.data_ptr(), saved.data_ptr(), out.data_ptr(), n, seed, float(p), _drop_scale(p))
-        rec = _recording.launches
+        rec = recording.launches
         if rec is not None:
             rec.append((slot.run, slot.grid, args))
         else:
             slot.run(slot.grid, stream, *args)
         return
-    if _recording.launches is not None:
-        _interrupt_recording()
+    if recording.launches is not None:
+        interrupt_recording()
     block = config.act_block
     grid = max(1, -(-n // block))
     rne = interpreting() and out.dtype == torch.bfloat16
@@ -1018,7 +901,7 @@ def dropout_mask(seed: int, shape: tuple[int, int], p: float, device: torch.devi
 
 
 # ---- autograd -------------------------------------------------------------------------------
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)  # FusedMLP reuses one list of them across calls
 class Layer:
     act: int  # ACTIVATIONS value
     p: float  # dropout probability (0: no dropout)
@@ -1154,7 +1037,7 @@ class FusedMLPFunction(torch.autograd.Function):
             ctx.key = _chain_key(x, weights, biases, layers, cd, grads)
             slots = _chain_slots(ctx.key, n)
             stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-            _ensure_allocator()
+            ensure_allocator()
         rows = x.shape[0]
         # the inner layers' outputs and the saved activation derivatives share one allocation; the
         # chain's output, which the caller keeps, has its own
@@ -1167,7 +1050,7 @@ class FusedMLPFunction(torch.autograd.Function):
         h = x
         inputs, saved_act = [], []
         if slots is not None:
-            _start_recording(stream, dropout=any(layer.p > 0.0 for layer in layers))
+            _start_recording(stream, layers)
         try:
             for i, (layer, w, b) in enumerate(zip(layers, weights, biases)):
                 out = outs[i]
@@ -1178,10 +1061,10 @@ class FusedMLPFunction(torch.autograd.Function):
                 saved_act.append(pre if keep_pre[i] else out if layer.act == ACTIVATIONS["relu"] else None)
                 h = out
         except BaseException:
-            _recording.launches = None
+            drop_recording()
             raise
         if slots is not None:
-            _finish_recording(slots, x.device)
+            finish_recording(slots.replays, x.device)
         ctx.layers, ctx.cd, ctx.seed, ctx.streams, ctx.fuse_grads = layers, cd, seed, streams, fuse_grads
         ctx.has_bias = [b is not None for b in biases]
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
@@ -1219,17 +1102,17 @@ class FusedMLPFunction(torch.autograd.Function):
             slots = _chain_slots((ctx.key, grad.dtype, grad.data_ptr() % 16, need, two, accum),
                                  (3 * n if ctx.recomputes else 2 * n) + 1)
             main_raw = torch._C._cuda_getCurrentRawStream(device.index)
-            _ensure_allocator()
+            ensure_allocator()
             if not two:  # two streams: the side stream's waits are not recorded
-                _start_recording(main_raw, dropout=any(layer.p > 0.0 for layer in layers))
+                _start_recording(main_raw, layers)
         try:
             dx, gw, gb, alive = FusedMLPFunction._launch_backward(ctx, grad, saved, direct, accum, slots,
                                                                   main_raw, two)
         except BaseException:
-            _recording.launches = None
+            drop_recording()
             raise
         if slots is not None and not two:
-            _finish_recording(slots, device)
+            finish_recording(slots.replays, device)
         del alive
         gb = [g if need_b[i] else None for i, g in enumerate(gb)]
         for i, d in enumerate(direct):
@@ -1243,7 +1126,7 @@ class FusedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def _launch_backward(ctx, grad, saved, direct, accum, slots, main_raw, two):
-        """The backward's launches (recorded, when :func:`_start_recording` is on): the last
+        """The backward's launches (recorded, when :func:`_start_recording` turned it on): the last
         activation's grad, then per layer from the last its weight grad (on the side stream with
         ``two``) and input grad. Returns the input's grad (or None), the weight and bias grads and
         the scratch tensors the launches use (kept until recorded launches have been made)."""

@@ -105,6 +105,10 @@ class FusedMLP(nn.Sequential):
             autograd's bits (as close to the exact sum), for 16-bit ones rounded once (autograd
             rounds the new grad, then the sum).
 
+    On CUDA, from the third call with the same launches (shapes, addresses: what a training loop
+    repeats) the forward and a one-stream backward each replay as one CUDA graph, bit for bit
+    what the launches would do (``trainfuse.nn.mlp.config.graphs = False`` turns it off).
+
     Example:
         >>> mlp = FusedMLP([32, 64, 64, 8], activation="gelu")
         >>> [type(m).__name__ for m in mlp]
@@ -210,7 +214,9 @@ class FusedMLP(nn.Sequential):
             return super().forward(x)
         # each Dropout child's own mode, as nn.Sequential would run it
         drops = tuple(d.p if d is not None and d.training else 0.0 for _, _, d in self._chain)
-        made = self.__dict__.setdefault("_layers", {})  # Layer lists by dropout p and recompute
+        # Layer lists by dropout p and recompute, made on first use (also in modules pickled
+        # before the cache existed)
+        made = self.__dict__.setdefault("_layers", {})
         layers = made.get((drops, self.recompute))
         if layers is None:
             layers = [Layer(ACTIVATIONS[act], p, self.recompute)
