@@ -36,8 +36,7 @@ def device():
 def kernels(monkeypatch):
     """Force the Triton kernels (the interpreter on CPU) with a small chunk size, so that tensors
     of a few hundred elements already span several work items."""
-    from trainfuse._engine import config
-    from trainfuse._engine.table import master_config
+    from trainfuse._multi_tensor.tables import config, master_config
     from trainfuse.losses import _common
 
     monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")

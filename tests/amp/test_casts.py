@@ -34,7 +34,7 @@ def _loss(model, x, dtype):
 def test_fuse_casts_trajectory_matches_hand_kept_masters(cls, dtype, own_launch, kernels, device,
                                                          monkeypatch):
     if own_launch:  # plans with masters take their own launch shape: chunks must follow it
-        from trainfuse._engine.table import master_config
+        from trainfuse._multi_tensor.tables import master_config
 
         monkeypatch.setattr(master_config, "block", 16)
         monkeypatch.setattr(master_config, "unroll", 3)
@@ -72,7 +72,7 @@ def test_fuse_casts_trajectory_matches_hand_kept_masters(cls, dtype, own_launch,
                 # the 16-bit weight the next forward reads is the master rounded once
                 assert torch.equal(p.detach(), master.to(dtype))
     if own_launch:
-        from trainfuse._engine.table import master_config
+        from trainfuse._multi_tensor.tables import master_config
 
         (plan,) = opt._engine._plans.values()
         assert plan.launch is master_config

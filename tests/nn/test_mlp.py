@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import nn
 from torch.nn import functional as F
 
-from trainfuse._backend import interpreting
+from trainfuse._runtime.backend import interpreting
 from trainfuse.nn import FusedMLP, FuseReport, fuse_mlps
 from trainfuse.nn import mlp as M
 
@@ -238,10 +238,10 @@ def test_split_k_weight_grad_is_right_and_deterministic(small_tiles, device, mon
 
 def test_split_k_and_loss_reductions_share_the_stream_scratch(small_tiles, device, monkeypatch):
     """Split-K weight grads and the losses' one-launch sums use the same per-stream scratch and
-    arrival counters (trainfuse._engine.launch.stream_workspace), interleaved and growing: each
+    arrival counters (trainfuse._runtime.launch.stream_workspace), interleaved and growing: each
     re-arms its counters, so every result stays right and bit-reproducible. One stream (with two,
     the weight grads would run on the side stream, which has its own scratch)."""
-    from trainfuse._engine import launch
+    from trainfuse._runtime import launch
     from trainfuse.losses import bce_with_logits
 
     monkeypatch.setattr(launch, "_workspaces", {})  # start empty: the calls below grow it

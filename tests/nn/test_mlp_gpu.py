@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tests.nn.test_mlp import assert_close_to_reference, reference, rel, run
-from trainfuse._engine import launch as L
+from trainfuse._runtime import launch as L
 from trainfuse.nn import FusedMLP
 from trainfuse.nn import mlp as M
 

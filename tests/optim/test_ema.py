@@ -92,7 +92,7 @@ def _ultralytics_model():
 def test_matches_ultralytics_model_ema_on_yolov5n(kernels, device, monkeypatch):
     model, ModelEMA = _ultralytics_model()
     model.to(device)
-    from trainfuse._engine import config
+    from trainfuse._multi_tensor.tables import config
 
     monkeypatch.setattr(config, "block", 1024)  # 2.6M params: keep the interpreter's program count low
     monkeypatch.setattr(config, "unroll", 4)

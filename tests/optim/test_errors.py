@@ -107,7 +107,7 @@ def test_negative_lr_set_later_is_refused_before_the_step(kernels, device):
 
 
 def test_backend_variable_is_checked(monkeypatch):
-    from trainfuse._backend import backend
+    from trainfuse._runtime.backend import backend
 
     monkeypatch.setenv("TRAINFUSE_BACKEND", "cuda")
     with pytest.raises(ValueError, match="TRAINFUSE_BACKEND"):
@@ -115,7 +115,7 @@ def test_backend_variable_is_checked(monkeypatch):
 
 
 def test_backend_auto_runs_torch_on_cpu_and_triton_on_cuda(monkeypatch):
-    from trainfuse._backend import use_triton
+    from trainfuse._runtime.backend import use_triton
 
     monkeypatch.setenv("TRAINFUSE_BACKEND", "auto")
     assert not use_triton(torch.device("cpu"))

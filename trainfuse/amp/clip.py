@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trainfuse._backend import use_triton
-from trainfuse._engine import kernels as mt
-from trainfuse._engine.table import (
+from trainfuse._multi_tensor import kernels as mt
+from trainfuse._multi_tensor.tables import (
     DTYPE_CODES,
     NORM_KINDS,
     OP_GRAD,
@@ -29,6 +28,7 @@ from trainfuse._engine.table import (
     launch_stats,
     launch_update,
 )
+from trainfuse._runtime.backend import use_triton
 
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel

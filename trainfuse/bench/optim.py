@@ -16,7 +16,7 @@ import time
 import torch
 
 import trainfuse
-from trainfuse._engine import config
+from trainfuse._multi_tensor.tables import config
 from trainfuse.bench._common import (
     bench_parser,
     host_ms,

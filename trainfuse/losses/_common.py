@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainfuse._engine.launch import CachedLauncher, stream_workspace
+from trainfuse._runtime.launch import CachedLauncher, stream_workspace
 
 launcher = CachedLauncher()
 
@@ -92,7 +92,7 @@ def reduce_partials(partials, counter, out, part, nparts, denom):
 
 def workspace(device: torch.device, nparts: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partials, counter)`` for a reduction of ``nparts`` programs on ``device``'s current
-    stream: the engine's per-stream scratch (:func:`trainfuse._engine.launch.stream_workspace`),
+    stream: the engine's per-stream scratch (:func:`trainfuse._runtime.launch.stream_workspace`),
     so a loss call allocates nothing for it."""
     return stream_workspace(device, None, dtype, nparts, 1)
 

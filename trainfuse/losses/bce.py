@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trainfuse._backend import use_triton
-from trainfuse._engine.launch import sm_count
+from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.launch import sm_count
 from trainfuse.losses._common import (
     REDUCTIONS,
     bcast_index,

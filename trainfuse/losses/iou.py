@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainfuse._backend import use_triton
+from trainfuse._runtime.backend import use_triton
 from trainfuse.losses._common import (
     REDUCTIONS,
     bcast_index,

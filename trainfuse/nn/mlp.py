@@ -47,7 +47,7 @@ add kernel per param. Elsewhere they go back to autograd as any Function's would
 Host time: after its first call a chain launches from sites bound to its signature
 (:class:`_Slot`), and those record their launches instead of making them; the forward and the
 one-stream backward each end by replaying their list as one CUDA graph where the same list was
-captured before (:func:`trainfuse._engine.launch.finish_recording`). Equal lists are equal
+captured before (:func:`trainfuse._runtime.launch.finish_recording`). Equal lists are equal
 launches, so nothing but the host time changes.
 
 Two launch choices here avoid wrong results that triton 3.6's software pipelining gave on Hopper
@@ -70,8 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trainfuse._backend import interpreting
-from trainfuse._engine.launch import (
+from trainfuse._runtime.backend import interpreting
+from trainfuse._runtime.launch import (
     CachedLauncher,
     Compiled,
     Replays,
@@ -491,7 +491,7 @@ class MatmulConfigs:
     # False: operand tiles always through pointers (else as the launch shape says)
     tma: bool | None = None
     # replay a chain's forward and its one-stream backward as CUDA graphs once their launches
-    # repeat (:func:`trainfuse._engine.launch.finish_recording`); False launches each kernel every call
+    # repeat (:func:`trainfuse._runtime.launch.finish_recording`); False launches each kernel every call
     graphs: bool = True
 
     def __setattr__(self, name, value) -> None:
@@ -744,7 +744,7 @@ def _start_recording(stream: int, layers: list[Layer]) -> None:
 
 class _Chain(list):
     """A chain pass's launch sites (a list of :class:`_Slot`) and the CUDA graphs its recorded
-    launches replay as (``replays``, see :func:`trainfuse._engine.launch.finish_recording`)."""
+    launches replay as (``replays``, see :func:`trainfuse._runtime.launch.finish_recording`)."""
 
     __slots__ = ("replays",)
 
@@ -779,7 +779,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cd: torch.dtype, e
     directly: a training step repeats the same calls, and the host time per launch is what a
     small MLP's step is made of. A ``slot`` (a launch site of :class:`FusedMLPFunction`, whose
     chain signature already fixes this call's) skips even the keying once bound; its caller
-    passes ``stream`` and has set Triton's allocator (:func:`trainfuse._engine.launch.ensure_allocator`)."""
+    passes ``stream`` and has set Triton's allocator (:func:`trainfuse._runtime.launch.ensure_allocator`)."""
     x = aux if aux is not None else pre if pre is not None else c
     if pre is not None and act not in _DERIV_SAVED:
         raise ValueError("matmul: pre (the activation's derivative) is stored for GELU and SiLU only")

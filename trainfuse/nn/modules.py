@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from trainfuse._backend import backend, use_triton
+from trainfuse._runtime.backend import backend, use_triton
 from trainfuse.nn.mlp import ACTIVATIONS, FusedMLPFunction, Layer
 
 _STREAMS = (1, 2, "auto")

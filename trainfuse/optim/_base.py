@@ -21,7 +21,8 @@ from torch.optim.optimizer import (
     _global_optimizer_pre_hooks,
 )
 
-from trainfuse._engine.table import MultiTensorEngine, conform, same_layout
+from trainfuse._multi_tensor.tables import conform, same_layout
+from trainfuse.optim.engine import MultiTensorEngine
 
 # state key of the float32 master weight of a 16-bit param (saved in state_dict like any state)
 MASTER_KEY = "master_param"

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.adamw import adamw as _torch_adamw
 
-from trainfuse._engine import kernels as mt
+from trainfuse._multi_tensor import kernels as mt
 from trainfuse.optim._base import FusedOptimizer, _as_float, scalar
 
 # hyperparameter row: lr, beta1, beta2, eps, weight_decay, maximize, amsgrad, decoupled

@@ -10,7 +10,7 @@ after update :math:`k` (``updates``), exactly as ``ultralytics.utils.torch_utils
 with ``torch._foreach_lerp_`` (torch's two-sided lerp formula, switching at weight 0.5). The
 update is one launch over all tensors; attached to a fused optimizer
 (``optimizer.attach_ema(ema)``) it runs inside the optimizer's update kernel instead. The kernel
-math is shared with that fold, so it lives in the engine: ``trainfuse/_engine/kernels.py``
+math is shared with that fold, so it lives in the engine: ``trainfuse/_multi_tensor/kernels.py``
 (``lerp``, ``ema_chunk``, ``ema_kernel``, ``ema_fold``); the torch reference is
 ``torch._foreach_lerp_`` (the path CPU tensors take, and what the tests compare against).
 """
@@ -24,9 +24,8 @@ from copy import deepcopy
 import torch
 from torch import nn
 
-from trainfuse._backend import use_triton
-from trainfuse._engine import kernels
-from trainfuse._engine.table import (
+from trainfuse._multi_tensor import kernels
+from trainfuse._multi_tensor.tables import (
     DTYPE_CODES,
     OP_EMA,
     OP_PARAM,
@@ -36,6 +35,7 @@ from trainfuse._engine.table import (
     is_dense,
     launch_update,
 )
+from trainfuse._runtime.backend import use_triton
 
 _data_ptr = torch.Tensor.data_ptr
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch.optim.sgd import sgd as _torch_sgd
 
-from trainfuse._engine import kernels as mt
+from trainfuse._multi_tensor import kernels as mt
 from trainfuse.optim._base import FusedOptimizer, scalar
 
 # hyperparameter row: lr, momentum, dampening, weight_decay, nesterov, maximize

@@ -1,279 +1,42 @@
-"""Host side of the multi-tensor engine: pointer tables, caching, hyperparameters, launch.
+"""The fused optimizers' step driver: one multi-tensor launch per device over every param group.
 
-Per device the engine keeps a *plan*: an int64 row per tensor (operand addresses, numel, group,
-dtype, step address) and one work item per (tensor, chunk), both on the device. A plan is keyed by
-the data pointers of the params and grads, so it survives ``zero_grad(set_to_none=True)`` as long
-as the caching allocator hands the grads back at the same addresses (it usually does); anything
-else (a new param layout, ``load_state_dict``, ``add_param_group``, a grad that became ``None``)
-rebuilds it. Per-group hyperparameters live in a float64 device table that is re-uploaded only when
-a value changes, so LR schedules neither recompile nor synchronize.
+(docstring completed below)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from trainfuse._backend import use_triton
-from trainfuse._engine import kernels
-from trainfuse._engine.launch import CachedLauncher
+from trainfuse._multi_tensor.tables import (
+    DTYPE_CODES,
+    OP_EMA,
+    OP_GRAD,
+    OP_MASTER,
+    OP_PARAM,
+    OP_STATE,
+    ROW,
+    Plan,
+    RowBuilder,
+    code_of,
+    conform,
+    is_dense,
+    launch_stats,
+    launch_update,
+    place,
+    same_layout,
+    upload,
+)
+from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.launch import CachedLauncher
 
 if TYPE_CHECKING:
     from trainfuse.optim._base import FusedOptimizer
 
 _grad = operator.attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# the row layout the kernels read (trainfuse/_engine/kernels.py)
-ROW = kernels.ROW.value
-MAX_OPERANDS = kernels.COL_STEP.value  # operand slots precede the step column
-COL_NCHUNKS = kernels.COL_NCHUNKS.value
-assert [c.value for c in (kernels.COL_STEP, kernels.COL_NUMEL, kernels.COL_GROUP, kernels.COL_CODE,
-                          kernels.COL_NCHUNKS)] == list(range(MAX_OPERANDS, MAX_OPERANDS + 5))
-OP_PARAM, OP_GRAD, OP_MASTER, OP_EMA, OP_STATE = (k.value for k in (
-    kernels.OP_PARAM, kernels.OP_GRAD, kernels.OP_MASTER, kernels.OP_EMA, kernels.OP_STATE))
-CODE_MASTER, CODE_EMA, CODE_EMA_LOW, CODE_EMA_ONLY = (k.value for k in (
-    kernels.CODE_MASTER, kernels.CODE_EMA, kernels.CODE_EMA_LOW, kernels.CODE_EMA_ONLY))
-NORM_KINDS = {1.0: kernels.NORM_L1.value, 2.0: kernels.NORM_L2.value,
-              float("inf"): kernels.NORM_INF.value}
-
-
-@dataclasses.dataclass
-class LaunchConfig:
-    """Elements per loop iteration (``block``), iterations per program (``unroll``) and warps per
-    program; a work item is ``block * unroll`` elements. Tests shrink ``block`` so that small
-    tensors span several work items."""
-
-    # From `python -m trainfuse.bench optim --sweep` (torch 2.11, triton 3.6): 512-element blocks,
-    # 8 per program (a 4096-element work item), 4 warps was the best or within 2% of it for GPT-2
-    # AdamW and SGD on both the H100 and the H200 (AdamW 96% / 91% of copy bandwidth), and among
-    # the best for the 216-tensor layout on the H200; deeper prefetch matters most for AdamW.
-    block: int = 512
-    unroll: int = 8
-    num_warps: int = 4
-
-    @property
-    def chunk(self) -> int:
-        return self.block * self.unroll
-
-
-def _config_from_env(default: LaunchConfig) -> LaunchConfig:
-    """``TRAINFUSE_LAUNCH=BLOCKxUNROLLxWARPS`` (e.g. ``512x8x4``) overrides the defaults (of plans
-    with and without float32 masters alike), for tuning on other GPUs with
-    ``python -m trainfuse.bench optim --sweep``."""
-    spec = os.environ.get("TRAINFUSE_LAUNCH", "")
-    if not spec:
-        return default
-    try:
-        block, unroll, warps = (int(v) for v in spec.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"TRAINFUSE_LAUNCH={spec!r}: expected BLOCKxUNROLLxWARPS, e.g. 512x8x4") from None
-    if block & (block - 1) or block < 16 or unroll < 1 or warps & (warps - 1):
-        raise ValueError(f"TRAINFUSE_LAUNCH={spec!r}: block and warps must be powers of two, block >= 16")
-    return LaunchConfig(block, unroll, warps)
-
-
-config = _config_from_env(LaunchConfig())
-# plans with float32-master rows (fuse_casts): GPT-2 bf16 AdamW on the H200 (torch 2.11, triton
-# 3.6) took 0.883 ms (93% of the floor) at 512 x 4 x 4 with vector accesses and the 2-ulp division
-# and square root, against 0.915 at 512 x 8 x 4 and 0.956 or more for every wider shape
-master_config = _config_from_env(LaunchConfig(512, 4, 4))
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """True when ``t`` covers its memory without gaps or overlap, whatever the dim order."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when element k of ``a``'s memory is element k of ``b``'s (both dense, same order)."""
-    if a.stride() == b.stride():
-        return True
-    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
-
-
-def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` with ``like``'s dtype, device and memory layout (a copy only where needed)."""
-    if t.dtype == like.dtype and t.device == like.device and same_layout(t, like):
-        return t
-    out = torch.empty_like(like)
-    out.copy_(t)
-    return out
-
-
-class _Plan:
-    __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad", "launch",
-                 "ntensors", "codes", "pds", "aligned", "volatile", "keepalive", "copy_back", "slots",
-                 "gstrides", "partials", "flags", "counter", "with_grad", "without_grad", "hot_gkey",
-                 "fixed", "fixed_key", "eflat", "tkey")
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-class RowBuilder:
-    """Collects one row per tensor (operand addresses by slot, numel, group, row code, step) and
-    turns them into a device plan. Rows that carry a gradient must come before EMA-only rows: the
-    gradient-statistics pass walks only the first ``ngrad`` work items. The launch shape (and with
-    it the chunk size) is the plan's: :data:`master_config` when any row has a float32 master."""
-
-    def __init__(self) -> None:
-        self.rows: list[list[int]] = []
-        self.numels: list[int] = []
-        self.aligned = True
-        self.codes = 0
-        self.pds = 0
-        self.grad_rows = 0
-
-    def add(self, operands: dict[int, torch.Tensor | None], numel: int, code: int, group: int = 0,
-            step: torch.Tensor | None = None) -> None:
-        slots = [0] * MAX_OPERANDS
-        for k, t in operands.items():
-            if t is not None:
-                slots[k] = t.data_ptr()
-                self.aligned = self.aligned and slots[k] % 16 == 0
-        row = slots + [0 if step is None else step.data_ptr(), numel, group, code, 0]  # + nchunks
-        self.rows.append(row + [0] * (ROW - len(row)))
-        self.numels.append(numel)
-        self.codes |= 1 << code
-        if not code & CODE_EMA_ONLY:
-            assert self.grad_rows == len(self.rows) - 1, "gradient rows go first"
-            self.pds |= 1 << (code % 4)
-            self.grad_rows += 1
-
-    def launch(self) -> LaunchConfig:
-        masters = any(self.codes >> c & 1 for c in range(kernels.NCODES.value) if c & CODE_MASTER)
-        return master_config if masters else config
-
-    def build(self, device: torch.device) -> _Plan:
-        plan = _Plan()
-        plan.launch = launch = self.launch()
-        nchunks = [max(1, -(-n // launch.chunk)) for n in self.numels]  # empty tensors count a step
-        for row, k in zip(self.rows, nchunks):
-            row[COL_NCHUNKS] = k
-        self.ngrad = sum(nchunks[: self.grad_rows])
-        plan.volatile = False
-        plan.with_grad, plan.without_grad, plan.hot_gkey = [], [], None
-        plan.fixed, plan.fixed_key, plan.eflat = [], None, None
-        plan.keepalive = []
-        plan.copy_back = []
-        plan.codes, plan.pds, plan.aligned, plan.ngrad = self.codes, self.pds, self.aligned, self.ngrad
-        plan.ntensors = ntensors = len(self.rows)
-        plan.partials = plan.flags = plan.counter = plan.tkey = None
-        if ntensors == 0:
-            plan.nchunks = 0
-            return plan
-        counts = torch.tensor(nchunks, dtype=torch.int64)
-        total = int(counts.sum())
-        tensor_of = torch.repeat_interleave(torch.arange(ntensors, dtype=torch.int64), counts)
-        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
-        plan.host = torch.cat([torch.tensor(self.rows, dtype=torch.int64).flatten(), items])
-        plan.nchunks = total
-        place(plan, plan.host, device)
-        plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
-        return plan
-
-
-def place(plan: _Plan, host: torch.Tensor, device: torch.device) -> None:
-    """Upload the tables (a fresh device buffer: the previous launch may still read the old)."""
-    buf = _upload(host, device) if device.type != "cpu" else host.clone()
-    plan.rows = buf[: plan.ntensors * ROW]
-    plan.chunks = buf[plan.ntensors * ROW :]
-    plan.tkey = None
-
-
-def code_of(dtype: torch.dtype, master: bool = False, ema: torch.Tensor | None = None,
-            ema_only: bool = False) -> int:
-    """Row code of a tensor of ``dtype`` (see kernels.py); raises TypeError for an EMA dtype the
-    kernels do not pair with it (the EMA must be float32 or the tensor's own dtype)."""
-    code = DTYPE_CODES[dtype] | (CODE_MASTER if master else 0)
-    if ema is not None:
-        code |= CODE_EMA_ONLY if ema_only else CODE_EMA
-        if ema.dtype == dtype and dtype != torch.float32:
-            code |= CODE_EMA_LOW
-        elif ema.dtype != torch.float32:
-            raise TypeError(f"an EMA tensor of {ema.dtype} cannot follow a {dtype} tensor; "
-                            "keep the EMA in float32 or in the tensor's dtype")
-    return code
-
-
-def _ptr_class(t: torch.Tensor | None) -> tuple | None:
-    """What Triton specializes a pointer argument on: its element type and 16-byte alignment."""
-    return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
-
-
-def _tables_key(plan: _Plan) -> tuple:
-    """The part of a launch's cache key that the plan fixes: its own buffers' alignment (made by
-    the allocator: aligned, but the chunk table starts after the rows), the element-alignment
-    flag and the launch shape. Passed as ``key=``, it spares the launcher keying every argument
-    and constexpr on every step (a tenth of the yolov5n optimizer phase's host time). Kept on the
-    plan until :func:`place` uploads new tables."""
-    if plan.tkey is None:
-        launch = plan.launch
-        plan.tkey = (plan.rows.data_ptr() % 16 == 0, plan.chunks.data_ptr() % 16 == 0,
-                     plan.arrivals.data_ptr() % 16 == 0, plan.aligned, launch.block, launch.unroll,
-                     launch.num_warps)
-    return plan.tkey
-
-
-def launch_update(launcher: CachedLauncher, kernel, plan: _Plan, hp: torch.Tensor | None = None, *,
-                  grad_scale: torch.Tensor | None = None, clip: torch.Tensor | None = None,
-                  found_inf: torch.Tensor | None = None, ema_w: float = 0.0, width: int = 8) -> None:
-    """One launch of a multi-tensor update kernel (``kernels.run`` signature) over ``plan``."""
-    if plan.nchunks == 0:
-        return
-    dummy = plan.rows  # stands in for absent pointers; never read (the HAS_* flags are off)
-    launch = plan.launch
-    key = ("update", _tables_key(plan), plan.codes, _ptr_class(hp), _ptr_class(grad_scale), _ptr_class(clip),
-           _ptr_class(found_inf), width)
-    launcher(
-        kernel, (plan.nchunks,), plan.rows, plan.chunks, dummy if hp is None else hp, plan.arrivals,
-        dummy if grad_scale is None else grad_scale, dummy if clip is None else clip,
-        dummy if found_inf is None else found_inf, float(ema_w),
-        BLOCK=launch.block, NB=launch.unroll, CODES=plan.codes, ALIGNED=plan.aligned,
-        HAS_SCALE=grad_scale is not None, HAS_CLIP=clip is not None,
-        HAS_INF=found_inf is not None, WIDTH=width, num_warps=launch.num_warps, key=key,
-    )
-
-
-def launch_stats(launcher: CachedLauncher, plan: _Plan, out: torch.Tensor, *,
-                 grad_scale: torch.Tensor | None = None, max_norm: float = 0.0,
-                 norm_type: float | None = None) -> None:
-    """One launch of the gradient-statistics pass: ``out[0:3] = [norm of grad / grad_scale,
-    clip coefficient for max_norm, 1.0 if any grad is inf/NaN]`` (norm_type None: the check only)."""
-    if plan.ngrad == 0:  # no gradient this step: norm 0, nothing to clip, nothing non-finite
-        out[:3].copy_(torch.tensor([0.0, 1.0, 0.0]), non_blocking=True)
-        return
-    if plan.partials is None:
-        device = plan.rows.device
-        plan.partials = torch.empty(plan.ngrad, dtype=torch.float32, device=device)
-        plan.flags = torch.empty(plan.ngrad, dtype=torch.int32, device=device)
-        plan.counter = torch.tensor([0, plan.ngrad], dtype=torch.int32).to(device)
-    norm = kernels.NORM_NONE.value if norm_type is None else NORM_KINDS[float(norm_type)]
-    launch = plan.launch
-    key = ("stats", _tables_key(plan), plan.pds, _ptr_class(grad_scale), _ptr_class(out), norm)
-    launcher(
-        kernels.grad_stats_kernel, (plan.ngrad,), plan.rows, plan.chunks,
-        plan.rows if grad_scale is None else grad_scale, plan.partials, plan.flags, plan.counter,
-        out, float(max_norm),
-        BLOCK=launch.block, NB=launch.unroll, PDS=plan.pds, ALIGNED=plan.aligned,
-        HAS_SCALE=grad_scale is not None, NORM=norm, num_warps=launch.num_warps, key=key,
-    )
 
 
 class MultiTensorEngine:
@@ -293,12 +56,12 @@ class MultiTensorEngine:
         """Forget every table (param groups, states or layouts changed)."""
         self._launcher = CachedLauncher()
         self._indexed = False
-        self._plans: dict[torch.device, _Plan] = {}
+        self._plans: dict[torch.device, Plan] = {}
         self._hp: dict[torch.device, tuple[list[float], torch.Tensor]] = {}
         self._stats: dict[torch.device, torch.Tensor] = {}
         self._clip_view: torch.Tensor | None = None
         # device -> (grad_scale, plan) of a statistics pass GradScaler ran just before the step
-        self._checked: dict[torch.device, tuple[torch.Tensor, _Plan]] = {}
+        self._checked: dict[torch.device, tuple[torch.Tensor, Plan]] = {}
         self._ekey_flat = None  # the EMA pair list _ekey_tensors was made from
 
     # ---- indexing and validation -------------------------------------------------------------
@@ -353,7 +116,7 @@ class MultiTensorEngine:
                                   "works over a param's storage, so pass a dense param")
 
     # ---- the step ------------------------------------------------------------------------------
-    def _hot_plan(self, device) -> _Plan | None:
+    def _hot_plan(self, device) -> Plan | None:
         """The cached plan when params, grads and EMA tensors sit where it expects them: two
         address lists compared (the grads', then the params' and EMA tensors' together), the
         whole check for yolov5n's 219 params and 358 EMA tensors."""
@@ -541,7 +304,7 @@ class MultiTensorEngine:
             return False
         return pkey == plan.pkey and gkey == plan.gkey and plan.ekey == self._ema_key()
 
-    def _plan_for(self, device, idx, grads) -> _Plan | None:
+    def _plan_for(self, device, idx, grads) -> Plan | None:
         """The plan for this step: cached, grad column patched, or rebuilt. None when the params
         moved to other devices (the caller starts over)."""
         plan = self._plans.get(device)
@@ -640,7 +403,7 @@ class MultiTensorEngine:
         cached = self._hp.get(device)
         if cached is None or cached[0] != values:
             self.client._check_hparams()
-            hp = _upload(torch.tensor(values, dtype=torch.float64), device)
+            hp = upload(torch.tensor(values, dtype=torch.float64), device)
             self._hp[device] = (values, hp)
         else:
             hp = cached[1]
@@ -648,7 +411,7 @@ class MultiTensorEngine:
             hp[k : k + 1].copy_(t.reshape(1), non_blocking=True)
         return hp
 
-    def _build(self, device, idx, grads) -> _Plan:
+    def _build(self, device, idx, grads) -> Plan:
         client = self.client
         groups = client.param_groups
         builder = RowBuilder()
@@ -686,27 +449,4 @@ class MultiTensorEngine:
         return plan
 
 
-class TensorListPlans:
-    """Plans for lists of tensors that are not an optimizer's params (clipping, FusedEMA), keyed by
-    the tensors' addresses, sizes and dtypes, so a list seen again reuses its tables."""
-
-    def __init__(self, size: int = 8) -> None:
-        self._plans: dict[tuple, _Plan] = {}
-        self._size = size
-        self.launcher = CachedLauncher()
-
-    def lookup(self, key: tuple) -> _Plan | None:
-        return self._plans.get(key)
-
-    def get(self, key: tuple, build) -> _Plan:
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self._size:
-                self._plans.pop(next(iter(self._plans)))
-            plan = self._plans[key] = build()
-        return plan
-
-
-__all__ = ["DTYPE_CODES", "LaunchConfig", "MultiTensorEngine", "RowBuilder", "TensorListPlans",
-           "code_of", "config", "conform", "master_config", "is_dense", "launch_stats", "launch_update",
-           "same_layout"]
+__all__ = ["MultiTensorEngine"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainfuse._backend import interpreting
+from trainfuse._runtime.backend import interpreting
 
 
 def _hooked(hook) -> bool:
