@@ -96,9 +96,10 @@ def test_matches_ultralytics_model_ema_on_yolov5n(kernels, device, monkeypatch):
 
     monkeypatch.setattr(config, "block", 1024)  # 2.6M params: keep the interpreter's program count low
     monkeypatch.setattr(config, "unroll", 4)
-    theirs, ours = ModelEMA(model, updates=2990), FusedEMA(model, updates=2990)
-    n = sum(1 for v in ours.ema.state_dict().values() if v.dtype.is_floating_point)
-    assert n == 358  # floating-point params and buffers of yolov5n
+    start = 2990
+    theirs, ours = ModelEMA(model, updates=start), FusedEMA(model, updates=start)
+    floating = [k for k, v in model.state_dict().items() if v.dtype.is_floating_point]
+    assert len(ours.tensors()) == 2 * len(floating)  # every floating param and buffer, paired
     for _ in range(3):  # updates 2991..2993: weights on both sides of 0.5 come from the ramp below
         _perturb(model)
         theirs.update(model)
@@ -122,7 +123,8 @@ def test_attached_ema_equals_step_then_update(cls, hp, dtype, kernels, device, m
     twin = copy.deepcopy(model)
     ours = cls(model.parameters(), **hp)
     theirs = cls(twin.parameters(), **hp)
-    ema_a, ema_b = FusedEMA(model, updates=2990), FusedEMA(twin, updates=2990)
+    start = 2990
+    ema_a, ema_b = FusedEMA(model, updates=start), FusedEMA(twin, updates=start)
     ours.attach_ema(ema_a)
     x = torch.randn(4, 3, 8, 8, device=device, dtype=dtype)
     for _ in range(3):
@@ -135,7 +137,7 @@ def test_attached_ema_equals_step_then_update(cls, hp, dtype, kernels, device, m
         ema_a.update(model)  # attached: the step did it, this is a no-op
         theirs.step()
         ema_b.update(twin)
-    assert ema_a.updates == ema_b.updates == 2993
+    assert ema_a.updates == ema_b.updates == start + 3
     for (k, a), b in zip(ema_a.ema.state_dict().items(), ema_b.ema.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=k)
 

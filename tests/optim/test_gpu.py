@@ -100,4 +100,7 @@ def test_fused_grad_scaler_is_three_launches_for_the_ultralytics_phase():
         opt.zero_grad()
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name]
-    assert len(kernels) <= 3, kernels
+    # exactly: the statistics pass, the update (EMA folded in), torch's scale update
+    assert len(kernels) == 3, kernels
+    assert "grad_stats_kernel" in kernels[0] and "sgd_kernel" in kernels[1], kernels
+    assert "update_scale" in kernels[2], kernels

@@ -87,7 +87,7 @@ def fuse_casts(model: nn.Module, optimizer: FusedOptimizer, dtype: torch.dtype =
                 if p.grad is not None:
                     p.grad = None  # a float32 grad cannot stay on a 16-bit param
                 if id(p) in owned:
-                    optimizer._seed_master(p, p.detach())
+                    optimizer.seed_master(p, p.detach())
                 original[f"{mname}.{pname}" if mname else pname] = p.dtype
                 p.data = p.data.to(dtype)
     return model

@@ -43,7 +43,7 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         grad_scale = None
         if state["stage"] is OptState.READY:
-            found = optimizer._engine.check_grads(self._scale)
+            found = optimizer.check_grads(self._scale)
             if found is None:  # the optimizer runs torch's path here: torch's check
                 return super().step(optimizer, *args, **kwargs)
             state["found_inf_per_device"] = found
@@ -58,7 +58,7 @@ class GradScaler(torch.amp.GradScaler):
         finally:
             del optimizer.grad_scale
             del optimizer.found_inf
-            optimizer._engine.forget_check()
+            optimizer.discard_grad_check()
         state["stage"] = OptState.STEPPED
         return retval
 

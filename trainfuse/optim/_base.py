@@ -1,10 +1,11 @@
-"""What every fused optimizer shares: torch.optim's contract on top of the multi-tensor engine.
+"""What every fused optimizer shares: torch.optim's contract on top of the step driver.
 
-A client subclass supplies the per-param state (:meth:`_state_keys`, :meth:`_init_state`), its
-per-group hyperparameters as a fixed-width row (:meth:`_hparams`), its Triton kernel (``_kernel``,
-written with ``trainfuse._engine.kernels``) and the torch reference step
-(:meth:`_torch_group_step`). Everything else (tables, caching, AMP, validation, state_dict) lives
-here and in ``trainfuse._engine``.
+A subclass supplies the per-param state (:meth:`state_keys`, :meth:`init_state`,
+:meth:`step_tensor`), its per-group hyperparameters as a fixed-width row (:meth:`hparams_row`,
+checked by :meth:`validate_group`), its Triton kernel (``kernel``, written with
+``trainfuse._multi_tensor.kernels``) and the torch reference step (:meth:`torch_group_step`).
+Tables, caching, AMP, validation and state_dict live here and in :mod:`trainfuse.optim.engine`,
+which drives the step through these methods.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.optim.optimizer import (
 
 from trainfuse._multi_tensor.tables import conform, same_layout
 from trainfuse.optim.engine import MultiTensorEngine
+from trainfuse.optim.tracked import ParamList, StateDict
 
 # state key of the float32 master weight of a 16-bit param (saved in state_dict like any state)
 MASTER_KEY = "master_param"
@@ -56,10 +58,11 @@ class FusedOptimizer(Optimizer):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a number >= 0)")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._ema = None
-        self._ema_w: float | None = None
+        self.ema_weight: float | None = None
         self._engine = MultiTensorEngine(self)
         super().__init__(params, defaults)
-        self._check_hparams()
+        self.track_mutations()
+        self.check_hparams()
 
     # ---- torch.optim contract ----------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -72,10 +75,11 @@ class FusedOptimizer(Optimizer):
                         f"{tuple(p.shape)}); view them as real with torch.view_as_real"
                     )
             if self._hparams_checked:
-                self._check_hparams()
+                self.check_hparams()
         except ValueError:
             self.param_groups.pop()
             raise
+        self.param_groups[-1]["params"] = ParamList(self.param_groups[-1]["params"])
         self._engine.invalidate()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -96,19 +100,58 @@ class FusedOptimizer(Optimizer):
                 self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
         self._engine.invalidate()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch keeps defaults, state and param_groups; a copy must also clip, fold its EMA and
+        # keep masters (those live in the groups and the state) exactly as this one does
+        state = super().__getstate__()
+        state["max_grad_norm"] = self.max_grad_norm
+        state["_ema"] = self._ema
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("max_grad_norm", None)
         self.__dict__.setdefault("_ema", None)
-        self.__dict__.setdefault("_ema_w", None)
+        self.__dict__.setdefault("ema_weight", None)
         self._engine = MultiTensorEngine(self)
+        self.track_mutations()
+
+    def track_mutations(self) -> None:
+        """Make ``state`` a :class:`~trainfuse.optim.tracked.StateDict` and every group's
+        ``params`` a :class:`~trainfuse.optim.tracked.ParamList` (same contents), so that the step
+        driver sees any change to them in O(1) before it launches on its cached tables."""
+        if type(self.state) is not StateDict:
+            self.state = StateDict(self.state)
+        for group in self.param_groups:
+            if type(group["params"]) is not ParamList:
+                group["params"] = ParamList(group["params"])
+
+    def plan_key(self, group: dict[str, Any]) -> tuple:
+        """What of ``group`` shapes the kernel's tables besides addresses: which state tensors a
+        param carries (momentum, amsgrad) and whether it keeps a float32 master. A change rebuilds
+        the tables before the next launch."""
+        return self.state_keys(group), bool(group.get("master_weights"))
 
     # ---- gradient clipping, masters, EMA ------------------------------------------------------
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm the last step clipped with (``max_grad_norm``): a device
-        tensor, read without a host sync; None before the first clipping step."""
+        tensor, read without a host sync; None when no step has computed a norm (no
+        ``max_grad_norm``, or no step yet)."""
         return self._engine.grad_norm()
+
+    def check_grads(self, grad_scale: torch.Tensor) -> dict[torch.device, torch.Tensor] | None:
+        """GradScaler's inf/NaN check of the scaled grads, done by the statistics pass the step
+        runs anyway (which also takes the clipping norm when ``max_grad_norm`` is set): returns
+        ``{device: found_inf}`` without a host sync, or None where the kernels do not run (params
+        on several devices, the torch path): the caller then checks as torch does. The next
+        :meth:`step` consumes the result; :meth:`discard_grad_check` drops it."""
+        return self._engine.check_grads(grad_scale)
+
+    def discard_grad_check(self) -> None:
+        """Forget a :meth:`check_grads` result that no step consumed (the step raised), so the
+        next step validates its grads again."""
+        self._engine.forget_check()
 
     def attach_ema(self, ema) -> None:
         """Fold ``ema`` (a :class:`trainfuse.optim.FusedEMA` of the model these params belong to)
@@ -118,25 +161,25 @@ class FusedOptimizer(Optimizer):
         nothing: each ``step()`` counts one EMA update, also when GradScaler skips the step
         (ModelEMA updates after every optimizer step too). ``attach_ema(None)`` detaches."""
         if self._ema is not None:
-            self._ema._attached = None
+            self._ema.attached = None
         if ema is not None:
-            if getattr(ema, "_attached", None) not in (None, self):
+            if getattr(ema, "attached", None) not in (None, self):
                 raise ValueError(f"{type(self).__name__}.attach_ema: this EMA is attached to another "
                                  "optimizer")
-            ema._attached = self
+            ema.attached = self
         self._ema = ema
         self._engine.invalidate()
 
-    def _ema_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        return None if self._ema is None else self._ema._target_of(p)
+    def ema_target(self, p: torch.Tensor) -> torch.Tensor | None:
+        return None if self._ema is None else self._ema.target_of(p)
 
-    def _ema_pairs(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [] if self._ema is None else self._ema._pairs_on(device)
+    def ema_pairs(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [] if self._ema is None else self._ema.pairs_on(device)
 
-    def _ema_all_pairs(self) -> list[torch.Tensor] | None:
-        return None if self._ema is None else self._ema._key_tensors()
+    def ema_tensors(self) -> list[torch.Tensor] | None:
+        return None if self._ema is None else self._ema.tensors()
 
-    def _master_of(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
+    def master_of(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
         """The float32 master of a 16-bit ``p`` (created from ``p`` the first time, when the group
         asks for masters), or None."""
         state = self.state.get(p)
@@ -150,7 +193,7 @@ class FusedOptimizer(Optimizer):
             self.state[p][MASTER_KEY] = master
         return master
 
-    def _seed_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
+    def seed_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
         """Keep ``value`` (float32) as ``p``'s master, before ``p`` is cast to 16 bits."""
         self.state[p][MASTER_KEY] = value.detach().float().clone(memory_format=torch.preserve_format)
         for group in self.param_groups:
@@ -187,9 +230,9 @@ class FusedOptimizer(Optimizer):
         """
         if self._ema is not None and self._ema.enabled:
             self._ema.updates += 1
-            self._ema_w = 1.0 - self._ema.decay(self._ema.updates)
+            self.ema_weight = 1.0 - self._ema.decay(self._ema.updates)
         else:
-            self._ema_w = None
+            self.ema_weight = None
         if (closure is None and not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
                 and not self._optimizer_step_pre_hooks and not self._optimizer_step_post_hooks
                 and not torch.autograd._profiler_enabled()):
@@ -222,18 +265,18 @@ class FusedOptimizer(Optimizer):
         return loss
 
     # ---- state ---------------------------------------------------------------------------------
-    def _prepare_state(self, p: torch.Tensor, group: dict[str, Any], kernels: bool):
+    def prepare_state(self, p: torch.Tensor, group: dict[str, Any], kernels: bool):
         """The state tensors of ``p`` in kernel operand order, its step counter and its float32
         master (or None), created on first use and made to match the param's device and memory
         layout (a state_dict saved from a contiguous model loads into a channels_last one) and
         dtype (float32 beside a master)."""
-        keys = self._state_keys(group)
-        master = self._master_of(p, group)
+        keys = self.state_keys(group)
+        master = self.master_of(p, group)
         like = p if master is None else master
         # torch.optim leaves no entry for stateless params (SGD without momentum)
         state = self.state[p] if keys or master is not None else self.state.get(p, {})
         if any(state.get(k) is None for k in keys):
-            self._init_state(p, group, state, like)
+            self.init_state(p, group, state, like)
         states = []
         for k in keys:
             t = state[k]
@@ -241,7 +284,7 @@ class FusedOptimizer(Optimizer):
                 t = conform(t, like)
                 state[k] = t
             states.append(t)
-        step = self._step_tensor(p, state, kernels)
+        step = self.step_tensor(p, state, kernels)
         return states, step, master
 
     def _new_step(self, p: torch.Tensor, kernels: bool, value: float = 0.0) -> torch.Tensor:
@@ -256,32 +299,32 @@ class FusedOptimizer(Optimizer):
             return step.detach().reshape(()).to(device=p.device, dtype=torch.float32)
         return step
 
-    def _check_hparams(self) -> None:
+    def check_hparams(self) -> None:
         """Validate every group's hyperparameters; runs at construction and when one changes."""
         self._hparams_checked = True
         for group in self.param_groups:
-            self._validate_group(group)
+            self.validate_group(group)
 
     # ---- client hooks --------------------------------------------------------------------------
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+    def state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         raise NotImplementedError
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
+    def init_state(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
                     like: torch.Tensor) -> None:
         """Create the missing state tensors of ``p`` (not its step counter) like ``like`` (the
         param, or its float32 master)."""
         raise NotImplementedError
 
-    def _step_tensor(self, p: torch.Tensor, state: dict[str, Any], kernels: bool) -> torch.Tensor:
+    def step_tensor(self, p: torch.Tensor, state: dict[str, Any], kernels: bool) -> torch.Tensor:
         raise NotImplementedError
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
+    def validate_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _hparams(self, group: dict[str, Any]) -> list[float | torch.Tensor]:
+    def hparams_row(self, group: dict[str, Any]) -> list[float | torch.Tensor]:
         raise NotImplementedError
 
-    def _torch_group_step(self, group: dict[str, Any], params: list, grads: list,
+    def torch_group_step(self, group: dict[str, Any], params: list, grads: list,
                           weights: list) -> None:
         """torch.optim's step for ``params`` (whose states it uses), applied to ``weights`` (the
         params themselves, or their float32 masters)."""

@@ -158,7 +158,7 @@ class FusedAdam(FusedOptimizer):
         >>> opt.step()
     """
 
-    _kernel = _adam_kernel
+    kernel = _adam_kernel
 
     def __init__(
         self,
@@ -208,7 +208,7 @@ class FusedAdam(FusedOptimizer):
             group.setdefault("fused", None)
             group.setdefault("decoupled_weight_decay", isinstance(self, FusedAdamW))
 
-    def _validate_group(self, group: dict[str, Any]) -> None:
+    def validate_group(self, group: dict[str, Any]) -> None:
         lr = group["lr"]
         if not isinstance(lr, torch.Tensor) or lr.device.type == "cpu":
             if not 0.0 <= float(lr):
@@ -221,32 +221,38 @@ class FusedAdam(FusedOptimizer):
         if not 0.0 <= group["weight_decay"]:
             raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
 
-    def _state_keys(self, group):
+    def state_keys(self, group):
         if group["amsgrad"]:
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         return ("exp_avg", "exp_avg_sq")
 
-    def _init_state(self, p, group, state, like):
-        state.setdefault("step", 0.0)  # made a tensor by _step_tensor, first key as in torch
-        for k in self._state_keys(group):
+    def init_state(self, p, group, state, like):
+        if group["amsgrad"] and "exp_avg" in state and state.get("max_exp_avg_sq") is None:
+            raise KeyError(
+                f"{type(self).__name__}: amsgrad is on but a param of shape {tuple(p.shape)} has "
+                "state without 'max_exp_avg_sq' (amsgrad was turned on after it had state); "
+                "torch.optim raises this KeyError too. Set amsgrad when creating the optimizer, "
+                "or clear that param's state first")
+        state.setdefault("step", 0.0)  # made a tensor by step_tensor, first key as in torch
+        for k in self.state_keys(group):
             if state.get(k) is None:
                 state[k] = torch.zeros_like(like, memory_format=torch.preserve_format)
 
-    def _step_tensor(self, p, state, kernels):
+    def step_tensor(self, p, state, kernels):
         step = self._conform_step(state.get("step", 0.0), p, kernels)
         state["step"] = step
         return step
 
-    def _hparams(self, group):
+    def hparams_row(self, group):
         beta1, beta2 = group["betas"]
         return [group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                 float(group["maximize"]), float(group["amsgrad"]),
                 float(group["decoupled_weight_decay"])]
 
-    def _torch_group_step(self, group, params, grads, weights):
+    def torch_group_step(self, group, params, grads, weights):
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
         for p in params:
-            states, step, _ = self._prepare_state(p, group, kernels=False)
+            states, step, _ = self.prepare_state(p, group, kernels=False)
             exp_avgs.append(states[0])
             exp_avg_sqs.append(states[1])
             if group["amsgrad"]:

@@ -29,11 +29,13 @@ from trainfuse._multi_tensor.tables import (
     DTYPE_CODES,
     OP_EMA,
     OP_PARAM,
+    Plan,
     RowBuilder,
     TensorListPlans,
     code_of,
     is_dense,
     launch_update,
+    same_layout,
 )
 from trainfuse._runtime.backend import use_triton
 
@@ -57,6 +59,29 @@ def copy_attr(a: object, b: object, include=(), exclude=()) -> None:
         if (len(include) and k not in include) or k.startswith("_") or k in exclude:
             continue
         setattr(a, k, v)
+
+
+class DecayRamp:
+    """``decay * (1 - exp(-updates / tau))``, ModelEMA's decay ramp, as a picklable callable."""
+
+    def __init__(self, decay: float, tau: float) -> None:
+        self.decay, self.tau = decay, tau
+
+    def __call__(self, updates: float) -> float:
+        return self.decay * (1 - math.exp(-updates / self.tau))
+
+
+def match_layout(ema: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``ema`` with ``src``'s memory layout: where the two differ (say the model went
+    channels_last after the EMA was made), ``ema``'s data is copied into ``src``'s layout in place
+    of the old, keeping its values and dtype. The fused kernels pair element k of each tensor's
+    memory, so the two must agree."""
+    if ema.shape == src.shape and is_dense(src) and not (is_dense(ema) and same_layout(ema, src)):
+        relaid = torch.empty_like(src, dtype=ema.dtype, device=ema.device)
+        with torch.no_grad():
+            relaid.copy_(ema)
+        ema.data = relaid
+    return ema
 
 
 class FusedEMA:
@@ -84,11 +109,11 @@ class FusedEMA:
         if hasattr(self.ema, "teacher_model"):  # as ultralytics: no duplicate of a distillation teacher
             self.ema.teacher_model = None
         self.updates = updates
-        self.decay = lambda x: decay * (1 - math.exp(-x / tau))
+        self.decay = DecayRamp(decay, tau)
         for p in self.ema.parameters():
             p.requires_grad_(False)
         self.enabled = True
-        self._attached = None
+        self.attached = None  # the fused optimizer whose step folds this EMA in, if any
         self._plans = TensorListPlans()
         self._model = weakref.ref(model)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -115,23 +140,30 @@ class FusedEMA:
         return self._pairs
 
     def __getstate__(self):
+        # the pairs travel (a copy of an optimizer with this EMA attached pairs the copied
+        # params); tables, the weak model reference and the id-keyed index do not
         state = self.__dict__.copy()
-        state["_plans"] = state["_model"] = state["_pairs"] = state["_last"] = None
-        state["_attached"] = None
+        state["_plans"] = state["_model"] = state["_last"] = None
+        state.pop("_by_src", None)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._plans = TensorListPlans()
         self._model = lambda: None
+        if self._pairs is not None:
+            self._by_src = {id(src): e for e, src in self._pairs}
 
     def update(self, model: nn.Module) -> None:
         """One EMA update toward ``model`` (a no-op while attached to an optimizer, whose step
         already did it)."""
-        if not self.enabled or self._attached is not None:
+        if not self.enabled or self.attached is not None:
             return
         self.updates += 1
         w = 1.0 - self.decay(self.updates)
+        model = _unwrap(model)
+        if self._model() is not model:  # another model (or a copy of this EMA): pair with it
+            self._pairs, self._last, self._model = None, None, weakref.ref(model)
         self._ensure_pairs(model)
         if self._last is not None:  # the hot path: one device, tensors where the plan has them
             key, plan = self._last
@@ -165,11 +197,14 @@ class FusedEMA:
                 return False
             if e.dtype not in (torch.float32, src.dtype):
                 return False
+        for e, src in pairs:
+            match_layout(e, src)
         return True
 
-    def _launch(self, device, pairs, w: float) -> None:
+    def _launch(self, device, pairs, w: float) -> Plan:
         flat = [t for pair in pairs for t in pair]
-        key = (device, *map(_data_ptr, flat))
+        # the plan is a function of these alone (pairs share a layout: _kernel_ok matched them)
+        key = (device, *((t.data_ptr(), t.numel(), t.dtype) for t in flat))
 
         def build():
             for t in flat:
@@ -185,14 +220,20 @@ class FusedEMA:
         return plan
 
     # ---- what an optimizer with this EMA attached reads --------------------------------------
-    def _target_of(self, p: torch.Tensor) -> torch.Tensor | None:
+    def target_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The EMA tensor that follows ``p`` (laid out like ``p``), or None."""
         self._ensure_pairs()
-        return self._by_src.get(id(p))
+        e = self._by_src.get(id(p))
+        return None if e is None else match_layout(e, p)
 
-    def _pairs_on(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(e, src) for e, src in self._ensure_pairs() if e.device == device]
+    def pairs_on(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(ema tensor, model tensor)`` pairs on ``device``, each EMA tensor laid out like its
+        model tensor."""
+        return [(match_layout(e, src), src) for e, src in self._ensure_pairs() if e.device == device]
 
-    def _key_tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
+        """Every EMA tensor and model tensor, flat; the same list object until the pairs change,
+        so a caller can tell by identity that they did not."""
         self._ensure_pairs()
         return self._flat
 

@@ -1,12 +1,45 @@
 """The fused optimizers' step driver: one multi-tensor launch per device over every param group.
 
-(docstring completed below)
+Per device the driver keeps a *plan* (``trainfuse._multi_tensor.tables``): a row per param with
+the raw addresses of its param, grad, float32 master, EMA tensor, state tensors and step counter,
+and a work item per chunk. Launching from cached addresses is what makes a step cheap on the host,
+so the plan must never outlive what it points at. The property, and how it holds:
+
+* **Every address in a plan belongs to a storage the plan keeps alive, or is compared before each
+  launch.** The plan holds the storages of every param, master, EMA tensor (and its source), state
+  tensor and step counter it addresses (``plan.keepalive``), so a ``state.clear()`` or a
+  ``p.data = ...`` can never leave it writing into memory the allocator has handed to someone
+  else. Grads are not held (``zero_grad(set_to_none=True)`` must give their memory back, so the
+  next backward gets the same addresses): their addresses, and the params' and EMA tensors', are
+  compared with the plan's before every launch (:meth:`MultiTensorEngine._hot_plan`).
+* **Anything that changes what the rows should hold rebuilds the plan.** Before every step, in
+  O(number of groups): the optimizer's ``state`` container and each group's ``params`` list are
+  compared by identity and by their mutation counters (:mod:`trainfuse.optim.tracked`), and each
+  group's :meth:`~trainfuse.optim._base.FusedOptimizer.plan_key` (which states a param carries:
+  momentum, amsgrad; float32 masters). ``state.clear()``, ``opt.state = defaultdict(dict)``, a
+  replaced state tensor, a param appended to or replaced in a group, momentum turned on: each
+  drops the plans, and the next launch runs on tables built from what is there now (turning
+  amsgrad on over existing state raises torch's ``KeyError``). ``add_param_group``,
+  ``load_state_dict`` and ``attach_ema`` drop them explicitly; a moved param, grad or EMA tensor, a
+  grad that became None and a layout change are caught by the address comparison.
+* **Layouts.** A row pairs element k of each operand's memory, so every operand must have the
+  param's memory layout: grads with other strides go through a conformed copy, states and masters
+  are conformed when the plan is built, and an EMA tensor is re-laid-out like its source (see
+  :class:`trainfuse.optim.FusedEMA`).
+
+``tests/optim/test_mutations.py`` interleaves steps with random mutations against torch.optim
+(through the Triton interpreter on CPU; on a GPU under ``compute-sanitizer --tool memcheck`` with
+``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so a read of freed memory is a reported error).
+
+Besides the update the step can clip the gradients to a global norm (``max_grad_norm``: one
+statistics launch before the update, or none when GradScaler already ran it through
+:meth:`MultiTensorEngine.check_grads`), keep float32 masters of 16-bit params and fold an attached
+EMA into the update (EMA rows, plus EMA-only rows for buffers).
 """
 
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,9 +65,6 @@ from trainfuse._multi_tensor.tables import (
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import CachedLauncher
 
-if TYPE_CHECKING:
-    from trainfuse.optim._base import FusedOptimizer
-
 _grad = operator.attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
 
@@ -42,13 +72,14 @@ _data_ptr = torch.Tensor.data_ptr
 class MultiTensorEngine:
     """Runs one optimizer's step over all its params: Triton plans per device, or the torch path.
 
-    Besides the update itself the step can clip the gradients to a global norm (the client's
-    ``max_grad_norm``: one statistics launch before the update, or none when GradScaler already
-    ran it through :meth:`check_grads`), keep float32 masters of 16-bit params (row code MASTER)
-    and fold an attached EMA into the update (EMA rows, plus EMA-only rows for buffers).
+    The optimizer (the *client*) supplies, as methods: ``state_keys``, ``init_state``,
+    ``prepare_state``, ``step_tensor``, ``plan_key``, ``hparams_row``, ``check_hparams``,
+    ``torch_group_step``, ``master_of``, ``ema_target``, ``ema_pairs``, ``ema_tensors``,
+    ``track_mutations``, and as attributes ``kernel``, ``HP_WIDTH``, ``max_grad_norm`` and
+    ``ema_weight`` (see :class:`trainfuse.optim._base.FusedOptimizer`).
     """
 
-    def __init__(self, client: FusedOptimizer):
+    def __init__(self, client: torch.optim.Optimizer):
         self.client = client
         self.invalidate()
 
@@ -63,9 +94,45 @@ class MultiTensorEngine:
         # device -> (grad_scale, plan) of a statistics pass GradScaler ran just before the step
         self._checked: dict[torch.device, tuple[torch.Tensor, Plan]] = {}
         self._ekey_flat = None  # the EMA pair list _ekey_tensors was made from
+        self._structure: tuple | None = None  # what _snapshot saw after the last step
+        self._norm_ready = False  # whether _stats holds a norm a step computed
+
+    # ---- what the tables depend on besides addresses ---------------------------------------
+    def _snapshot(self) -> tuple:
+        """The optimizer's state container, its param lists and each group's :meth:`plan_key`,
+        with the containers' mutation counters, as they are now."""
+        client = self.client
+        groups = client.param_groups
+        lists = [g["params"] for g in groups]
+        return (client.state, client.state.version, groups, len(groups), lists,
+                [lst.version for lst in lists], [client.plan_key(g) for g in groups])
+
+    def _structure_changed(self) -> bool:
+        """True when anything :meth:`_snapshot` covers changed since the last step: O(groups)."""
+        state, version, groups, ngroups, lists, versions, keys = self._structure
+        client = self.client
+        if client.state is not state or state.version != version:
+            return True
+        if client.param_groups is not groups or len(groups) != ngroups:
+            return True
+        for g, lst, ver, key in zip(groups, lists, versions, keys):
+            params = g["params"]
+            if params is not lst or params.version != ver or client.plan_key(g) != key:
+                return True
+        return False
+
+    def _check_structure(self) -> None:
+        """Drop every plan when the state, a param list or a state-shaping hyperparameter
+        changed: the next launch then runs on tables built from what is there now."""
+        if self._structure is None or self._structure_changed():
+            self._structure = None
+            self._plans.clear()
+            self._checked.clear()
+            self._index()
 
     # ---- indexing and validation -------------------------------------------------------------
     def _index(self) -> None:
+        self.client.track_mutations()
         groups = self.client.param_groups
         self._params = [p for g in groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
@@ -133,11 +200,16 @@ class MultiTensorEngine:
         for p in plan.without_grad:  # frozen params: usually none, or a few
             if p.grad is not None:
                 return None
-        if plan.eflat is not self.client._ema_all_pairs():  # EMA attached, detached or re-paired
+        if plan.eflat is not self.client.ema_tensors():  # EMA attached, detached or re-paired
             return None
         return plan
 
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        self._check_structure()
+        self._step(grad_scale, found_inf)
+        self._structure = self._snapshot()
+
+    def _step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         if not self._indexed:
             self._index()
         params = self._params
@@ -175,8 +247,7 @@ class MultiTensorEngine:
         """GradScaler's inf/NaN check, run by the statistics pass the step needs anyway (it also
         takes the clipping norm): returns ``{device: found_inf}``, or None where this engine cannot
         (params on several devices or on the torch path: the caller then checks as torch does)."""
-        if not self._indexed:
-            self._index()
+        self._check_structure()
         if not self._single:
             return None
         (device,) = self._devices
@@ -191,10 +262,12 @@ class MultiTensorEngine:
         if grad_scale.device != device:
             grad_scale = grad_scale.to(device, non_blocking=True)
         out = self._stats_out(device)
+        clipping = self.client.max_grad_norm is not None
         launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
-                     max_norm=self.client.max_grad_norm or 0.0,
-                     norm_type=None if self.client.max_grad_norm is None else 2.0)
+                     max_norm=self.client.max_grad_norm or 0.0, norm_type=2.0 if clipping else None)
+        self._norm_ready = self._norm_ready or clipping
         self._checked[device] = (grad_scale, plan)
+        self._structure = self._snapshot()
         return {device: out[2]}
 
     def forget_check(self) -> None:
@@ -216,7 +289,10 @@ class MultiTensorEngine:
         return out
 
     def grad_norm(self) -> torch.Tensor | None:
-        """Total gradient norm taken by the last clipping step (a device tensor, no sync)."""
+        """Total gradient norm taken by the last clipping step (a device tensor, no sync), or
+        None when no step computed one."""
+        if not self._norm_ready:
+            return None
         for out in self._stats.values():
             return out[0]
         return None
@@ -244,21 +320,22 @@ class MultiTensorEngine:
                 if client.max_grad_norm is not None and all_grads:
                     total = torch.nn.utils.clip_grad_norm_(all_grads, client.max_grad_norm)
                     self._stats_out(device)[0].copy_(total)
+                    self._norm_ready = True
                 for gi, (ps, gs, _) in by_group.items():
-                    masters = [client._master_of(p, groups[gi]) for p in ps]
+                    masters = [client.master_of(p, groups[gi]) for p in ps]
                     if any(m is not None for m in masters):  # float32 math on the masters
                         ws = [p if m is None else m for p, m in zip(ps, masters)]
                         gs32 = [g if m is None else g.float() for g, m in zip(gs, masters)]
-                        client._torch_group_step(groups[gi], ps, gs32, ws)
+                        client.torch_group_step(groups[gi], ps, gs32, ws)
                         for p, m in zip(ps, masters):
                             if m is not None:
                                 p.copy_(m)
                     else:
-                        client._torch_group_step(groups[gi], ps, gs, ps)
-            ema_w = client._ema_w
+                        client.torch_group_step(groups[gi], ps, gs, ps)
+            ema_w = client.ema_weight
             if ema_w is not None:
                 ema, src = [], []
-                for e, t in client._ema_pairs(device):
+                for e, t in client.ema_pairs(device):
                     ema.append(e)
                     src.append(t)
                 if ema:
@@ -281,7 +358,7 @@ class MultiTensorEngine:
         """The attached EMA's tensors and their sources, less the sources that are this
         optimizer's params: every check of their addresses checks the params' too (yolov5n: 503
         addresses a step instead of 716)."""
-        flat = self.client._ema_all_pairs()
+        flat = self.client.ema_tensors()
         if flat is None:
             return None
         if self._ekey_flat is not flat:
@@ -322,13 +399,13 @@ class MultiTensorEngine:
                         return None
                 plan = self._build(device, idx, grads)
                 plan.pkey, plan.gkey = self._keys(idx, grads)
-                plan.ekey = ekey
+                plan.ekey = self._ema_key()  # after the build, which may re-lay-out EMA tensors
                 self._plans[device] = plan
         if idx is None:  # what the single-device hot path compares
             plan.with_grad = [p for p, g in zip(self._params, grads) if g is not None]
             plan.without_grad = [p for p, g in zip(self._params, grads) if g is None]
             plan.hot_gkey = [g.data_ptr() for g in grads if g is not None]
-            plan.eflat = self.client._ema_all_pairs()
+            plan.eflat = self.client.ema_tensors()
             plan.fixed = self._params + (self._ema_tensors() or [])
             plan.fixed_key = list(map(_data_ptr, plan.fixed))
         return plan
@@ -378,9 +455,10 @@ class MultiTensorEngine:
             if checked is None or checked[0] is not grad_scale:  # GradScaler did not run it for us
                 launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
                              max_norm=client.max_grad_norm, norm_type=2.0)
+            self._norm_ready = True
             clip = self._clip_of(out)
-        ema_w = client._ema_w
-        launch_update(self._launcher, client._kernel, plan, hp, grad_scale=grad_scale, clip=clip,
+        ema_w = client.ema_weight
+        launch_update(self._launcher, client.kernel, plan, hp, grad_scale=grad_scale, clip=clip,
                       found_inf=found_inf, ema_w=0.0 if ema_w is None else ema_w,
                       width=client.HP_WIDTH)
         if grad_scale is not None or clip is not None:
@@ -392,7 +470,7 @@ class MultiTensorEngine:
         tensors = []
         width = self.client.HP_WIDTH
         for group in self.client.param_groups:
-            row = self.client._hparams(group)
+            row = self.client.hparams_row(group)
             for v in row:
                 if isinstance(v, torch.Tensor):
                     tensors.append((len(values), v))
@@ -402,7 +480,7 @@ class MultiTensorEngine:
             values.extend([0.0] * (width - len(row)))  # rows are HP_WIDTH wide in the kernel
         cached = self._hp.get(device)
         if cached is None or cached[0] != values:
-            self.client._check_hparams()
+            self.client.check_hparams()
             hp = upload(torch.tensor(values, dtype=torch.float64), device)
             self._hp[device] = (values, hp)
         else:
@@ -416,6 +494,7 @@ class MultiTensorEngine:
         groups = client.param_groups
         builder = RowBuilder()
         keepalive, copy_back, slots, gstrides = [], [], [], []
+        storages = []  # of every tensor a row addresses, grads aside (their addresses are checked)
         volatile = False
         with_row = set()
         for pos, i in enumerate(idx if idx is not None else range(len(self._params))):
@@ -424,14 +503,17 @@ class MultiTensorEngine:
                 continue
             p = self._params[i]
             group = groups[self._group_of[i]]
-            states, step, master = client._prepare_state(p, group, kernels=True)
+            states, step, master = client.prepare_state(p, group, kernels=True)
+            storages.extend(t.untyped_storage() for t in (p, master, step, *states) if t is not None)
             if not same_layout(g, p):  # e.g. a contiguous grad for a channels_last weight
                 tmp = conform(g, p)
                 keepalive.append(tmp)
                 copy_back.append((g, tmp))
                 volatile = True
                 g = tmp
-            ema = client._ema_of(p)
+            ema = client.ema_target(p)
+            if ema is not None:
+                storages.append(ema.untyped_storage())
             operands = {OP_PARAM: p, OP_GRAD: g, OP_MASTER: master, OP_EMA: ema}
             operands.update({OP_STATE + k: t for k, t in enumerate(states)})
             code = code_of(p.dtype, master is not None, ema)
@@ -439,12 +521,13 @@ class MultiTensorEngine:
             with_row.add(p)
             slots.append(pos)
             gstrides.append(grads[i].stride())
-        for ema, src in client._ema_pairs(device):
+        for ema, src in client.ema_pairs(device):
             if src not in with_row:  # buffers, frozen params, params without a grad this step
+                storages.extend((ema.untyped_storage(), src.untyped_storage()))
                 builder.add({OP_PARAM: src, OP_EMA: ema}, src.numel(),
                             code_of(src.dtype, ema=ema, ema_only=True))
         plan = builder.build(device)
-        plan.keepalive, plan.copy_back, plan.volatile = keepalive, copy_back, volatile
+        plan.keepalive, plan.copy_back, plan.volatile = keepalive + storages, copy_back, volatile
         plan.slots, plan.gstrides = slots, gstrides
         return plan
 

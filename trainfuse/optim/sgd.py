@@ -111,7 +111,7 @@ class FusedSGD(FusedOptimizer):
         >>> opt.step()
     """
 
-    _kernel = _sgd_kernel
+    kernel = _sgd_kernel
 
     def __init__(
         self,
@@ -161,7 +161,7 @@ class FusedSGD(FusedOptimizer):
         super().load_state_dict(state_dict)
         self._counters = {}
 
-    def _validate_group(self, group):
+    def validate_group(self, group):
         lr = group["lr"]
         if not isinstance(lr, torch.Tensor) or lr.device.type == "cpu":
             if float(lr) < 0.0:
@@ -173,15 +173,15 @@ class FusedSGD(FusedOptimizer):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def _state_keys(self, group):
+    def state_keys(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _init_state(self, p, group, state, like):
+    def init_state(self, p, group, state, like):
         # contents are irrelevant: a counter of 0 makes the first step write the gradient
         state["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
         self._counters[p] = self._new_step(p, True, 0.0)
 
-    def _step_tensor(self, p, state, kernels):
+    def step_tensor(self, p, state, kernels):
         counter = self._counters.get(p)
         if counter is None:  # a loaded buffer, or one the torch path made, holds real data
             started = state.get("momentum_buffer") is not None
@@ -191,11 +191,11 @@ class FusedSGD(FusedOptimizer):
         self._counters[p] = counter
         return counter
 
-    def _hparams(self, group):
+    def hparams_row(self, group):
         return [group["lr"], group["momentum"], group["dampening"], group["weight_decay"],
                 float(group["nesterov"]), float(group["maximize"])]
 
-    def _torch_group_step(self, group, params, grads, weights):
+    def torch_group_step(self, group, params, grads, weights):
         bufs = [self.state[p].get("momentum_buffer") for p in params]
         _torch_sgd(weights, grads, bufs, has_sparse_grad=False, foreach=group["foreach"],
                    fused=None, weight_decay=group["weight_decay"], momentum=group["momentum"],
