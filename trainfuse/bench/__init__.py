@@ -1,1 +1,3 @@
-"""Benchmarks: ``python -m trainfuse.bench optim`` (one module per op family)."""
+"""Benchmarks against torch, run as ``python -m trainfuse.bench <family>``: the harness
+(``_common``: timing, report, command line), the workloads (``workloads``: shapes and models) and
+one module per family with ``main(argv)``."""

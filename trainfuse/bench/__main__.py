@@ -1,4 +1,6 @@
-"""``python -m trainfuse.bench {optim,amp,ema,losses,mlp} [options] [--out DIR]``"""
+"""``python -m trainfuse.bench <family> [options] [--out DIR]``: the one entry point of the
+benchmarks. Each family is a module with ``main(argv)``; ``--help`` after the family lists its
+options, and every family writes ``<out>/<family>.json`` (trainfuse/bench/_common.py)."""
 
 import sys
 

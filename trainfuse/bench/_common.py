@@ -1,13 +1,57 @@
-"""Timing helpers shared by the benchmarks: kernel time, wall time with host work, bandwidth."""
+"""The benchmark harness: timing, the results report and the command line every
+``python -m trainfuse.bench <family>`` shares.
+
+A family module parses its options with :func:`bench_parser` and :func:`parse_and_start`, times
+its workloads with :func:`kernel_ms`, :func:`wall_ms`, :func:`host_ms` or :func:`graph_ms`,
+prints tables with :func:`print_table`, records one row per (workload, implementation) with
+:func:`add_row` and writes the report with :func:`save_report`. The report file is
+``<out>/<family>.json`` with this schema (``benchmarks/render.py`` turns it into the README's and
+the docs' tables)::
+
+    {"schema": 1, "family": "optim", "command": "python -m trainfuse.bench optim --no-compile",
+     "device": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "trainfuse": "0.1.0",
+     "date": "2026-11-24", "copy_GBps": 4223.1,
+     "headline": "wall_ms",                      # the metric the README compares
+     "metrics": {"wall_ms": "what it means", ...},
+     "notes": ["ultralytics not installed: yolov5n row skipped"],
+     "rows": [{"workload": "...", "impl": "torch fused", "trainfuse": false,
+               "wall_ms": 1.026, "floor_ms": 0.825, ...}, ...],
+     "details": {...}}                           # anything else the family measured
+
+Within a workload the first row with ``"trainfuse": true`` is the configuration the README
+compares against the fastest torch row.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+SCHEMA = 1
+
+# Every metric a row may carry: the report lists the ones its rows use, with these meanings.
+METRICS = {
+    "do_bench_ms": "median of triton.testing.do_bench (L2 flushed before each call; host work "
+                   "longer than the flush shows up in it)",
+    "wall_ms": "back-to-back calls synchronized at the end: what a training loop pays per call, "
+               "host work included",
+    "host_ms": "host time of one call, the GPU not waited for",
+    "graph_ms": "the call captured in a CUDA graph and replayed: the GPU's own time",
+    "phase_ms": "wall ms less the host time of re-attaching the grads between calls",
+    "floor_ms": "bytes the call must move over the measured device copy bandwidth",
+    "tflops": "TFLOP/s of the matmuls over do_bench ms",
+}
+
+# keys of the report that are part of the schema; everything else is saved under "details"
+_TOP = ("schema", "family", "command", "device", "torch", "triton", "trainfuse", "date", "copy_GBps",
+        "headline", "metrics", "notes", "rows")
 
 
 def kernel_ms(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -65,7 +109,8 @@ def graph_ms(fn, repeat: int = 1) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s (read + write), as ../shared/bench/anchors.py measures."""
+    """Device copy bandwidth in bytes/s (read + write) of a 1 GiB float32 copy: the floor every
+    memory-bound row is compared with."""
     n = 1 << 28
     a = torch.empty(n, device="cuda")
     b = torch.empty(n, device="cuda")
@@ -73,12 +118,31 @@ def copy_bandwidth() -> float:
     return 2 * n * 4 / (ms * 1e-3)
 
 
+def new_report(device: str, copy_GBps: float | None) -> dict:
+    """An empty report for ``device``: the versions of torch, triton and trainfuse and today's date
+    (UTC).
+
+    Args:
+        device: the GPU's name, as ``torch.cuda.get_device_name()`` gives it.
+        copy_GBps: the measured device copy bandwidth in GB/s, or None.
+
+    Returns:
+        the report dict :func:`add_row` and :func:`save_report` take.
+    """
+    import triton
+
+    import trainfuse
+
+    return {"schema": SCHEMA, "device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "trainfuse": trainfuse.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+            "copy_GBps": copy_GBps, "headline": "wall_ms", "notes": [], "rows": []}
+
+
 def start_report(what: str) -> tuple[dict, float] | None:
     """Say what runs here; without a GPU say that there is nothing to measure and return None.
     Otherwise measure the copy bandwidth and return ``(report, bytes/s)``, the report holding the
-    device, the versions and the bandwidth."""
-    import triton
-
+    device, the versions, the date and the bandwidth."""
     from trainfuse import describe
 
     print(describe())
@@ -87,22 +151,55 @@ def start_report(what: str) -> tuple[dict, float] | None:
         return None
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "copy_GBps": bw / 1e9}
-    return report, bw
+    return new_report(torch.cuda.get_device_name(), bw / 1e9), bw
+
+
+def add_row(report: dict, workload: str, impl: str, *, trainfuse: bool, **metrics: float | None) -> None:
+    """Record one implementation's timings of one workload.
+
+    Args:
+        report: the report from :func:`start_report`.
+        workload: what was timed, the same string for every implementation of it.
+        impl: the implementation ("torch fused", "trainfuse", ...).
+        trainfuse: whether ``impl`` is ours (the README compares the first such row of a workload
+            with the fastest other one).
+        metrics: keys of :data:`METRICS` and their values (None where not measured).
+    """
+    unknown = set(metrics) - set(METRICS)
+    if unknown:
+        raise ValueError(f"add_row: unknown metrics {sorted(unknown)}; expected keys of METRICS")
+    report["rows"].append({"workload": workload, "impl": impl, "trainfuse": trainfuse, **metrics})
+
+
+def note(report: dict, text: str) -> None:
+    """Print ``text`` and keep it in the report's notes (a skipped row, a missing package)."""
+    print(text)
+    report.setdefault("notes", []).append(text)
 
 
 def save_report(report: dict, out: str, name: str) -> None:
-    """Write ``report`` as ``out/bench_<name>.json``."""
-    import json
-    import os
-
+    """Write ``report`` as ``out/<name>.json`` in the schema of this module's docstring: the
+    schema's keys at the top, every other key the family set under ``"details"``."""
+    report = dict(report)
+    report.setdefault("rows", [])
+    report["family"] = name
+    report["command"] = " ".join(["python -m trainfuse.bench", name, *_without_out(report.pop("_argv", []))])
+    used = {k for row in report["rows"] for k in row} & set(METRICS)
+    report["metrics"] = {k: v for k, v in METRICS.items() if k in used}
+    doc = {k: report[k] for k in _TOP if k in report}
+    details = {k: v for k, v in report.items() if k not in _TOP}
+    if details:
+        doc["details"] = details
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    path = os.path.join(out, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    print(f"saved {path}")
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """Print ``rows`` under ``header`` in aligned columns, after ``title``."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print(f"\n{title}")
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
@@ -116,7 +213,9 @@ def bench_parser(doc: str, *, no_compile: bool = False, only: str | None = None)
     folder, default ``$OUT`` or ``.``), optionally ``--no-compile`` (leave torch.compile rows out)
     and ``--only`` (with ``only`` as its help); the benchmark adds its own options."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the report")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."),
+                        help="folder for the report <family>.json (benchmarks/results/<gpu> to refresh "
+                             "the committed results)")
     if no_compile:
         parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     if only is not None:
@@ -124,10 +223,28 @@ def bench_parser(doc: str, *, no_compile: bool = False, only: str | None = None)
     return parser
 
 
+def _without_out(argv: list[str]) -> list[str]:
+    """``argv`` less ``--out DIR`` / ``--out=DIR`` (a machine's folder is no part of the command)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            kept.append(a)
+    return kept
+
+
 def parse_and_start(parser: argparse.ArgumentParser, argv, what: str
                     ) -> tuple[argparse.Namespace, dict, float] | None:
     """Parse ``argv`` and :func:`start_report`: ``(args, report, copy bandwidth)``, or None where
-    there is no GPU to measure on."""
+    there is no GPU to measure on. The report remembers the options for its ``command``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     started = start_report(what)
-    return None if started is None else (args, *started)
+    if started is None:
+        return None
+    report, bw = started
+    report["_argv"] = argv
+    return args, report, bw

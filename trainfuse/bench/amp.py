@@ -10,12 +10,12 @@ Rows, each beside what torch users run today, in one run:
 - yolov5n's optimizer phase (unscale_, clip_grad_norm_(10), scaler.step(SGD nesterov),
   scaler.update, ModelEMA.update) against trainfuse's GradScaler + FusedSGD(max_grad_norm=10)
   with the FusedEMA attached (three launches).
+
+Models and shapes come from trainfuse.bench.workloads.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import statistics
 
 import torch
@@ -24,14 +24,16 @@ from torch.nn import functional as F
 
 import trainfuse
 from trainfuse.bench._common import (
+    add_row,
     bench_parser,
     kernel_ms,
+    note,
     parse_and_start,
     print_table,
     save_report,
     wall_ms,
 )
-from trainfuse.bench.optim import gpt2_shapes
+from trainfuse.bench.workloads import TinyGPT, gpt2_shapes, synthetic_task, yolov5n
 
 
 def _gpt2_params(dtype=torch.float32):
@@ -41,8 +43,9 @@ def _gpt2_params(dtype=torch.float32):
     return ps
 
 
-def bench_cast_fusion(bw):
-    """AdamW step + bf16 weights for the next forward, GPT-2 124M."""
+def bench_cast_fusion(report, bw):
+    """AdamW step + bf16 weights for the next forward, GPT-2 124M. Returns torch's fused AdamW
+    step alone (kernel ms, wall ms): it makes no bf16 weights, so it is no row of the report."""
     ref = _gpt2_params()
     nparam = sum(p.numel() for p in ref)
     torch_opt = torch.optim.AdamW(ref, lr=1e-4, fused=True)
@@ -75,53 +78,12 @@ def bench_cast_fusion(bw):
     print_table(f"GPT-2 124M bf16: update + bf16 weights for the next forward ({nparam / 1e6:.0f}M "
                 f"params), floor {floor:.3f} ms (28 B/param)",
                 ["impl", "kernel ms", "wall ms", "% floor", "vs torch"], rows)
-    return {"floor_ms": floor, "results": res}
-
-
-class _Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.heads = heads
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    """6 layers, d=768, 12 heads, vocab 4096: the small GPT-like model of the cast-fusion goal."""
-
-    def __init__(self, vocab=4096, d=768, layers=6, heads=12, ctx=256):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln(x))
-
-
-def _task(batch, ctx, vocab, seed=0):
-    """A fixed synthetic language: each sequence follows x[t+1] = (a * x[t] + b) mod vocab with a
-    per-sequence (a, b) drawn from 8 choices, so the model must read the context to predict."""
-    g = torch.Generator().manual_seed(seed)
-    a = torch.tensor([1, 3, 5, 7, 11, 13, 17, 19])[torch.randint(0, 8, (batch,), generator=g)]
-    b = torch.randint(0, vocab, (batch,), generator=g)
-    x = torch.empty(batch, ctx + 1, dtype=torch.int64)
-    x[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-    for t in range(ctx):
-        x[:, t + 1] = (a * x[:, t] + b) % vocab
-    return x[:, :-1].cuda(), x[:, 1:].cuda()
+    workload = f"AdamW step + bf16 weights for the next forward, GPT-2 124M ({len(ref)} tensors)"
+    for label, (k, w) in res.items():
+        if label != "torch fused AdamW":
+            add_row(report, workload, label, trainfuse=label.startswith("trainfuse"), do_bench_ms=k,
+                    wall_ms=w, floor_ms=floor)
+    return {"torch fused AdamW alone": res["torch fused AdamW"]}
 
 
 def _train_gpt(label, base, x, y, steps, ctx):
@@ -145,14 +107,14 @@ def _train_gpt(label, base, x, y, steps, ctx):
     return step, {"loss_first": losses[0], "loss_last": sum(losses[-10:]) / 10}
 
 
-def bench_small_gpt(steps=200, batch=8, ctx=256, rounds=7):
+def bench_small_gpt(report, steps=200, batch=8, ctx=256, rounds=7):
     """Per-step time (forward + backward + step) and loss after ``steps`` steps: autocast + torch
     fused AdamW against fuse_casts + FusedAdamW, from the same initial weights and data. The step
     is host-bound, and the host's speed drifts: the two are timed in alternating windows of 20
     steps, ``rounds`` each, and each reports its median window."""
     torch.manual_seed(0)
     base = TinyGPT(ctx=ctx).cuda()
-    x, y = _task(batch, ctx, 4096)
+    x, y = synthetic_task(batch, ctx, 4096)
     labels = ("torch: autocast + fused AdamW", "trainfuse: fuse_casts + FusedAdamW")
     trained = {label: _train_gpt(label, base, x, y, steps, ctx) for label in labels}
     windows = {label: [] for label in labels}
@@ -168,17 +130,19 @@ def bench_small_gpt(steps=200, batch=8, ctx=256, rounds=7):
     print_table(f"6-layer d=768 GPT-like, batch {batch} x {ctx} tokens, bf16, fwd+bwd+step; loss = "
                 f"mean of steps {steps - 9}..{steps}",
                 ["impl", "ms/step", "speedup", "loss step 1", f"loss @{steps}", "vs torch"], rows)
+    workload = f"GPT-like 6 x d=768, bf16, forward + backward + step, {batch} x {ctx} tokens"
+    for label, v in out.items():
+        add_row(report, workload, label, trainfuse=label.startswith("trainfuse"), wall_ms=v["ms"])
     return out
 
 
 def _yolov5n():
-    try:
-        os.environ.setdefault("YOLO_OFFLINE", "1")
-        from ultralytics.nn.tasks import DetectionModel
-        from ultralytics.utils.torch_utils import ModelEMA
-    except Exception:  # noqa: BLE001 - any import problem means "not available"
+    model = yolov5n()
+    if model is None:
         return None
-    return DetectionModel("yolov5n.yaml", verbose=False).cuda(), ModelEMA
+    from ultralytics.utils.torch_utils import ModelEMA
+
+    return model, ModelEMA
 
 
 def _yolo_groups(model):
@@ -223,9 +187,9 @@ def _stock_phase(model, ModelEMA, kw, set_grads):
 
 
 def _stock_pieces(model, opt, scaler, ema) -> list[float]:
-    """The phase as ../shared/bench/yolo_step.py times it: do_bench medians of unscale_ +
-    clip_grad_norm_(10) (the scaler's per-optimizer state cleared so it can repeat), the optimizer
-    step and ModelEMA.update, each alone; no scaler.update, no zero_grad."""
+    """The phase as three separate do_bench medians: unscale_ + clip_grad_norm_(10) (the scaler's
+    per-optimizer state cleared so it can repeat), the optimizer step and ModelEMA.update, each
+    alone; no scaler.update, no zero_grad."""
     def unscale_clip():
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
@@ -234,10 +198,10 @@ def _stock_pieces(model, opt, scaler, ema) -> list[float]:
     return [kernel_ms(unscale_clip), kernel_ms(opt.step), kernel_ms(lambda: ema.update(model))]
 
 
-def bench_yolo_phase(bw):
+def bench_yolo_phase(report, bw):
     got = _yolov5n()
     if got is None:
-        print("ultralytics not installed: yolov5n optimizer phase skipped")
+        note(report, "ultralytics not installed: yolov5n optimizer phase skipped")
         return None
     model, ModelEMA = got
     params = [p for p in model.parameters() if p.requires_grad]
@@ -264,7 +228,7 @@ def bench_yolo_phase(bw):
         opt.zero_grad()
         set_grads()
 
-    def ours_step():  # the anchors' pieces in one call: unscale, clip, SGD, EMA
+    def ours_step():  # the stock pieces in one call: unscale, clip, SGD, EMA
         scaler.step(opt)
         scaler._per_optimizer_states.clear()
 
@@ -288,11 +252,16 @@ def bench_yolo_phase(bw):
                 ["impl", "kernel ms", "wall ms", "phase ms", "vs stock (wall)"], rows)
     rows = [[k, " + ".join(f"{v:.3f}" for v in pieces), f"{sum(pieces):.3f}",
              f"{sum(base[2]) / sum(pieces):.2f}x"] for k, (_, _, pieces) in res.items()]
-    print_table("the same phase timed as ../shared/bench/yolo_step.py times it: do_bench medians of "
+    print_table("the same phase timed in pieces: do_bench medians of "
                 "unscale_ + clip_grad_norm_(10), the SGD step and ModelEMA.update (stock: three "
                 "calls; trainfuse: scaler.step does all three); no scaler.update or zero_grad",
                 ["impl", "do_bench ms", "phase ms", "vs stock"], rows)
-    return {"floor_ms": floor, "set_grads_ms": set_cost, "results": res}
+    workload = (f"yolov5n optimizer phase: unscale, clip 10, SGD nesterov, EMA, scaler.update, zero_grad "
+                f"({len(params)} tensors)")
+    for label, (k, w, _) in res.items():
+        add_row(report, workload, label, trainfuse=label.startswith("trainfuse"), do_bench_ms=k, wall_ms=w,
+                phase_ms=w - set_cost, floor_ms=floor)
+    return {"set_grads_ms": set_cost, "pieces_do_bench_ms": {k: pieces for k, (_, _, pieces) in res.items()}}
 
 
 def _times(clip, ps):
@@ -300,8 +269,8 @@ def _times(clip, ps):
     return kernel_ms(fn), wall_ms(fn)
 
 
-def bench_clip(bw):
-    rows, out = [], {}
+def bench_clip(report, bw):
+    rows = []
     workloads = [("GPT-2 124M", _gpt2_params())]
     got = _yolov5n()
     if got is not None:
@@ -314,12 +283,14 @@ def bench_clip(bw):
         floor = 12 * nparam / bw * 1e3  # read for the norm, read + write to scale
         t = _times(torch.nn.utils.clip_grad_norm_, ps)
         o = _times(trainfuse.amp.clip_grad_norm_, ps)
-        out[name] = {"torch": t, "trainfuse": o, "floor_ms": floor}
+        workload = f"clip_grad_norm_ (2-norm), {name} ({len(ps)} tensors)"
+        for label, (k, w) in (("torch", t), ("trainfuse", o)):
+            add_row(report, workload, label, trainfuse=label == "trainfuse", do_bench_ms=k, wall_ms=w,
+                    floor_ms=floor)
         rows.append([name, len(ps), f"{t[0]:.3f}", f"{t[1]:.3f}", f"{o[0]:.3f}", f"{o[1]:.3f}",
                      f"{floor / o[0] * 100:.0f}%", f"{t[1] / o[1]:.2f}x"])
     print_table("clip_grad_norm_ (2-norm): torch vs trainfuse", ["workload", "tensors", "torch kernel ms",
                 "torch wall ms", "ours kernel ms", "ours wall ms", "% floor", "speedup (wall)"], rows)
-    return out
 
 
 def main(argv=None):
@@ -331,15 +302,17 @@ def main(argv=None):
     if started is None:
         return
     args, report, bw = started
-    gpt = lambda: {b: bench_small_gpt(args.steps, batch=int(b))  # noqa: E731
+    gpt = lambda: {b: bench_small_gpt(report, args.steps, batch=int(b))  # noqa: E731
                    for b in args.gpt_batches.split(",")}
-    for key, fn in (("casts", lambda: bench_cast_fusion(bw)), ("clip", lambda: bench_clip(bw)),
-                    ("yolo", lambda: bench_yolo_phase(bw)), ("gpt", gpt)):
+    for key, fn in (("casts", lambda: bench_cast_fusion(report, bw)),
+                    ("clip", lambda: bench_clip(report, bw)),
+                    ("yolo", lambda: bench_yolo_phase(report, bw)), ("gpt", gpt)):
         if args.only in ("", key):
-            report[key] = fn()
+            details = fn()
+            if details is not None:
+                report[key] = details
             torch.cuda.empty_cache()
     save_report(report, args.out, "amp")
-    assert math.isfinite(bw)
 
 
-__all__ = ["TinyGPT", "main"]
+__all__ = ["main"]

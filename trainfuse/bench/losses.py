@@ -1,8 +1,8 @@
 """Loss benchmark: CIoU loss and BCE-with-logits, forward + backward, eager torch, torch.compile
-and trainfuse, with the bandwidth floor (what ../shared/bench/anchors.py measures).
+and trainfuse, with the bandwidth floor. Box counts and shapes from trainfuse.bench.workloads.
 
-``do_bench ms`` is what the anchors report (triton's do_bench: an L2 flush, then the call; host
-work longer than the flush shows up in it). ``wall ms`` is back-to-back calls. ``CUDA-graph
+``do_bench ms`` is triton's do_bench (an L2 flush, then the call; host work longer than the
+flush shows up in it). ``wall ms`` is back-to-back calls. ``CUDA-graph
 replay`` is the same forward + backward captured once and replayed: the GPU's own time, without
 Python and autograd on the host. At 8,400 boxes the host dominates every variant."""
 
@@ -12,14 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from trainfuse.bench._common import (
+    add_row,
     bench_parser,
     graph_ms,
     kernel_ms,
+    note,
     parse_and_start,
     print_table,
     save_report,
     wall_ms,
 )
+from trainfuse.bench.workloads import BCE_SHAPES, CIOU_SIZES
 from trainfuse.losses import bce_with_logits, iou_loss
 from trainfuse.losses.iou import bbox_iou_reference
 
@@ -54,13 +57,19 @@ def _row(name, fn, floor, graph=True):
     return [name, f"{k:.4f}", f"{w:.4f}", gs, "", ""], (k, w, g)
 
 
-def _compare(label, impls, floor, rows):
-    """One table row per implementation (appended to ``rows``), trainfuse last; returns the
-    timings by name."""
+def _compare(report, label, workload, impls, floor, rows):
+    """One table row per implementation (appended to ``rows``, named ``label``) and one report row
+    per implementation that ran (under ``workload``), trainfuse last; returns the timings by name."""
     res = {}
     for name, fn in impls.items():
         row, res[name] = _row(f"{label} {name}", fn, floor, graph=name != "torch.compile")
         rows.append(row)
+        if res[name] is None:
+            note(report, f"{label} {name}: {row[2]}")
+        else:
+            k, w, g = res[name]
+            add_row(report, workload, name, trainfuse=name == "trainfuse",
+                    do_bench_ms=k, wall_ms=w, graph_ms=g, floor_ms=floor)
     ours = res["trainfuse"][0]
     for row, name in zip(rows[-len(impls):], impls):
         if res[name] is not None and name != "trainfuse":
@@ -68,8 +77,8 @@ def _compare(label, impls, floor, rows):
     return res
 
 
-def _ciou(bw, sizes, with_compile):
-    rows, out = [], {}
+def _ciou(report, bw, sizes, with_compile):
+    rows = []
     compiled = torch.compile(_ciou_eager) if with_compile else None
     for n in sizes:
         xy = torch.rand(n, 2, device="cuda") * 600
@@ -81,12 +90,13 @@ def _ciou(bw, sizes, with_compile):
         if compiled is not None:
             impls["torch.compile"] = _fwd_bwd(compiled, b1, b2)
         impls["trainfuse"] = _fwd_bwd(lambda a, b: iou_loss(a, b, kind="ciou", reduction="sum"), b1, b2)
-        out[n] = {"floor_ms": floor, **_compare(f"CIoU n={n:,}", impls, floor, rows)}
-    return rows, out
+        _compare(report, f"CIoU n={n:,}", f"CIoU loss sum, {n:,} boxes, forward + backward", impls, floor,
+                 rows)
+    return rows
 
 
-def _bce(bw, shapes, with_compile):
-    rows, out = [], {}
+def _bce(report, bw, shapes, with_compile):
+    rows = []
     compiled = torch.compile(F.binary_cross_entropy_with_logits) if with_compile else None
     for shape, dtype in shapes:
         x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
@@ -97,29 +107,26 @@ def _bce(bw, shapes, with_compile):
             impls["torch.compile"] = _fwd_bwd(compiled, x, y)
         impls["trainfuse"] = _fwd_bwd(bce_with_logits, x, y)
         label = f"BCE {tuple(shape)} {str(dtype).removeprefix('torch.')}"
-        out[label] = {"floor_ms": floor, **_compare(label, impls, floor, rows)}
+        _compare(report, label, f"BCE-with-logits mean, {label[4:]}, forward + backward", impls, floor, rows)
         del x, y
-    return rows, out
+    return rows
 
 
 def main(argv=None):
     parser = bench_parser(__doc__, no_compile=True)
-    parser.add_argument("--sizes", default="8400,100000,1000000", help="CIoU box counts")
+    parser.add_argument("--sizes", default=",".join(map(str, CIOU_SIZES)), help="CIoU box counts")
     started = parse_and_start(parser, argv, "loss")
     if started is None:
         return
     args, report, bw = started
     header = ["forward + backward", "do_bench ms", "wall ms", "CUDA-graph replay ms (% floor)",
               "vs trainfuse (do_bench)", ""]
-    rows, report["ciou"] = _ciou(bw, [int(s) for s in args.sizes.split(",")], not args.no_compile)
+    rows = _ciou(report, bw, [int(s) for s in args.sizes.split(",")], not args.no_compile)
     print_table("CIoU loss sum(1 - CIoU), xyxy, float32 (floor: read both boxes, write the grad)",
                 header, rows)
-    shapes = [((64, 8400, 80), torch.float32), ((64, 8400, 80), torch.bfloat16),
-              ((16384, 1024), torch.float32), ((16384, 1024), torch.bfloat16)]
-    rows, report["bce"] = _bce(bw, shapes, not args.no_compile)
+    rows = _bce(report, bw, BCE_SHAPES, not args.no_compile)
     print_table("BCE-with-logits, mean (floor: read logits and targets, write the grad)", header, rows)
     save_report(report, args.out, "losses")
 
 
-if __name__ == "__main__":
-    main()
+__all__ = ["main"]

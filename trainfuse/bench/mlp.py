@@ -1,10 +1,10 @@
-"""MLP benchmark: ``Linear + activation`` chains, forward + backward under bf16 autocast, as
-../shared/bench/anchors.py measures them (``mlp(x).float().sum().backward()``, float32 params and
-input): eager torch, torch.compile, and FusedMLP with one and with two streams (and, for GELU,
-recomputing the activation's derivative in the backward). TFLOP/s counts the
-three matmuls per layer (forward, input grad, weight grad).
+"""MLP benchmark: ``Linear + activation`` chains, forward + backward under bf16 autocast
+(``mlp(x).float().sum().backward()``, float32 params and input; shapes in
+trainfuse.bench.workloads.MLP_WORKLOADS): eager torch, torch.compile, and FusedMLP with one and
+with two streams (and, for GELU, recomputing the activation's derivative in the backward).
+TFLOP/s counts the three matmuls per layer (forward, input grad, weight grad).
 
-As in the anchors nothing resets the grads between steps: each backward adds its param grads to
+By default nothing resets the grads between steps: each backward adds its param grads to
 the last step's (autograd: one add kernel per param; FusedMLP: inside its weight-grad kernels,
 ``fuse_grad_accumulation``). The row "grads via autograd" is FusedMLP (one stream) with that
 switched off. ``--set-to-none`` instead sets every grad to None before each step (a training
@@ -20,24 +20,20 @@ import copy
 import torch
 
 from trainfuse.bench._common import (
+    add_row,
     bench_parser,
     graph_ms,
     host_ms,
     kernel_ms,
+    note,
     parse_and_start,
     print_table,
     save_report,
     wall_ms,
 )
+from trainfuse.bench.workloads import MLP_WORKLOADS
 from trainfuse.nn import FusedMLP
 from trainfuse.nn import mlp as M
-
-# (name, batch, width, layers, activation, dropout): the anchors' three shapes, then GELU and dropout
-WORKLOADS = [("relu B=8192 D=1024", 8192, 1024, 4, "relu", 0.0),
-             ("relu B=65536 D=256", 65536, 256, 4, "relu", 0.0),
-             ("relu B=2048 D=4096", 2048, 4096, 4, "relu", 0.0),
-             ("gelu B=8192 D=1024", 8192, 1024, 4, "gelu", 0.0),
-             ("relu+dropout0.1 B=8192 D=1024", 8192, 1024, 4, "relu", 0.1)]
 
 # t: operands through TMA descriptors, p: through pointers; :gN groups N row tiles (default 8)
 SWEEP = {"forward": ["128x128x64w8s3t", "128x256x64w8s3t", "128x128x64w8s4t", "128x128x64w8s3p",
@@ -115,25 +111,33 @@ def _sweep(batch, width, rows):
     return best
 
 
+def workload_label(name: str, set_to_none: bool) -> str:
+    """The workload's name in the report: ``"4 x (Linear + relu), B=8192 D=1024, ..."``."""
+    w = next(w for w in MLP_WORKLOADS if w.name == name)
+    act = w.activation + (f" + dropout {w.dropout}" if w.dropout else "")
+    grads = "grads set to None" if set_to_none else "grads accumulate"
+    return f"MLP {w.layers} x (Linear + {act}), B={w.batch} D={w.width}, forward + backward, {grads}"
+
+
 def main(argv=None):
     parser = bench_parser(__doc__, no_compile=True, only="run only workloads whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="time tile shapes per matmul first")
     parser.add_argument("--set-to-none", action="store_true",
-                        help="grads set to None before each step (default: they accumulate, as in anchors)")
+                        help="grads set to None before each step (default: they accumulate)")
     started = parse_and_start(parser, argv, "MLP")
     if started is None:
         return
     args, report, _ = started
     if args.sweep:
         rows, report["sweep"] = [], {}
-        for _, batch, width, *_ in WORKLOADS[:3]:
+        for _, batch, width, *_ in MLP_WORKLOADS[:3]:
             report["sweep"][f"B={batch} D={width}"] = _sweep(batch, width, rows)
         print_table("tile sweep, one matmul (bf16, float32 weight)",
                     ["shape", "op", "tiles", "ms", "TFLOP/s"], rows)
         for shape, best in report["sweep"].items():
             print(shape, {op: f"{t} {ms:.4f}" for op, (t, ms) in best.items()})
-    rows, report["mlp"] = [], {}
-    for name, batch, width, depth, act, p in WORKLOADS:
+    rows = []
+    for name, batch, width, depth, act, p in MLP_WORKLOADS:
         if args.only not in name:
             continue
         torch.manual_seed(0)
@@ -162,6 +166,7 @@ def main(argv=None):
                                                                          set_to_none=args.set_to_none))
             except Exception as e:  # noqa: BLE001 - torch.compile may fail on a machine; report it
                 rows.append([name, label, "ERR", str(e).splitlines()[0][:60], "", "", "", ""])
+                note(report, f"{name} {label}: {rows[-1][3]}")
                 continue
             res[label] = {"do_bench_ms": k, "wall_ms": w, "host_ms": h, "graph_ms": g,
                           "tflops": flops / k / 1e9}
@@ -172,7 +177,9 @@ def main(argv=None):
         for row in rows[-len(res):]:
             if base and row[1] in res:
                 row[7] = f"{base / res[row[1]]['do_bench_ms']:.2f}x eager"
-        report["mlp"][name] = res
+        for label, r in res.items():
+            add_row(report, workload_label(name, args.set_to_none), label,
+                    trainfuse=label.startswith("trainfuse"), **r)
         for p_ in eager.parameters():
             p_.grad = None
     grads = "grads set to None each step" if args.set_to_none else "grads accumulate"

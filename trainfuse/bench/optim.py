@@ -1,15 +1,14 @@
 """Optimizer step benchmark: torch (for-loop, foreach, fused, compiled) against trainfuse.
 
-Workloads: the GPT-2 124M layout, the 216-tensor YOLO-like layout of shared/bench/anchors.py and,
-when ultralytics is installed, yolov5n's real parameters. Columns: kernel ms (do_bench median),
-wall ms (back-to-back steps, host work included), host ms (launch work alone), % of the
-copy-bandwidth floor (bytes the update must move over the measured copy rate) and the speedup
-over torch's fused step.
+Workloads (trainfuse.bench.workloads): the GPT-2 124M layout in float32 and bfloat16, a 216-tensor
+YOLO-like layout and, when ultralytics is installed, yolov5n's real parameters. Columns: kernel
+ms (do_bench median), wall ms (back-to-back steps, host work included), host ms (launch work
+alone), % of the copy-bandwidth floor (bytes the update must move over the measured copy rate)
+and the speedup over torch's fused step.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -18,45 +17,19 @@ import torch
 import trainfuse
 from trainfuse._multi_tensor.tables import config
 from trainfuse.bench._common import (
+    add_row,
     bench_parser,
     host_ms,
     kernel_ms,
+    note,
     parse_and_start,
     print_table,
     save_report,
     wall_ms,
 )
+from trainfuse.bench.workloads import gpt2_shapes, yolo_like_shapes, yolov5n
 
-
-def gpt2_shapes() -> list[tuple[int, ...]]:
-    d, layers, vocab = 768, 12, 50304
-    shapes = [(vocab, d), (1024, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,),
-                   (d, 4 * d), (d,)]
-    return shapes + [(d,), (d,)]
-
-
-def yolo_like_shapes() -> list[tuple[int, ...]]:
-    shapes = []
-    chans = [16, 32, 32, 64, 64, 128, 128, 256, 256, 256, 128, 128, 64, 64, 128, 128, 256]
-    for i, c in enumerate(chans):
-        cin = chans[i - 1] if i else 3
-        for _ in range(3):
-            shapes += [(c, cin, 3, 3), (c,), (c,)]
-            cin = c
-        shapes += [(c, c, 1, 1), (c,), (c,)]
-    return shapes + [(64, 64, 3, 3), (64,), (80, 64, 1, 1), (80,)] * 3
-
-
-def yolov5n_params() -> list[torch.Tensor] | None:
-    try:
-        os.environ.setdefault("YOLO_OFFLINE", "1")
-        from ultralytics.nn.tasks import DetectionModel
-    except Exception:  # noqa: BLE001 - any import problem means "not available"
-        return None
-    model = DetectionModel("yolov5n.yaml", verbose=False).cuda()
-    return [p for p in model.parameters() if p.requires_grad]
+KINDS = {"adamw": "AdamW", "sgd": "SGD nesterov"}
 
 
 def _params(shapes, dtype=torch.float32):
@@ -131,6 +104,19 @@ def bench_workload(name, params, kind, bw, compile_torch=True):
             "results": results}, opt, ps
 
 
+def workload_label(kind: str, name: str, tensors: int, params: int) -> str:
+    """The workload's name in the report: ``"AdamW, GPT-2 124M (148 tensors, 124.5M params)"``."""
+    return f"{KINDS[kind]}, {name} ({tensors} tensors, {params / 1e6:.1f}M params)"
+
+
+def add_rows(report: dict, res: dict) -> None:
+    """One report row per implementation of a :func:`bench_workload` result."""
+    label = workload_label(res["kind"], res["name"], res["tensors"], res["params"])
+    for impl, (k, w, h) in res["results"].items():
+        add_row(report, label, impl, trainfuse=impl == "trainfuse", do_bench_ms=k, wall_ms=w, host_ms=h,
+                floor_ms=res["floor_ms"])
+
+
 def bench_rebuild(opt, params):
     """Host cost of one step after zero_grad(set_to_none=True): new grad tensors at the same
     addresses (the usual case with the caching allocator) and at new addresses (grad column
@@ -172,7 +158,7 @@ DEFAULT_SWEEP = [(b, u, w) for b, w in ((512, 2), (512, 4), (1024, 4), (1024, 8)
 
 def sweep_launch(workloads, bw, configs=DEFAULT_SWEEP):
     """Elements per program and warps, over the big and the many-small workload (the defaults in
-    trainfuse/_engine/table.py come from this table)."""
+    trainfuse/_multi_tensor/tables.py come from this table)."""
     keep = (config.block, config.unroll, config.num_warps)
     rows = []
     for block, unroll, warps in configs:
@@ -212,51 +198,22 @@ def main(argv=None):
         report["sweep"] = sweep_launch(workloads, bw, configs or DEFAULT_SWEEP)
         if args.sweep_only:
             return
-    y5 = yolov5n_params()
+    y5 = yolov5n()
     if y5 is not None:
-        workloads.append(("yolov5n", _clone_params(y5)))
+        workloads.append(("yolov5n", _clone_params([p for p in y5.parameters() if p.requires_grad])))
     else:
-        print("ultralytics not installed: yolov5n row skipped")
+        note(report, "ultralytics not installed: yolov5n row skipped")
     workloads.append(("GPT-2 124M bf16", _params(gpt2_shapes(), torch.bfloat16)))
-    report["workloads"] = []
     for name, params in workloads:
         if args.only.lower() not in name.lower():
             continue
         for kind in ("adamw", "sgd"):
             res, opt, ps = bench_workload(name, params, kind, bw, compile_torch=not args.no_compile)
-            report["workloads"].append(res)
+            add_rows(report, res)
             if name.startswith("216") and kind == "adamw":
                 report["rebuild"] = bench_rebuild(opt, ps)
             del opt, ps
     save_report(report, args.out, "optim")
-    _plot(report, os.path.join(args.out, "bench_optim.png"))
 
 
-def _plot(report, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG")
-        return
-    wl = report["workloads"]
-    fig, axes = plt.subplots(1, len(wl), figsize=(3.2 * len(wl), 3.6), squeeze=False)
-    for ax, w in zip(axes[0], wl):
-        labels = list(w["results"])
-        vals = [w["results"][k][1] for k in labels]
-        ax.bar(range(len(labels)), vals, color=["#999"] * (len(labels) - 1) + ["#d62"])
-        ax.axhline(w["floor_ms"], color="k", ls="--", lw=0.8)
-        ax.set_xticks(range(len(labels)), [s.replace("torch ", "") for s in labels], rotation=60,
-                      fontsize=7)
-        ax.set_title(f"{w['kind']} {w['name']}", fontsize=8)
-        ax.set_yscale("log")  # the for-loop bars are 10-100x the rest
-        ax.set_ylabel("wall ms / step (log)", fontsize=7)
-    fig.suptitle(f"{report['device']} torch {report['torch']} triton {report['triton']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"saved {path}")
-
-
-__all__ = ["gpt2_shapes", "main", "yolo_like_shapes"]
+__all__ = ["main"]

@@ -1,0 +1,99 @@
+"""benchmarks/render.py turns the reports the bench harness writes into the README's and the docs'
+tables, and the committed tables match the committed results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from trainfuse.bench import _common as harness
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_render():
+    spec = importlib.util.spec_from_file_location("render", ROOT / "benchmarks" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = _load_render()
+
+
+def _report(results: Path) -> dict:
+    """A small optim report written by the harness, as a GPU run writes it."""
+    report = harness.new_report("NVIDIA H200", 4200.0)
+    report["_argv"] = ["--no-compile", "--out", "/somewhere"]
+    workload = "AdamW, tiny (2 tensors)"
+    harness.add_row(report, workload, "torch foreach", trainfuse=False, do_bench_ms=3.0, wall_ms=3.0,
+                    floor_ms=0.5)
+    harness.add_row(report, workload, "torch fused", trainfuse=False, do_bench_ms=2.0, wall_ms=2.0,
+                    floor_ms=0.5)
+    harness.add_row(report, workload, "trainfuse", trainfuse=True, do_bench_ms=0.9, wall_ms=1.0,
+                    floor_ms=0.5)
+    report["rebuild"] = {"untouched": 0.06}
+    harness.save_report(report, str(results / "h200"), "optim")
+    return json.loads((results / "h200" / "optim.json").read_text())
+
+
+def test_save_report_writes_the_schema_render_reads(tmp_path):
+    saved = _report(tmp_path)
+    assert saved["schema"] == render.SCHEMA == harness.SCHEMA
+    assert saved["family"] == "optim"
+    assert saved["command"] == "python -m trainfuse.bench optim --no-compile"
+    assert saved["device"] == "NVIDIA H200" and saved["headline"] == "wall_ms"
+    assert {"torch", "triton", "trainfuse", "date"} <= set(saved)
+    assert list(saved["metrics"]) == ["do_bench_ms", "wall_ms", "floor_ms"]
+    assert saved["details"] == {"rebuild": {"untouched": 0.06}}
+    assert [r["impl"] for r in saved["rows"]] == ["torch foreach", "torch fused", "trainfuse"]
+
+
+def test_summary_compares_trainfuse_with_torchs_fastest(tmp_path):
+    _report(tmp_path)
+    results = render.load_results(tmp_path)
+    table = render.summary(results, "benchmarks/results")
+    assert "| AdamW, tiny (2 tensors) | wall ms | 2.000 (torch fused) | 1.000 | 2.00x |" in table
+    assert "`python -m trainfuse.bench optim --no-compile`" in table
+
+
+def test_family_table_has_every_row_with_floor_and_ratio(tmp_path):
+    _report(tmp_path)
+    table = render.family_table(render.load_results(tmp_path)["h200"]["optim"])
+    lines = table.splitlines()
+    assert lines[0] == ("| workload | implementation | do_bench ms | wall ms | % floor | "
+                        "vs torch's fastest |")
+    assert lines[2] == "| AdamW, tiny (2 tensors) | torch foreach | 3.000 | 3.000 | 17 % | 0.67x |"
+    assert lines[4] == "|  | **trainfuse** | 0.900 | 1.000 | 50 % | 2.00x |"
+
+
+def test_marked_blocks_are_replaced_and_check_mode_sees_stale_ones(tmp_path):
+    _report(tmp_path / "results")
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\n"
+                   "<!-- results:optim:begin -->\n<!-- results:optim:end -->\n"
+                   "<!-- results:ema:begin -->\n<!-- results:ema:end -->\nend\n")
+    args = ["--results", str(tmp_path / "results"), str(doc)]
+    assert render.main(["--check", *args]) == 1
+    render.main(args)
+    text = doc.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("end\n")
+    assert "| AdamW, tiny (2 tensors) | wall ms |" in text
+    assert "| AdamW, tiny (2 tensors) | torch foreach |" in text
+    assert "No committed results yet: run `python -m trainfuse.bench ema" in text
+    assert "](results/h200/optim.json)" in text
+    assert render.main(["--check", *args]) == 0
+
+
+def test_a_report_of_another_schema_is_refused(tmp_path):
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "h200" / "optim.json").write_text(json.dumps({"schema": 0, "family": "optim"}))
+    with pytest.raises(ValueError, match="schema 0, expected 1"):
+        render.load_results(tmp_path)
+
+
+def test_committed_tables_match_committed_results():
+    assert render.main(["--check"]) == 0, "run python benchmarks/render.py"
