@@ -314,3 +314,20 @@ def test_grad_norm_is_none_when_no_step_computed_a_norm(kernels, device):
     p.grad = torch.full_like(p, 3.0)
     clipped.step()
     torch.testing.assert_close(clipped.grad_norm.cpu(), torch.linalg.vector_norm(torch.full((20,), 3.0)))
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_state_dict_is_plain_and_loads_with_weights_only(cls, kernels, device):
+    import io
+
+    p = torch.randn(10, device=device, requires_grad=True)
+    opt = cls([p], lr=0.1, **({"momentum": 0.9} if cls is trainfuse.FusedSGD else {}))
+    p.grad = torch.randn_like(p)
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert all(type(v) is dict for v in loaded["state"].values())
+    theirs = TORCH_CLASS[cls]([p.detach().clone().requires_grad_()], lr=0.1)
+    theirs.load_state_dict(loaded)

@@ -82,6 +82,13 @@ class FusedOptimizer(Optimizer):
         self.param_groups[-1]["params"] = ParamList(self.param_groups[-1]["params"])
         self._engine.invalidate()
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict()``, with plain dicts as per-param states (``torch.load`` with
+        ``weights_only=True`` takes nothing else)."""
+        sd = super().state_dict()
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts every floating state to its param's dtype; float32 masters (and the float32
         # states beside them) of a 16-bit param must come back at full precision
