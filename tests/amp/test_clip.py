@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import trainfuse
-from trainfuse.amp import GradScaler, clip_grad_norm_
+from trainfuse.amp import GradScaler, clip, clip_grad_norm_
 
 SHAPES = [(0,), (1,), (7, 13), (300,), (3, 5, 7), (130, 3)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -45,6 +45,59 @@ def test_clip_grad_norm_matches_torch(dtype, norm_type, max_norm, kernels, devic
     tol = dict(rtol=2**-7, atol=1e-5) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-7)
     for p, g in zip(ps, exp_grads):
         torch.testing.assert_close(p.grad.float().cpu(), g.to(dtype).float().cpu(), **tol)
+
+
+MIXES = [(torch.float32,), (torch.bfloat16,), (torch.float16,), (torch.bfloat16, torch.float32),
+         (torch.float32, torch.float16), (torch.float16, torch.bfloat16),
+         (torch.bfloat16, torch.float16, torch.float32)]
+
+
+@pytest.mark.parametrize("dtypes", MIXES, ids=lambda ds: "+".join(str(d)[6:] for d in ds))
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_norm_dtype_is_torchs_for_mixed_grad_dtypes(dtypes, norm_type, kernels, device):
+    """Grads of several dtypes in one list: the norm comes back in the dtype torch's own function
+    returns for the same list (its per-tensor norms are stacked, so the dtypes promote), its value
+    within that dtype's tolerance of the float64 norm and within the coarsest grad dtype's of
+    torch's (which rounds each tensor's norm to its grad's dtype); the grads are clipped as torch
+    clips them in float64."""
+    ps = []
+    for i, shape in enumerate(SHAPES):
+        ps += _with_grads([shape], dtypes[i % len(dtypes)], device)
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for p, q in zip(ps, qs):
+        q.grad = p.grad.clone()
+    exact, exact_grads = _reference(ps, 0.5, norm_type)
+    theirs = torch.nn.utils.clip_grad_norm_([q for q in qs if q.numel()], 0.5, norm_type)
+    norm = clip_grad_norm_(ps, 0.5, norm_type)
+    assert norm.dtype == theirs.dtype and norm.dim() == 0
+    coarsest = max(NORM_TOL[d] for d in dtypes)
+    torch.testing.assert_close(norm.double().cpu(), exact.cpu(), rtol=NORM_TOL[norm.dtype], atol=0)
+    torch.testing.assert_close(norm.double().cpu(), theirs.double().cpu(), rtol=coarsest, atol=0)
+    for p, g in zip(ps, exact_grads):
+        tol = dict(rtol=2**-7, atol=1e-5) if p.grad.dtype != torch.float32 else dict(rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p.grad.float().cpu(), g.to(p.grad.dtype).float().cpu(), **tol)
+
+
+def _cached_plans():
+    return [(key, id(plan)) for key, plan in clip._plans._plans.items()]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the auto backend takes the kernels on a GPU"))])
+def test_torch_backend_builds_no_plan(backend, device, monkeypatch):
+    """Where torch's function runs (TRAINFUSE_BACKEND=torch, or auto on CPU) the backend is
+    checked first: no device tables are built and cached for a list that will not use them."""
+    monkeypatch.setenv("TRAINFUSE_BACKEND", backend)
+    ps = _with_grads(SHAPES, torch.float32, device)
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for p, q in zip(ps, qs):
+        q.grad = p.grad.clone()
+    before = _cached_plans()
+    norm = clip_grad_norm_(ps, 0.5)
+    assert _cached_plans() == before
+    assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(qs, 0.5))
+    for p, q in zip(ps, qs):
+        assert torch.equal(p.grad, q.grad)
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])

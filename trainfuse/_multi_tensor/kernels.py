@@ -20,6 +20,9 @@ import os
 import triton
 import triton.language as tl
 
+from trainfuse._runtime.reduce import last_to_arrive
+from trainfuse._runtime.rounding import round_bf16_rne
+
 ROW = tl.constexpr(16)  # int64 columns per tensor row; 16 keeps the chunk table 128-byte aligned
 COL_OPERAND0 = tl.constexpr(0)  # eight operand addresses, slots below
 OP_PARAM = tl.constexpr(0)  # the param as the model reads it (float32, bfloat16 or float16)
@@ -102,20 +105,12 @@ def load_if(ptr, offs, n, flag, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _round_bf16_rne(x):
-    bits = x.to(tl.uint32, bitcast=True)
-    lsb = (bits >> 16) & 1
-    rounded = ((bits + 0x7FFF + lsb) >> 16) << 16
-    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
-
-
-@triton.jit
 def store(ptr, offs, n, x, MASKED: tl.constexpr):
     """Store float32 ``x`` rounded to the operand's dtype (round to nearest even)."""
     ty = ptr.dtype.element_ty
     if _INTERPRET:
         if ty == tl.bfloat16:
-            x = _round_bf16_rne(x)
+            x = round_bf16_rne(x)
     if MASKED:
         tl.store(ptr + offs, x.to(ty), mask=offs < n)
     else:
@@ -128,7 +123,7 @@ def store_if(ptr, offs, n, x, flag, MASKED: tl.constexpr):
     ty = ptr.dtype.element_ty
     if _INTERPRET:
         if ty == tl.bfloat16:
-            x = _round_bf16_rne(x)
+            x = round_bf16_rne(x)
     tl.store(ptr + offs, x.to(ty), mask=_optional_mask(offs, n, flag, MASKED))
 
 
@@ -171,10 +166,10 @@ def hparams_row(hp_ptr, row, WIDTH: tl.constexpr):
 
 # ---- pieces of an update, shared by the optimizers -------------------------------------------
 @triton.jit
-def weight_ptrs(row, start, PD: tl.constexpr, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
+def weight_ptrs(row, start, PARAM_DT: tl.constexpr, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
     """(weight the update reads and writes, param the model reads): the float32 master and the
     16-bit param under MASTER, else the param twice."""
-    p_ptr = operand(row, OP_PARAM, start, PD, ALIGNED)
+    p_ptr = operand(row, OP_PARAM, start, PARAM_DT, ALIGNED)
     if MASTER:
         w_ptr = operand(row, OP_MASTER, start, tl.float32, ALIGNED)
     else:
@@ -229,28 +224,28 @@ def as_stored(x, DT: tl.constexpr):
     if DT == tl.float32:
         y = x
     elif _INTERPRET and DT == tl.bfloat16:
-        y = _round_bf16_rne(x)
+        y = round_bf16_rne(x)
     else:
         y = x.to(DT).to(tl.float32)
     return y
 
 
 @triton.jit
-def ema_fold(e_ptr, offs, n, e, w, ema_w, SD: tl.constexpr, EMA: tl.constexpr,
+def ema_fold(e_ptr, offs, n, e, w, ema_w, STATE_DT: tl.constexpr, EMA: tl.constexpr,
              MASKED: tl.constexpr):
-    """ema = lerp(ema, new weight as stored in ``SD``, ema_w), folded into the update that
+    """ema = lerp(ema, new weight as stored in ``STATE_DT``, ema_w), folded into the update that
     produced the weight (what ModelEMA.update computes after the step, without reading it again)."""
     if EMA:
-        store(e_ptr, offs, n, lerp(e, as_stored(w, SD), ema_w), MASKED)
+        store(e_ptr, offs, n, lerp(e, as_stored(w, STATE_DT), ema_w), MASKED)
 
 
 @triton.jit
-def ema_chunk(row, start, n, ema_w, SRC: tl.constexpr, SD: tl.constexpr, ED: tl.constexpr,
+def ema_chunk(row, start, n, ema_w, SRC: tl.constexpr, STATE_DT: tl.constexpr, EMA_DT: tl.constexpr,
               BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):
     """ema = lerp(ema, operand SRC, ema_w) over one work item (FusedEMA, buffers, skipped steps)."""
     offs = tl.arange(0, BLOCK)
-    s_ptr = operand(row, SRC, start, SD, ALIGNED)
-    e_ptr = operand(row, OP_EMA, start, ED, ALIGNED)
+    s_ptr = operand(row, SRC, start, STATE_DT, ALIGNED)
+    e_ptr = operand(row, OP_EMA, start, EMA_DT, ALIGNED)
     s = load(s_ptr, offs, n, MASKED)
     e = load(e_ptr, offs, n, MASKED)
     for b in tl.static_range(NB):
@@ -266,28 +261,29 @@ def ema_chunk(row, start, n, ema_w, SRC: tl.constexpr, SD: tl.constexpr, ED: tl.
 # ---- the launch body ---------------------------------------------------------------------------
 @triton.jit
 def _arm_typed(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok,
-               C: tl.constexpr, PD: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+               C: tl.constexpr, PARAM_DT: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
                HAS_CLIP: tl.constexpr, WIDTH: tl.constexpr, WIDE16: tl.constexpr):
     MASTER: tl.constexpr = (CODE_MASTER & C) != 0
     EMA: tl.constexpr = (CODE_EMA & C) != 0
-    SD: tl.constexpr = tl.float32 if MASTER else PD
-    ED: tl.constexpr = PD if (CODE_EMA_LOW & C) != 0 else tl.float32
+    STATE_DT: tl.constexpr = tl.float32 if MASTER else PARAM_DT
+    EMA_DT: tl.constexpr = PARAM_DT if (CODE_EMA_LOW & C) != 0 else tl.float32
     # WIDE16 gives rows of 16-bit tensors blocks twice as long (same work item), so each thread
     # still moves 16 bytes per access
-    HALF: tl.constexpr = 2 if WIDE16 and NB % 2 == 0 and SD != tl.float32 else 1
+    HALF: tl.constexpr = 2 if WIDE16 and NB % 2 == 0 and STATE_DT != tl.float32 else 1
     if (CODE_EMA_ONLY & C) != 0:
-        ema_chunk(row, start, n, ema_w, OP_PARAM, PD, ED, BLOCK, NB, MASKED, ALIGNED)
+        ema_chunk(row, start, n, ema_w, OP_PARAM, PARAM_DT, EMA_DT, BLOCK, NB, MASKED, ALIGNED)
     else:
         if ok:
-            chunk_fn(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD, SD, ED, MASTER, EMA,
+            chunk_fn(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT, STATE_DT, EMA_DT,
+                     MASTER, EMA,
                      BLOCK * HALF, NB // HALF, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH)
         elif EMA:  # a skipped step still moves the EMA toward the (unchanged) weight
             if MASTER:
-                ema_chunk(row, start, n, ema_w, OP_MASTER, tl.float32, ED, BLOCK, NB, MASKED,
+                ema_chunk(row, start, n, ema_w, OP_MASTER, tl.float32, EMA_DT, BLOCK, NB, MASKED,
                           ALIGNED)
             else:
-                ema_chunk(row, start, n, ema_w, OP_PARAM, PD, ED, BLOCK, NB, MASKED, ALIGNED)
+                ema_chunk(row, start, n, ema_w, OP_PARAM, PARAM_DT, EMA_DT, BLOCK, NB, MASKED, ALIGNED)
 
 
 @triton.jit
@@ -315,10 +311,15 @@ def run(chunk_fn, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_
     client's ``chunk_fn`` with the operand dtypes as constexprs (one arm per row code present in
     ``CODES``). On inf/NaN (GradScaler's ``found_inf``) the update is skipped; EMA rows still move.
 
-    ``chunk_fn(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD, SD, ED, MASTER, EMA, BLOCK,
-    NB, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH)`` updates ``n`` (<= BLOCK * NB) elements from
-    ``start``: PD is the param/grad dtype, SD the dtype of the weight it does math on and of the
-    states, ED the EMA's. MASKED is False for full chunks, whose accesses then vectorize.
+    The chunk-function contract, the one every client kernel implements::
+
+        chunk_fn(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT, STATE_DT, EMA_DT,
+                 MASTER, EMA, BLOCK, NB, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH)
+
+    updates ``n`` (<= BLOCK * NB) elements of the tensor in ``row`` from ``start``: PARAM_DT is the
+    param/grad dtype, STATE_DT the dtype of the weight it does math on and of the states, EMA_DT
+    the EMA's. MASKED is False for full chunks, whose accesses then vectorize. A client that needs
+    only part of it (clipping's scaling) ignores the rest: Triton has no way to pass a subset.
     """
     r, row, start, n = work_item(chunks, rows, BLOCK * NB)
     ok = live(inf_ptr, HAS_INF)
@@ -356,11 +357,11 @@ def _any_bits(flags):
 
 
 @triton.jit
-def _stats_chunk(row, start, n, scale, PD: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+def _stats_chunk(row, start, n, scale, PARAM_DT: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                  MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    g_ptr = operand(row, OP_GRAD, start, PD, ALIGNED)
+    g_ptr = operand(row, OP_GRAD, start, PARAM_DT, ALIGNED)
     acc = tl.zeros([BLOCK], tl.float32)
     bad = tl.zeros([BLOCK], tl.int32)
     for b in tl.static_range(NB):
@@ -384,7 +385,7 @@ def _stats_chunk(row, start, n, scale, PD: tl.constexpr, BLOCK: tl.constexpr, NB
 
 @triton.jit
 def grad_stats_kernel(rows, chunks, scale_ptr, partials, flags, counter, out, max_norm,
-                      BLOCK: tl.constexpr, NB: tl.constexpr, PDS: tl.constexpr,
+                      BLOCK: tl.constexpr, NB: tl.constexpr, PARAM_DTYPES: tl.constexpr,
                       ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr):
     """Global gradient norm (of the unscaled grads) and inf/NaN check over the first ``nparts =
     counter[1]`` work items (the grid). Each program writes its partial and bumps ``counter[0]``;
@@ -402,20 +403,19 @@ def grad_stats_kernel(rows, chunks, scale_ptr, partials, flags, counter, out, ma
     part = 0.0
     bad = 0
     for c in tl.static_range(3):
-        if (PDS >> c) & 1:
+        if (PARAM_DTYPES >> c) & 1:
             if code == c:
-                PD: tl.constexpr = tl.float32 if c == 0 else (tl.bfloat16 if c == 1 else tl.float16)
+                PARAM_DT: tl.constexpr = tl.float32 if c == 0 else (tl.bfloat16 if c == 1 else tl.float16)
                 if n == BLOCK * NB:
-                    part, bad = _stats_chunk(row, start, n, scale, PD, BLOCK, NB, False, ALIGNED,
+                    part, bad = _stats_chunk(row, start, n, scale, PARAM_DT, BLOCK, NB, False, ALIGNED,
                                              HAS_SCALE, NORM)
                 else:
-                    part, bad = _stats_chunk(row, start, n, scale, PD, BLOCK, NB, True, ALIGNED,
+                    part, bad = _stats_chunk(row, start, n, scale, PARAM_DT, BLOCK, NB, True, ALIGNED,
                                              HAS_SCALE, NORM)
     nparts = tl.load(counter + 1)
     tl.store(partials + pid, part)
     tl.store(flags + pid, bad)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == nparts - 1:
+    if last_to_arrive(counter, nparts):
         RB: tl.constexpr = 1024
         acc = tl.zeros([RB], tl.float64)
         anybad = tl.zeros([RB], tl.int32)
@@ -460,11 +460,12 @@ def pow_f64(base, step):
 
 
 @triton.jit
-def ema_kernel(rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
-               BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr, ALIGNED: tl.constexpr,
-               HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_INF: tl.constexpr,
-               WIDTH: tl.constexpr):
-    """FusedEMA's launch: every row is EMA_ONLY, so no update function is ever instantiated
-    (``ema_chunk`` stands in for it in ``run``'s signature)."""
-    run(ema_chunk, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w, BLOCK, NB,
-        CODES, ALIGNED, HAS_SCALE, HAS_CLIP, HAS_INF, WIDTH, False)
+def update_kernel(rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
+                  BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr, ALIGNED: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_INF: tl.constexpr,
+                  WIDTH: tl.constexpr, WIDE16: tl.constexpr, CHUNK_FN: tl.constexpr):
+    """The one multi-tensor launch: :func:`run` with the client's ``CHUNK_FN`` (the optimizers'
+    updates, clipping's scaling; FusedEMA passes :func:`ema_chunk`, whose rows are all EMA_ONLY, so
+    no update arm is ever instantiated)."""
+    run(CHUNK_FN, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w, BLOCK, NB,
+        CODES, ALIGNED, HAS_SCALE, HAS_CLIP, HAS_INF, WIDTH, WIDE16)

@@ -1,12 +1,12 @@
-"""Host side of the multi-tensor engine: pointer tables, caching, hyperparameters, launch.
+"""Host side of the multi-tensor tables: building them, and one launch over them.
 
-Per device the engine keeps a *plan*: an int64 row per tensor (operand addresses, numel, group,
-dtype, step address) and one work item per (tensor, chunk), both on the device. A plan is keyed by
-the data pointers of the params and grads, so it survives ``zero_grad(set_to_none=True)`` as long
-as the caching allocator hands the grads back at the same addresses (it usually does); anything
-else (a new param layout, ``load_state_dict``, ``add_param_group``, a grad that became ``None``)
-rebuilds it. Per-group hyperparameters live in a float64 device table that is re-uploaded only when
-a value changes, so LR schedules neither recompile nor synchronize.
+A *plan* (:class:`Plan`) is an int64 row per tensor (operand addresses, step address, numel,
+group, row code) and one work item per (tensor, chunk), both on the device (:class:`RowBuilder`
+builds it). :func:`launch_update` runs a client's chunk function over every row in one launch;
+:func:`launch_stats` takes the gradient norm and inf/NaN check in one launch. What a plan points
+at, and when it must be rebuilt, is its caller's business: the optimizers' step driver
+(``trainfuse/optim/engine.py``) and :class:`TensorListPlans` (lists keyed by every tensor's
+address, size and dtype) both keep that promise.
 """
 
 from __future__ import annotations
@@ -105,10 +105,13 @@ def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class Plan:
-    __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad", "launch",
-                 "ntensors", "codes", "pds", "aligned", "volatile", "keepalive", "copy_back", "slots",
-                 "gstrides", "partials", "flags", "counter", "with_grad", "without_grad", "hot_gkey",
-                 "fixed", "fixed_key", "eflat", "tkey")
+    """The device tables of one list of tensors and what the launches and their callers cache
+    beside them (see the module docstring)."""
+
+    __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
+                 "launch", "ntensors", "codes", "param_dtypes", "aligned", "volatile", "keepalive",
+                 "copy_back", "slots", "gstrides", "partials", "flags", "counter", "with_grad",
+                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey")
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -128,7 +131,7 @@ class RowBuilder:
         self.numels: list[int] = []
         self.aligned = True
         self.codes = 0
-        self.pds = 0
+        self.param_dtypes = 0
         self.grad_rows = 0
 
     def add(self, operands: dict[int, torch.Tensor | None], numel: int, code: int, group: int = 0,
@@ -144,7 +147,7 @@ class RowBuilder:
         self.codes |= 1 << code
         if not code & CODE_EMA_ONLY:
             assert self.grad_rows == len(self.rows) - 1, "gradient rows go first"
-            self.pds |= 1 << (code % 4)
+            self.param_dtypes |= 1 << (code % 4)
             self.grad_rows += 1
 
     def launch(self) -> LaunchConfig:
@@ -163,7 +166,8 @@ class RowBuilder:
         plan.fixed, plan.fixed_key, plan.eflat = [], None, None
         plan.keepalive = []
         plan.copy_back = []
-        plan.codes, plan.pds, plan.aligned, plan.ngrad = self.codes, self.pds, self.aligned, self.ngrad
+        plan.codes, plan.param_dtypes = self.codes, self.param_dtypes
+        plan.aligned, plan.ngrad = self.aligned, self.ngrad
         plan.ntensors = ntensors = len(self.rows)
         plan.partials = plan.flags = plan.counter = plan.tkey = None
         if ntensors == 0:
@@ -223,23 +227,26 @@ def _tables_key(plan: Plan) -> tuple:
     return plan.tkey
 
 
-def launch_update(launcher: CachedLauncher, kernel, plan: Plan, hp: torch.Tensor | None = None, *,
-                  grad_scale: torch.Tensor | None = None, clip: torch.Tensor | None = None,
-                  found_inf: torch.Tensor | None = None, ema_w: float = 0.0, width: int = 8) -> None:
-    """One launch of a multi-tensor update kernel (``kernels.run`` signature) over ``plan``."""
+def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tensor | None = None, *,
+                  wide16: bool = False, grad_scale: torch.Tensor | None = None,
+                  clip: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+                  ema_w: float = 0.0, width: int = 8) -> None:
+    """One launch of :func:`kernels.update_kernel` over ``plan`` with the client's ``chunk_fn``
+    (the contract in :func:`kernels.run`); ``wide16`` doubles the blocks of 16-bit rows."""
     if plan.nchunks == 0:
         return
     dummy = plan.rows  # stands in for absent pointers; never read (the HAS_* flags are off)
     launch = plan.launch
-    key = ("update", _tables_key(plan), plan.codes, _ptr_class(hp), _ptr_class(grad_scale), _ptr_class(clip),
-           _ptr_class(found_inf), width)
+    key = ("update", chunk_fn, wide16, _tables_key(plan), plan.codes, _ptr_class(hp), _ptr_class(grad_scale),
+           _ptr_class(clip), _ptr_class(found_inf), width)
     launcher(
-        kernel, (plan.nchunks,), plan.rows, plan.chunks, dummy if hp is None else hp, plan.arrivals,
-        dummy if grad_scale is None else grad_scale, dummy if clip is None else clip,
+        kernels.update_kernel, (plan.nchunks,), plan.rows, plan.chunks, dummy if hp is None else hp,
+        plan.arrivals, dummy if grad_scale is None else grad_scale, dummy if clip is None else clip,
         dummy if found_inf is None else found_inf, float(ema_w),
         BLOCK=launch.block, NB=launch.unroll, CODES=plan.codes, ALIGNED=plan.aligned,
         HAS_SCALE=grad_scale is not None, HAS_CLIP=clip is not None,
-        HAS_INF=found_inf is not None, WIDTH=width, num_warps=launch.num_warps, key=key,
+        HAS_INF=found_inf is not None, WIDTH=width, WIDE16=wide16, CHUNK_FN=chunk_fn,
+        num_warps=launch.num_warps, key=key,
     )
 
 
@@ -258,12 +265,12 @@ def launch_stats(launcher: CachedLauncher, plan: Plan, out: torch.Tensor, *,
         plan.counter = torch.tensor([0, plan.ngrad], dtype=torch.int32).to(device)
     norm = kernels.NORM_NONE.value if norm_type is None else NORM_KINDS[float(norm_type)]
     launch = plan.launch
-    key = ("stats", _tables_key(plan), plan.pds, _ptr_class(grad_scale), _ptr_class(out), norm)
+    key = ("stats", _tables_key(plan), plan.param_dtypes, _ptr_class(grad_scale), _ptr_class(out), norm)
     launcher(
         kernels.grad_stats_kernel, (plan.ngrad,), plan.rows, plan.chunks,
         plan.rows if grad_scale is None else grad_scale, plan.partials, plan.flags, plan.counter,
         out, float(max_norm),
-        BLOCK=launch.block, NB=launch.unroll, PDS=plan.pds, ALIGNED=plan.aligned,
+        BLOCK=launch.block, NB=launch.unroll, PARAM_DTYPES=plan.param_dtypes, ALIGNED=plan.aligned,
         HAS_SCALE=grad_scale is not None, NORM=norm, num_warps=launch.num_warps, key=key,
     )
 

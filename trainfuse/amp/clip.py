@@ -9,6 +9,7 @@ optimizer (``max_grad_norm=``) the second pass is the update itself.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterable
 
@@ -37,13 +38,13 @@ _plans = TensorListPlans()
 
 
 @triton.jit
-def _scale_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD: tl.constexpr,
-                 SD: tl.constexpr, ED: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
+def _scale_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl.constexpr,
+                 STATE_DT: tl.constexpr, EMA_DT: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
                  BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
                  ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
                  WIDTH: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    g_ptr = mt.operand(row, mt.OP_GRAD, start, PD, ALIGNED)
+    g_ptr = mt.operand(row, mt.OP_GRAD, start, PARAM_DT, ALIGNED)
     g = mt.load(g_ptr, offs, n, MASKED)
     for b in tl.static_range(NB):
         o = offs + b * BLOCK
@@ -54,22 +55,14 @@ def _scale_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD: tl.cons
             g = g_next
 
 
-@triton.jit
-def _scale_kernel(rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
-                  BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr,
-                  ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-                  HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
-    mt.run(_scale_chunk, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w, BLOCK,
-           NB, CODES, ALIGNED, HAS_SCALE, HAS_CLIP, HAS_INF, WIDTH, True)
-
-
 def _grads_plan(grads: list[torch.Tensor], norm_type: float):
-    """The cached plan for these grads, or None where torch's function must run (norm type, device
-    or dtype the kernels do not take). Checked once per list; later calls only compare addresses,
-    sizes and dtypes (a few microseconds for hundreds of tensors)."""
-    if norm_type not in NORM_KINDS:
-        return None
+    """The cached plan for these grads, or None where torch's function must run (backend, norm
+    type, device or dtype the kernels do not take). The backend comes first, so the torch path
+    builds no tables. Checked once per list; later calls only compare addresses, sizes and dtypes
+    (a few microseconds for hundreds of tensors)."""
     device = grads[0].device
+    if norm_type not in NORM_KINDS or not use_triton(device):
+        return None
     try:
         key = (device, *map(_data_ptr, grads), *map(_numel, grads), *map(_dtype, grads))
     except RuntimeError:  # sparse grads have no data pointer
@@ -84,7 +77,7 @@ def _grads_plan(grads: list[torch.Tensor], norm_type: float):
         for g in grads:
             builder.add({OP_GRAD: g}, g.numel(), code_of(g.dtype))
         plan = _plans.get(key, lambda: builder.build(device))
-    return plan if use_triton(device) else None
+    return plan
 
 
 def clip_grad_norm_(
@@ -105,7 +98,9 @@ def clip_grad_norm_(
         foreach: accepted for torch compatibility.
 
     Returns:
-        The total norm of the gradients (viewed as one vector), a tensor of the gradients' dtype.
+        The total norm of the gradients (viewed as one vector), in the dtype torch's function
+        returns: the gradients' dtype, promoted across dtypes when they differ (torch stacks the
+        per-tensor norms), e.g. float32 for bfloat16 and float32 gradients.
 
     Example:
         >>> import torch
@@ -130,9 +125,10 @@ def clip_grad_norm_(
                 "so it cannot be clipped. To disable this error and scale the gradients by the "
                 "non-finite norm anyway, set `error_if_nonfinite=False`"
             )
-        launch_update(_plans.launcher, _scale_kernel, plan, clip=out[1:2])
+        launch_update(_plans.launcher, _scale_chunk, plan, wide16=True, clip=out[1:2])
     total = out[0]
-    return total if grads[0].dtype == torch.float32 else total.to(grads[0].dtype)
+    dtype = functools.reduce(torch.promote_types, set(map(_dtype, grads)))
+    return total if dtype == torch.float32 else total.to(dtype)
 
 
 __all__ = ["clip_grad_norm_"]

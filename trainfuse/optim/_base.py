@@ -2,8 +2,9 @@
 
 A subclass supplies the per-param state (:meth:`state_keys`, :meth:`init_state`,
 :meth:`step_tensor`), its per-group hyperparameters as a fixed-width row (:meth:`hparams_row`,
-checked by :meth:`validate_group`), its Triton kernel (``kernel``, written with
-``trainfuse._multi_tensor.kernels``) and the torch reference step (:meth:`torch_group_step`).
+checked by :meth:`validate_group`), its per-chunk Triton math (``chunk_fn``, written with
+``trainfuse._multi_tensor.kernels`` and launched by its ``update_kernel``) and the torch reference
+step (:meth:`torch_group_step`).
 Tables, caching, AMP, validation and state_dict live here and in :mod:`trainfuse.optim.engine`,
 which drives the step through these methods.
 """

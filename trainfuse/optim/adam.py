@@ -39,8 +39,8 @@ _LR, _B1, _B2, _EPS, _WD, _MAX, _AMS, _DEC = (tl.constexpr(k) for k in range(8))
 
 
 @triton.jit
-def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD: tl.constexpr,
-                SD: tl.constexpr, ED: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
+def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl.constexpr,
+                STATE_DT: tl.constexpr, EMA_DT: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
                 BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
                 ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
                 WIDTH: tl.constexpr):
@@ -51,12 +51,12 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD: tl.const
     # bf16 with masters 0.883 ms against 0.95 scalar, H200) but slower for plain float32 AdamW
     # (0.959 against 0.908): those rows keep scalar accesses
     VEC: tl.constexpr = ALIGNED and MASTER
-    w_ptr, p_ptr = mt.weight_ptrs(row, start, PD, MASTER, VEC)
-    g_ptr = mt.operand(row, mt.OP_GRAD, start, PD, VEC)
-    e_ptr = mt.operand(row, mt.OP_EMA, start, ED, VEC)
-    m_ptr = mt.operand(row, mt.OP_STATE, start, SD, VEC)
-    v_ptr = mt.operand(row, mt.OP_STATE + 1, start, SD, VEC)
-    vmax_ptr = mt.operand(row, mt.OP_STATE + 2, start, SD, VEC)
+    w_ptr, p_ptr = mt.weight_ptrs(row, start, PARAM_DT, MASTER, VEC)
+    g_ptr = mt.operand(row, mt.OP_GRAD, start, PARAM_DT, VEC)
+    e_ptr = mt.operand(row, mt.OP_EMA, start, EMA_DT, VEC)
+    m_ptr = mt.operand(row, mt.OP_STATE, start, STATE_DT, VEC)
+    v_ptr = mt.operand(row, mt.OP_STATE + 1, start, STATE_DT, VEC)
+    vmax_ptr = mt.operand(row, mt.OP_STATE + 2, start, STATE_DT, VEC)
     # block 0's loads first: the step, hyperparameter and bias-correction work overlaps them
     p = mt.load(w_ptr, offs, n, MASKED)
     g = mt.load(g_ptr, offs, n, MASKED)
@@ -111,22 +111,11 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PD: tl.const
             denom = tl.div_rn(tl.sqrt_rn(tl.where(amsgrad, vmax, v)), bc2_sqrt) + eps
             p = p - step_size * tl.div_rn(m, denom)
         mt.store_weight(w_ptr, p_ptr, o, n, p, MASTER, MASKED)
-        mt.ema_fold(e_ptr, o, n, e, p, ema_w, SD, EMA, MASKED)
+        mt.ema_fold(e_ptr, o, n, e, p, ema_w, STATE_DT, EMA, MASKED)
         mt.store(m_ptr, o, n, m, MASKED)
         mt.store(v_ptr, o, n, v, MASKED)
         if b + 1 < NB:
             p, g, m, v, vmax, e = p_next, g_next, m_next, v_next, vmax_next, e_next
-
-
-@triton.jit
-def _adam_kernel(rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
-                 BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr,
-                 ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-                 HAS_INF: tl.constexpr, WIDTH: tl.constexpr):
-    # WIDE16=False: doubling 16-bit blocks made bf16 GPT-2 AdamW 1.36 ms instead of 0.90 ms on the
-    # H100 (five operands prefetched twice over are too many registers at 8 elements a thread)
-    mt.run(_adam_chunk, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w, BLOCK,
-           NB, CODES, ALIGNED, HAS_SCALE, HAS_CLIP, HAS_INF, WIDTH, False)
 
 
 class FusedAdam(FusedOptimizer):
@@ -158,7 +147,10 @@ class FusedAdam(FusedOptimizer):
         >>> opt.step()
     """
 
-    kernel = _adam_kernel
+    chunk_fn = _adam_chunk
+    # 16-bit blocks stay single width: with five operands prefetched, doubled blocks made bf16
+    # GPT-2 AdamW 1.36 ms instead of 0.90 on the H100 (register pressure)
+    wide16 = False
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ with ``torch._foreach_lerp_`` (torch's two-sided lerp formula, switching at weig
 update is one launch over all tensors; attached to a fused optimizer
 (``optimizer.attach_ema(ema)``) it runs inside the optimizer's update kernel instead. The kernel
 math is shared with that fold, so it lives in the engine: ``trainfuse/_multi_tensor/kernels.py``
-(``lerp``, ``ema_chunk``, ``ema_kernel``, ``ema_fold``); the torch reference is
+(``lerp``, ``ema_chunk``, ``ema_fold``); the torch reference is
 ``torch._foreach_lerp_`` (the path CPU tensors take, and what the tests compare against).
 """
 
@@ -168,7 +168,7 @@ class FusedEMA:
         if self._last is not None:  # the hot path: one device, tensors where the plan has them
             key, plan = self._last
             if list(map(_data_ptr, self._flat)) == key and use_triton(plan.rows.device):
-                launch_update(self._plans.launcher, kernels.ema_kernel, plan, ema_w=w)
+                launch_update(self._plans.launcher, kernels.ema_chunk, plan, ema_w=w)
                 return
         self._last = None
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -216,7 +216,7 @@ class FusedEMA:
             return builder.build(device)
 
         plan = self._plans.get(key, build)
-        launch_update(self._plans.launcher, kernels.ema_kernel, plan, ema_w=w)
+        launch_update(self._plans.launcher, kernels.ema_chunk, plan, ema_w=w)
         return plan
 
     # ---- what an optimizer with this EMA attached reads --------------------------------------

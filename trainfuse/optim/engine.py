@@ -75,7 +75,7 @@ class MultiTensorEngine:
     The optimizer (the *client*) supplies, as methods: ``state_keys``, ``init_state``,
     ``prepare_state``, ``step_tensor``, ``plan_key``, ``hparams_row``, ``check_hparams``,
     ``torch_group_step``, ``master_of``, ``ema_target``, ``ema_pairs``, ``ema_tensors``,
-    ``track_mutations``, and as attributes ``kernel``, ``HP_WIDTH``, ``max_grad_norm`` and
+    ``track_mutations``, and as attributes ``chunk_fn``, ``wide16``, ``HP_WIDTH``, ``max_grad_norm`` and
     ``ema_weight`` (see :class:`trainfuse.optim._base.FusedOptimizer`).
     """
 
@@ -458,9 +458,9 @@ class MultiTensorEngine:
             self._norm_ready = True
             clip = self._clip_of(out)
         ema_w = client.ema_weight
-        launch_update(self._launcher, client.kernel, plan, hp, grad_scale=grad_scale, clip=clip,
-                      found_inf=found_inf, ema_w=0.0 if ema_w is None else ema_w,
-                      width=client.HP_WIDTH)
+        launch_update(self._launcher, client.chunk_fn, plan, hp, wide16=client.wide16,
+                      grad_scale=grad_scale, clip=clip, found_inf=found_inf,
+                      ema_w=0.0 if ema_w is None else ema_w, width=client.HP_WIDTH)
         if grad_scale is not None or clip is not None:
             for g, tmp in plan.copy_back:
                 g.copy_(tmp)
