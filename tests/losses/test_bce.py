@@ -88,6 +88,32 @@ def test_float32_targets_with_16bit_logits(dtype, kernels, device):
         check(g, want_g, dtype, scale=want_g.abs().max().item())
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("weights", ["none", "both"], ids=str)
+def test_float64_reductions_stay_float64(reduction, weights, kernels, device):
+    """float64 logits and targets: the reduced loss (partials, their sum, the stored result) and
+    the grad for an upstream grad other than 1 are torch's float64 values to 1e-12, and
+    gradcheck passes (a total rounded through float32 makes its finite differences noise)."""
+    x = torch.randn(SHAPE, device=device, dtype=torch.float64) * 3
+    y = torch.rand(SHAPE, device=device, dtype=torch.float64)
+    kw = {k: v.double() for k, v in WEIGHTS[weights](device).items()}
+    upstream = torch.randn((), device=device, dtype=torch.float64)
+    loss, g = ours(x, y, reduction, upstream, **kw)
+    want_loss, want_g = reference(x, y, reduction, upstream, **kw)
+    assert loss.dtype == g.dtype == torch.float64
+    torch.testing.assert_close(loss, want_loss, atol=0, rtol=1e-12)
+    # torch's grad cancels to ~1e-16 absolute where sigmoid(x) is close to 1 (see below)
+    torch.testing.assert_close(g, want_g, atol=1e-14 * want_g.abs().max().item(), rtol=1e-12)
+
+    small = {} if weights == "none" else {
+        "weight": torch.rand(2, 1, device=device, dtype=torch.float64),
+        "pos_weight": torch.rand(3, device=device, dtype=torch.float64) * 3}
+    x_small = torch.randn(2, 3, device=device, dtype=torch.float64, requires_grad=True)
+    y_small = torch.rand(2, 3, device=device, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda a: bce_with_logits(a, y_small, reduction=reduction, **small), (x_small,))
+
+
 def test_large_logits_are_stable(kernels, device):
     """Finite everywhere, float32-accurate, and where the loss is only log1p(exp(-|x|)) (a
     positive logit with target 1) accurate relative to its tiny value."""

@@ -9,21 +9,19 @@ import warnings
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from torch import nn
 from torch.nn import functional as F
 
-from trainfuse._runtime.backend import interpreting
+from tests.nn._reference import TOL, assert_close_to_reference, mlp_reference, reference, rel, run
 from trainfuse.nn import FusedMLP, FuseReport, fuse_mlps
-from trainfuse.nn import mlp as M
+from trainfuse.nn.mlp import buffers, function, launches
+from trainfuse.nn.mlp.activations import ACTIVATIONS
+from trainfuse.nn.mlp.kernels import EPI_WGRAD
+from trainfuse.nn.mlp.tiles import MatmulConfig, MatmulConfigs
 
 ACTS = ["relu", "gelu", "gelu_tanh", "silu", "none"]
 # (rows, sizes): odd, non-power-of-two, a single layer, a single row, an unsplit K
 SHAPES = [(37, [24, 40, 33, 8]), (64, [32, 48, 32]), (5, [17, 16]), (1, [16, 24, 16])]
-# ||ours - float64|| / ||float64|| may be at most this, or twice nn.Sequential's own error in the
-# same dtype (a float16 chain rounds every layer's output; so does torch)
-TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture
@@ -32,41 +30,10 @@ def small_tiles(kernels, monkeypatch, device):
     GPU too: small tiles compile in a fraction of the time, and test_mlp_gpu.py runs the default
     launch shapes at real sizes)."""
     t = 16 if device.type == "cpu" else 32
-    cfg = M.MatmulConfigs(forward=M.MatmulConfig(t, t, t, 4, 2, 2),
-                          dgrad=M.MatmulConfig(t, 2 * t, t, 4, 2, 2),
-                          wgrad=M.MatmulConfig(t, t, t, 4, 2, 2), min_split_k=t, act_block=64)
-    monkeypatch.setattr(M, "config", cfg)
+    cfg = MatmulConfigs(forward=MatmulConfig(t, t, t, 4, 2, 2), dgrad=MatmulConfig(t, 2 * t, t, 4, 2, 2),
+                        wgrad=MatmulConfig(t, t, t, 4, 2, 2), min_split_k=t, act_block=64)
+    monkeypatch.setattr(launches, "config", cfg)
     return cfg
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def run(model: nn.Module, x: torch.Tensor, g: torch.Tensor, autocast: torch.dtype | None = None):
-    """Output, input grad and every param grad of ``model`` on ``x`` with upstream grad ``g``."""
-    x = x.detach().clone().requires_grad_()
-    model.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        y = model(x)
-    y.backward(g.to(y.dtype))
-    return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
-
-
-def reference(model: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    """The same chain as plain nn.Sequential in float64 (weights as stored, upcast)."""
-    seq = nn.Sequential(*copy.deepcopy(list(model.children()))).double()
-    return run(seq, x.double(), g.double())
-
-
-def assert_close_to_reference(ours, torch_same_dtype, ref, dtype, what="", factor=2.0):
-    names = ["output", "input grad"] + [f"param grad {i}" for i in range(len(ref) - 2)]
-    for name, a, t, r in zip(names, ours, torch_same_dtype, ref):
-        assert a.shape == r.shape, f"{what} {name}: shape {tuple(a.shape)} vs {tuple(r.shape)}"
-        limit = max(TOL[dtype], factor * rel(t, r))
-        assert rel(a, r) <= limit, f"{what} {name}: error {rel(a, r):.2e} > {limit:.2e}"
 
 
 # the matmul's operand order and load path: the weight as B or as A; tiles through TMA tensor
@@ -98,26 +65,6 @@ def test_last_activation_and_no_bias(small_tiles, device, last_activation):
     assert_close_to_reference(run(mlp, x, g), run(seq, x, g), reference(mlp, x, g), torch.float32)
 
 
-@triton.jit
-def _round_kernel(x_ptr, y_ptr, n, RNE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, M._to(tl.load(x_ptr + offs, mask=offs < n), tl.bfloat16, RNE), mask=offs < n)
-
-
-def test_bf16_stores_round_to_nearest_even_as_torch(kernels, device):
-    """The kernels' float32 -> bf16 stores round as torch does, halfway cases, huge values, inf
-    and NaN included, on the GPU and in the interpreter (whose own conversion rounds toward zero:
-    the kernels pass RNE there, so the CPU tests check the GPU's numerics)."""
-    x = torch.randn(1000, device=device) * torch.logspace(-30, 30, 1000, device=device)
-    x[:5] = torch.tensor([float("inf"), -float("inf"), 3.3895e38, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8])
-    y = torch.empty(1000, device=device, dtype=torch.bfloat16)
-    _round_kernel[(1,)](x, y, 1000, RNE=interpreting(), BLOCK=1024)
-    assert torch.equal(y, x.bfloat16())
-    x[0] = float("nan")
-    _round_kernel[(1,)](x, y, 1000, RNE=interpreting(), BLOCK=1024)
-    assert torch.isnan(y[0])
-
-
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
 def test_forward_saves_the_activation_derivative(small_tiles, device, act):
     """GELU/SiLU: the forward stores f'(x W^T + b) beside f(x W^T + b) for the backward, which
@@ -126,7 +73,7 @@ def test_forward_saves_the_activation_derivative(small_tiles, device, act):
     x, w = torch.randn(37, 24, device=device), torch.randn(40, 24, device=device)
     b = torch.randn(40, device=device)
     out, deriv = torch.empty(37, 40, device=device), torch.empty(37, 40, device=device)
-    M.linear_forward(x, w, b, out, deriv, torch.float32, M.ACTIVATIONS[act], 0, 0.0)
+    launches.linear_forward(x, w, b, out, deriv, torch.float32, ACTIVATIONS[act], 0, 0.0)
     pre = (x.double() @ w.double().t() + b.double()).requires_grad_()
     f = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[act]
     y = f(pre)
@@ -134,7 +81,7 @@ def test_forward_saves_the_activation_derivative(small_tiles, device, act):
     assert rel(out, y.detach()) < 1e-5 and rel(deriv, want) < 1e-5
     for other in ("relu", "none"):
         with pytest.raises(ValueError, match="GELU and SiLU only"):
-            M.linear_forward(x, w, b, out, deriv, torch.float32, M.ACTIVATIONS[other], 0, 0.0)
+            launches.linear_forward(x, w, b, out, deriv, torch.float32, ACTIVATIONS[other], 0, 0.0)
 
 
 @pytest.mark.parametrize("weight_first", [False, True], ids=["x_first", "weight_first"])
@@ -174,7 +121,7 @@ def test_dropout_mask_is_regenerated_in_backward(small_tiles, device, act, weigh
             m.p = p
     ours = run(mlp, x, g)
     seed = mlp._last_seed
-    masks = [M.dropout_mask(seed + i, (29, lin.out_features), p, device)
+    masks = [launches.dropout_mask(seed + i, (29, lin.out_features), p, device)
              for i, lin in enumerate(m for m in mlp if isinstance(m, nn.Linear))]
     kept = torch.cat([m.flatten() for m in masks]).float().mean().item()
     assert 0.6 < kept < 0.8  # about 1 - p of the elements are kept
@@ -182,7 +129,7 @@ def test_dropout_mask_is_regenerated_in_backward(small_tiles, device, act, weigh
     ws = [lin.weight.detach().double().requires_grad_() for lin in lins]
     bs = [lin.bias.detach().double().requires_grad_() for lin in lins]
     x64 = x.double().requires_grad_()
-    y = M.mlp_reference(x64, ws, bs, [act] * 3, masks, [p] * 3)
+    y = mlp_reference(x64, ws, bs, [act] * 3, masks, [p] * 3)
     y.backward(g.double())
     ref = [y, x64.grad] + [t.grad for pair in zip(ws, bs) for t in pair]
     for name, a, r in zip(["output", "input grad", "w0", "b0", "w1", "b1", "w2", "b2"], ours, ref):
@@ -211,21 +158,21 @@ def test_dropout_draws_new_masks_and_follows_the_torch_seed(small_tiles, device)
 def test_split_k_weight_grad_is_right_and_deterministic(small_tiles, device, monkeypatch):
     """A long batch against a small weight: the weight grad splits the batch over several
     programs per tile and the last one adds the partials in a fixed order."""
-    monkeypatch.setattr(M.config, "wave_programs", 64)
-    monkeypatch.setattr(M.config, "min_split_k", 16)
+    monkeypatch.setattr(launches.config, "wave_programs", 64)
+    monkeypatch.setattr(launches.config, "min_split_k", 16)
     splits = []
-    launch = M.launcher
+    launch = launches.launcher
 
     class Spy:  # on a GPU the repeated call below launches from bound sites, past the spy
         def __call__(self, fn, grid, *args, **kw):
-            if kw.get("EPI") == M.EPI_WGRAD:
+            if kw.get("EPI") == EPI_WGRAD:
                 splits.append(args[13])  # nsplit
             return launch(fn, grid, *args, **kw)
 
         def __getattr__(self, name):
             return getattr(launch, name)
 
-    monkeypatch.setattr(M, "launcher", Spy())
+    monkeypatch.setattr(launches, "launcher", Spy())
     mlp = FusedMLP([16, 24, 8], activation="relu").to(device)
     x, g = torch.randn(150, 16, device=device), torch.randn(150, 8, device=device)
     first = run(mlp, x, g)
@@ -245,8 +192,8 @@ def test_split_k_and_loss_reductions_share_the_stream_scratch(small_tiles, devic
     from trainfuse.losses import bce_with_logits
 
     monkeypatch.setattr(launch, "_workspaces", {})  # start empty: the calls below grow it
-    monkeypatch.setattr(M.config, "wave_programs", 64)
-    monkeypatch.setattr(M.config, "min_split_k", 16)
+    monkeypatch.setattr(launches.config, "wave_programs", 64)
+    monkeypatch.setattr(launches.config, "min_split_k", 16)
     logits, targets = torch.randn(40, 37, device=device), torch.rand(40, 37, device=device)
     want_loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.double(), targets.double())
     results = []
@@ -322,10 +269,10 @@ def test_leading_dims_and_non_contiguous_input(small_tiles, device):
 
 
 def _spy_direct(monkeypatch) -> list:
-    """Records what each backward's :func:`mlp._direct_grads` decided, per layer: None (grads
-    back through autograd), "assign" or "add"."""
+    """Records what each backward's :func:`trainfuse.nn.mlp.grads.direct_grads` decided, per layer:
+    None (grads back through autograd), "assign" or "add"."""
     seen = []
-    real = M._direct_grads
+    real = function.direct_grads
 
     def spy(*args):
         out = real(*args)
@@ -333,7 +280,7 @@ def _spy_direct(monkeypatch) -> list:
                                               for d in out])
         return out
 
-    monkeypatch.setattr(M, "_direct_grads", spy)
+    monkeypatch.setattr(function, "direct_grads", spy)
     return seen
 
 
@@ -470,7 +417,7 @@ def test_one_stream_input_grads_take_turns_in_two_slices():
     many held at a time as when each had its own allocation): neighbours never overlap, every
     other one starts where the first does, and the buffer is the two largest of each turn."""
     shapes = [(5, 8), (5, 24), (5, 16), (5, 40), (5, 8)]
-    views = M._alternating(shapes, torch.float16, torch.device("cpu"))
+    views = buffers.alternating(shapes, torch.float16, torch.device("cpu"))
     assert [tuple(v.shape) for v in views] == shapes and all(v.is_contiguous() for v in views)
     base = views[0].untyped_storage().data_ptr()
     starts = [v.data_ptr() - base for v in views]
@@ -601,7 +548,7 @@ def test_cpu_tensors_take_torch_path_by_default(monkeypatch):
     float64 with the kernels forced."""
     monkeypatch.setenv("TRAINFUSE_BACKEND", "auto")
     called = []
-    monkeypatch.setattr(M, "matmul", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(launches, "matmul", lambda *a, **k: called.append(1))
     mlp = FusedMLP([8, 16, 4], activation="gelu")
     seq = nn.Sequential(*mlp.children())
     x = torch.randn(5, 8)

@@ -9,12 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from tests.nn.test_mlp import assert_close_to_reference, reference, rel, run
+from tests._helpers import cuda
+from tests.nn._reference import assert_close_to_reference, reference, rel, run
 from trainfuse._runtime import launch as L
 from trainfuse.nn import FusedMLP
-from trainfuse.nn import mlp as M
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from trainfuse.nn.mlp import function, launches, tiles
+from trainfuse.nn.mlp.activations import ACTIVATIONS
+from trainfuse.nn.mlp.kernels import EPI_ACT_GRAD, EPI_FORWARD, EPI_WGRAD
+from trainfuse.nn.mlp.tiles import MatmulConfig
 
 
 def _rounded(mlp, dtype):
@@ -41,6 +43,35 @@ def test_bf16_autocast_matches_torch(act, rows, width):
     assert_close_to_reference(ours, run(seq, x, g, autocast=torch.bfloat16), ref, torch.bfloat16, act, factor)
 
 
+class _DelayingEvent(torch.cuda.Event):
+    """An event after whose every wait on ``side`` that stream sleeps ``cycles`` (torch.cuda._sleep):
+    the backward's side stream waits on such an event before each weight grad."""
+
+    side: torch.cuda.Stream
+    cycles: int
+
+    def wait(self, stream=None) -> None:
+        super().wait(stream)
+        if stream is self.side:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(self.cycles)
+
+
+def _delay_side_stream(monkeypatch, cycles: int) -> None:
+    """The backward's side stream sleeps ``cycles`` before each weight grad (after waiting for the
+    main stream), so the main stream races ahead."""
+    real = function._side_stream
+
+    def delayed(device, events):
+        side, _ = real(device, events)
+        delaying = [_DelayingEvent() for _ in range(events)]
+        for event in delaying:
+            event.side, event.cycles = side, cycles
+        return side, delaying
+
+    monkeypatch.setattr(function, "_side_stream", delayed)
+
+
 @cuda
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_side_stream_delayed_grads_still_right(set_to_none, monkeypatch):
@@ -53,7 +84,7 @@ def test_side_stream_delayed_grads_still_right(set_to_none, monkeypatch):
     g = torch.randn(4096, 512, device="cuda")
     want = [t.clone() for t in run(mlp, x, g, autocast=torch.bfloat16)]  # the loop adds to the grads
     two = FusedMLP.from_sequential(mlp, streams=2)
-    monkeypatch.setattr(M, "_debug_side_sleep_cycles", 20_000_000)
+    _delay_side_stream(monkeypatch, 20_000_000)
     for _ in range(3):
         xx = x.clone().requires_grad_()
         two.zero_grad(set_to_none=set_to_none)
@@ -130,8 +161,8 @@ def test_grad_scaler_fp16():
 def test_auto_backend_takes_torch_for_odd_sizes_and_tiny_batches(monkeypatch):
     monkeypatch.setenv("TRAINFUSE_BACKEND", "auto")
     calls = []
-    real = M.matmul
-    monkeypatch.setattr(M, "matmul", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    real = launches.matmul
+    monkeypatch.setattr(launches, "matmul", lambda *a, **k: (calls.append(1), real(*a, **k)))
     for sizes, rows, fused in [([64, 64], 128, True), ([60, 64], 128, False), ([64, 64], 8, False)]:
         calls.clear()
         FusedMLP(sizes).cuda()(torch.randn(rows, sizes[0], device="cuda"))
@@ -168,11 +199,11 @@ def _run_view(model, base, view, g):
 @pytest.mark.parametrize("streams", [1, 2])
 def test_repeated_calls_launch_bound_sites_and_follow_layout_changes(streams, monkeypatch):
     """From its second call with a given signature a chain launches every kernel straight from
-    its bound launch sites (trainfuse.nn.mlp._chains), keying nothing per launch. An input with
+    its bound launch sites (trainfuse.nn.mlp.launches._chains), keying nothing per launch. An input with
     another layout (transposed, misaligned, another batch) is another signature with sites of its
     own; every call, first or repeated, matches torch and a float64 reference. A bf16 chain on
     bf16 inputs: a float32 input under autocast is cast first, into a fresh aligned tensor."""
-    monkeypatch.setattr(M, "_chains", {})
+    monkeypatch.setattr(launches, "_chains", {})
     mlp = FusedMLP([256, 256, 128], activation="relu", last_activation=True, streams=streams)
     mlp = mlp.cuda().bfloat16()
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
@@ -184,19 +215,19 @@ def test_repeated_calls_launch_bound_sites_and_follow_layout_changes(streams, mo
         ours = _run_view(mlp, base, view, g)
         ref = _run_view(rounded, base.detach().bfloat16().double().requires_grad_(), view, g.double())
         assert_close_to_reference(ours, _run_view(seq, base, view, g), ref, torch.bfloat16, name)
-    assert len(M._chains) == 2 * len(_LAYOUTS)  # a forward and a backward signature per layout
-    assert all(slot.run is not None for slots in M._chains.values() for slot in slots)
+    assert len(launches._chains) == 2 * len(_LAYOUTS)  # a forward and a backward signature per layout
+    assert all(site.run is not None for sites in launches._chains.values() for site in sites)
 
 
 @cuda
 @pytest.mark.parametrize("act,recompute", [("relu", False), ("gelu", True)])
 def test_repeated_launches_replay_as_cuda_graphs_with_the_same_results(act, recompute, monkeypatch):
     """Once a chain's forward, or its one-stream backward, repeats a list of launches it made
-    before (the same kernels, grids, addresses and scalars: ``_Chain.replays``), it is
+    before (the same kernels, grids, addresses and scalars: ``ChainSites.replays``), it is
     captured and from then on replayed as one CUDA graph. Every call's output and grads equal,
     bit for bit, those of launching each kernel (config.graphs False), over inputs at two
     alternating addresses and grads accumulating in .grad."""
-    monkeypatch.setattr(M, "_chains", {})
+    monkeypatch.setattr(launches, "_chains", {})
     replays = []
     real_capture = L._capture
 
@@ -229,7 +260,7 @@ def test_repeated_launches_replay_as_cuda_graphs_with_the_same_results(act, reco
         return outs
 
     got = steps(mlp)
-    monkeypatch.setattr(M.config, "graphs", False)
+    monkeypatch.setattr(launches.config, "graphs", False)
     want = steps(twin)
     assert len(replays) >= 6  # from the 4th call on, forward and backward: 10 when addresses repeat
     for i, (a, b) in enumerate(zip(got, want)):
@@ -240,7 +271,7 @@ def test_repeated_launches_replay_as_cuda_graphs_with_the_same_results(act, reco
 def test_a_failed_capture_warns_once_and_launches_kernel_by_kernel(monkeypatch):
     """Where a chain pass's launches cannot be captured, it says so once per launch list (at most
     4 a pass) and launches that list one by one from then on, with the same results."""
-    monkeypatch.setattr(M, "_chains", {})
+    monkeypatch.setattr(launches, "_chains", {})
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("capture refused")
@@ -262,11 +293,11 @@ def test_a_failed_capture_warns_once_and_launches_kernel_by_kernel(monkeypatch):
 
     with pytest.warns(RuntimeWarning, match="could not be captured") as caught:
         got = steps(mlp)
-    entries = [entry for chain in M._chains.values() for entry in chain.replays.graphs.values()]
+    entries = [entry for chain in launches._chains.values() for entry in chain.replays.graphs.values()]
     assert all(entry is None for entry in entries)
     # one try per list (a forward's and a backward's at least), never retried
     assert sum("could not be captured" in str(w.message) for w in caught) == len(entries) >= 2
-    monkeypatch.setattr(M.config, "graphs", False)
+    monkeypatch.setattr(launches.config, "graphs", False)
     want = steps(twin)
     for i, (a, b) in enumerate(zip(got, want)):
         assert all(torch.equal(u, v) for u, v in zip(a, b)), f"call {i}"
@@ -277,14 +308,13 @@ def test_a_failed_capture_warns_once_and_launches_kernel_by_kernel(monkeypatch):
 # autocast), and the epilogue and MatmulConfig that default_tile must pick for one of its matmuls
 _FULL_SIZE = {
     "16-bit weight input grad in 128x256 TMA tiles, 4 stages":
-        ([1024, 1024, 1024], 8192, torch.bfloat16, M.EPI_ACT_GRAD, M.MatmulConfig(128, 256, 64, 8, 4)),
+        ([1024, 1024, 1024], 8192, torch.bfloat16, EPI_ACT_GRAD, MatmulConfig(128, 256, 64, 8, 4)),
     "float32 weight at K=256 in 128x256 pointer tiles":
-        ([256, 256, 256], 32768, torch.float32, M.EPI_FORWARD, M.MatmulConfig(128, 256, 64, 8, 3, tma=False)),
+        ([256, 256, 256], 32768, torch.float32, EPI_FORWARD, MatmulConfig(128, 256, 64, 8, 3, tma=False)),
     "16-bit weight input grad at K=256 in 128x128 pointer tiles":
-        ([256, 256, 256], 32768, torch.bfloat16, M.EPI_ACT_GRAD,
-         M.MatmulConfig(128, 128, 64, 8, 3, tma=False)),
+        ([256, 256, 256], 32768, torch.bfloat16, EPI_ACT_GRAD, MatmulConfig(128, 128, 64, 8, 3, tma=False)),
     "big weight grad in groups of 16 row tiles":
-        ([4096, 3072], 512, torch.float32, M.EPI_WGRAD, M.MatmulConfig(128, 256, 64, 8, 3, group_m=16)),
+        ([4096, 3072], 512, torch.float32, EPI_WGRAD, MatmulConfig(128, 256, 64, 8, 3, group_m=16)),
 }
 
 
@@ -293,15 +323,15 @@ _FULL_SIZE = {
 def test_full_size_launch_shapes_match_torch(case, monkeypatch):
     sizes, rows, dtype, epi, want = _FULL_SIZE[case]
     chosen = []
-    tile = M.default_tile
+    tile = tiles.default_tile
 
     def spy(epi_, *args):
         chosen.append((epi_, tile(epi_, *args)))
         return chosen[-1][1]
 
-    monkeypatch.setattr(M, "default_tile", spy)
-    monkeypatch.setattr(M, "_plans", {})  # plans cached by another test would skip default_tile
-    monkeypatch.setattr(M, "_chains", {})
+    monkeypatch.setattr(tiles, "default_tile", spy)
+    monkeypatch.setattr(launches, "_plans", {})  # plans cached by another test would skip default_tile
+    monkeypatch.setattr(launches, "_chains", {})
     mlp = FusedMLP(sizes, activation="relu", last_activation=True).cuda().to(dtype)
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
     x = torch.randn(rows, sizes[0], device="cuda", dtype=dtype)
@@ -336,7 +366,7 @@ def test_weight_and_bias_grad_kernel_at_full_size(rows, width, grad_dtype, accum
         gb = torch.randn(width, device="cuda").to(grad_dtype) if accumulate else \
             torch.empty(width, device="cuda", dtype=grad_dtype)
         old_w, old_b = (gw.double(), gb.double()) if accumulate else (0.0, 0.0)
-        M.matmul(g.t(), x, gw, bf, M.EPI_WGRAD, db=gb, accumulate=accumulate)
+        launches.matmul(g.t(), x, gw, bf, EPI_WGRAD, db=gb, accumulate=accumulate)
         for name, got, want in (("weight grad", gw, want_w + old_w), ("bias grad", gb, want_b + old_b)):
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert err <= tol, f"{name}: max error {err:.2e} of the largest > {tol:.1e}"
@@ -354,7 +384,7 @@ def test_forward_and_input_grad_kernels_at_full_size(rows, width, weight_dtype, 
     10 at 65536 x 256 and 1 of 10 at 8192 x 1024, inside the end-to-end tests' bf16 tolerances.
     A weight not 16-byte aligned cannot go through TMA: its input grad takes pointer tiles."""
     bf = torch.bfloat16
-    relu = M.ACTIVATIONS["relu"]
+    relu = ACTIVATIONS["relu"]
     p = 0.1 if case == "dropout" else 0.0
     x = torch.randn(rows, width, device="cuda", dtype=bf)
     w = (torch.randn(width, width, device="cuda") * width**-0.5).to(weight_dtype)
@@ -368,9 +398,9 @@ def test_forward_and_input_grad_kernels_at_full_size(rows, width, weight_dtype, 
     want_dx = (g.double() @ w64) * (saved > 0) / (1.0 - p)
     for _ in range(10):
         out = torch.full((rows, width), float("nan"), device="cuda", dtype=bf)
-        M.linear_forward(x, w, b, out, None, bf, relu, 0, 0.0)
+        launches.linear_forward(x, w, b, out, None, bf, relu, 0, 0.0)
         dx = torch.full((rows, width), float("nan"), device="cuda", dtype=bf)
-        M.linear_dgrad(g, w, dx, bf, relu, saved, 7, p)
+        launches.linear_dgrad(g, w, dx, bf, relu, saved, 7, p)
         for name, got, want in (("forward", out, want_out), ("input grad", dx, want_dx)):
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert err <= 2**-8, f"{name}: max error {err:.2e} of the largest > {2**-8:.1e}"

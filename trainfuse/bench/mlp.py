@@ -33,7 +33,7 @@ from trainfuse.bench._common import (
 )
 from trainfuse.bench.workloads import MLP_WORKLOADS
 from trainfuse.nn import FusedMLP
-from trainfuse.nn import mlp as M
+from trainfuse.nn.mlp import launches as M
 
 # t: operands through TMA descriptors, p: through pointers; :gN groups N row tiles (default 8)
 SWEEP = {"forward": ["128x128x64w8s3t", "128x256x64w8s3t", "128x128x64w8s4t", "128x128x64w8s3p",

@@ -1,9 +1,8 @@
-"""What the loss kernels share: launch shape, broadcast operands, the deterministic reduction.
+"""What the loss kernels share: launch shapes and broadcast operands.
 
-A reduced loss is one launch: every program writes its partial sum, bumps an arrival counter, and
-the program that arrives last adds the partials up in a fixed order (float64) and writes the
-result. No float atomics, so the loss is bit-identical run to run (ultralytics trains with
-``deterministic=True``).
+A reduced loss is one launch: every program writes its partial sum and the program that arrives
+last adds them up in a fixed order (``trainfuse._runtime.reduce.reduce_partials``), so the loss is
+bit-identical run to run (ultralytics trains with ``deterministic=True``).
 """
 
 from __future__ import annotations
@@ -72,24 +71,6 @@ def fast_div(a, b):
     return tl.fdiv(a, b)
 
 
-@triton.jit
-def reduce_partials(partials, counter, out, part, nparts, denom):
-    """Program ``pid``'s share of a one-launch sum: store ``part``; the last program to arrive
-    writes ``out = sum(partials) / denom`` (float64, fixed order) and re-arms the counter."""
-    tl.store(partials + tl.program_id(0), part)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == nparts - 1:
-        RB: tl.constexpr = 1024
-        acc = tl.zeros([RB], tl.float64)
-        for i in range(0, nparts, RB):
-            o = i + tl.arange(0, RB)
-            acc += tl.load(partials + o, mask=o < nparts, other=0.0, cache_modifier=".cg").to(tl.float64)
-        total = tl.sum(acc, 0) / denom
-        # through float32: the interpreter's float64 -> bfloat16 conversion is wrong
-        tl.store(out, total.to(tl.float32).to(out.dtype.element_ty))
-        tl.store(counter, 0)
-
-
 def workspace(device: torch.device, nparts: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partials, counter)`` for a reduction of ``nparts`` programs on ``device``'s current
     stream: the engine's per-stream scratch (:func:`trainfuse._runtime.launch.stream_workspace`),
@@ -136,4 +117,4 @@ def check_float(name: str, fn: str, t: torch.Tensor, *, dtypes=(torch.float32, t
 
 
 __all__ = ["REDUCTIONS", "LossLaunch", "bcast_index", "box_config", "broadcast_operand", "check_float",
-           "config", "config16", "fast_div", "launcher", "reduce_partials", "stream_config", "workspace"]
+           "config", "config16", "fast_div", "launcher", "stream_config", "workspace"]

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import sm_count
+from trainfuse._runtime.reduce import reduce_partials
 from trainfuse.losses._common import (
     REDUCTIONS,
     bcast_index,
@@ -38,7 +39,6 @@ from trainfuse.losses._common import (
     check_float,
     fast_div,
     launcher,
-    reduce_partials,
     stream_config,
     workspace,
 )
@@ -163,15 +163,15 @@ def _bce_kernel(x_ptr, y_ptr, w_ptr, pw_ptr, go_ptr, out_ptr, g_ptr, partials, c
 
 
 @triton.jit
-def _scale_kernel(g_ptr, go_ptr, n, BLOCK: tl.constexpr):
-    """g *= go, in place, over a persistent grid; when go is exactly 1 (``loss.backward()``) the
-    programs return at once: one small launch, no memory traffic."""
-    go = tl.load(go_ptr).to(tl.float32)
+def _scale_kernel(g_ptr, go_ptr, n, CD: tl.constexpr, BLOCK: tl.constexpr):
+    """g *= go (in ``CD``), in place, over a persistent grid; when go is exactly 1
+    (``loss.backward()``) the programs return at once: one small launch, no memory traffic."""
+    go = tl.load(go_ptr).to(CD)
     if go != 1.0:
         for t in range(tl.program_id(0).to(tl.int64), tl.cdiv(n, BLOCK), tl.num_programs(0)):
             offs = t * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+            g = tl.load(g_ptr + offs, mask=mask).to(CD)
             tl.store(g_ptr + offs, (g * go).to(g_ptr.dtype.element_ty), mask=mask)
 
 
@@ -235,7 +235,8 @@ class BCEWithLogitsFunction(torch.autograd.Function):
             cfg = stream_config(grad)
             block = cfg.block * cfg.unroll
             grid = max(1, min(-(-grad.numel() // block), _max_programs(grad.device, cfg.per_sm)))
-            launcher(_scale_kernel, (grid,), grad, go, grad.numel(), BLOCK=block,
+            launcher(_scale_kernel, (grid,), grad, go, grad.numel(),
+                     CD=tl.float64 if grad.dtype == torch.float64 else tl.float32, BLOCK=block,
                      num_warps=cfg.num_warps)
         else:
             grad = torch.empty_like(x)

@@ -19,9 +19,11 @@ computes ``iou_loss(pred, target, weight, "ciou", reduction="sum") / target_scor
 
 One kernel does everything: the forward (one launch, the weighting and reduction included) and
 the backward (one launch, recomputing the forward's intermediates from the boxes: 32 bytes a box
-pair, cheaper than saving them). Math runs in float32 (float64 for float64 boxes); the result
-and the grads come back in the inputs' dtypes. Under fp16 autocast ultralytics runs the formula in
-fp16 itself; ours is the float32 value of the same formula (more accurate, on purpose).
+pair, cheaper than saving them). Math runs in float32 (float64 for float64 boxes: constants, eps,
+atan (within 2 ulp) and the reduction are float64 too, so values and grads agree with ultralytics'
+float64 ones to rounding, 1e-12 in the tests); the result and the grads come back in the inputs'
+dtypes. Under fp16 autocast ultralytics runs the formula in fp16 itself; ours is the float32
+value of the same formula (more accurate, on purpose).
 Subgradients follow torch's autograd: a tie in min/max splits the grad in halves, and ``clamp(0)``
 passes it at exactly 0 or not as the installed torch does (that changed between 2.11 and 2.15).
 """
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.reduce import reduce_partials
 from trainfuse.losses._common import (
     REDUCTIONS,
     bcast_index,
@@ -44,7 +47,6 @@ from trainfuse.losses._common import (
     check_float,
     fast_div,
     launcher,
-    reduce_partials,
     workspace,
 )
 
@@ -55,12 +57,46 @@ OUT_NONE, OUT_IOU, OUT_LOSS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
+def _atan_f64(x):
+    """atan in float64, by the same reduction as :func:`atan`'s float32 branch; pi/2 and pi/4 are
+    added as a float64 head plus the tail the head misses. P (degree 10 in z = r^2) interpolates
+    (atan(r)/r - 1)/z at 11 Chebyshev nodes of [0, tan(pi/8)^2]: 8e-18 relative error in exact
+    arithmetic, so float64 rounding (about 1 ulp) dominates. Python float literals here are
+    float64 constants (a scalar takes the tensor's dtype)."""
+    a = tl.abs(x)
+    zero = tl.zeros_like(a)
+    big = a > 2.414213562373095
+    mid = a > 0.41421356237309503
+    num = tl.where(big, -1.0, tl.where(mid, a - 1.0, a))
+    den = tl.where(big, a, tl.where(mid, a + 1.0, 1.0))
+    r = num / den
+    head = tl.where(big, zero + 1.5707963267948966, tl.where(mid, zero + 0.7853981633974483, zero))
+    tail = tl.where(big, zero + 6.123233995736766e-17, tl.where(mid, zero + 3.061616997868383e-17, zero))
+    z = r * r
+    p = -0.019175404711104935 * z + 0.03923044778479309
+    p = p * z - 0.050854078345894844
+    p = p * z + 0.05858140904866328
+    p = p * z - 0.06664510525508936
+    p = p * z + 0.07692183125376892
+    p = p * z - 0.0909090457530649
+    p = p * z + 0.11111111015187018
+    p = p * z - 0.14285714284665682
+    p = p * z + 0.19999999999995516
+    p = p * z - 0.3333333333333333
+    y = head + (r + (r * z * p + tail))
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def atan(x):
     """atan from basic operations: odd symmetry, then atan(x) = pi/2 - atan(1/x) above
     tan(3pi/8) and pi/4 + atan((x - 1)/(x + 1)) above tan(pi/8), then the polynomial. NaN stays
     NaN, +-inf gives +-pi/2. Triton's libdevice atan does not run under TRITON_INTERPRET=1; this
-    runs everywhere. P is a least-squares fit (degree 4 in z = r^2, relative error) of atan on
-    [0, tan(pi/8)]: max relative error 2e-9 there, so float32 rounding dominates."""
+    runs everywhere. Float32: P is a least-squares fit (degree 4 in z = r^2, relative error) of
+    atan on [0, tan(pi/8)]: max relative error 2e-9 there, so float32 rounding dominates. Float64
+    (:func:`_atan_f64`): within 2 ulp of the correctly rounded atan."""
+    if x.dtype == tl.float64:
+        return _atan_f64(x)
     a = tl.abs(x)
     big = a > 2.414213562373095
     mid = a > 0.41421356237309503
@@ -150,8 +186,8 @@ def _store_box(ptr, idx, mask, gx1, gy1, gx2, gy2, gw, gh, XYWH: tl.constexpr):
 
 @triton.jit
 def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials, counter, total,
-                n, b1_div, b1_mod, b2_div, b2_mod, w_div, w_mod, go_div, go_mod, eps, denom,
-                KIND: tl.constexpr, XYWH: tl.constexpr, B1_BCAST: tl.constexpr,
+                n, b1_div, b1_mod, b2_div, b2_mod, w_div, w_mod, go_div, go_mod, denom,
+                EPS: tl.constexpr, KIND: tl.constexpr, XYWH: tl.constexpr, B1_BCAST: tl.constexpr,
                 B2_BCAST: tl.constexpr, HAS_W: tl.constexpr, W_BCAST: tl.constexpr,
                 GO_BCAST: tl.constexpr, OUT: tl.constexpr,
                 REDUCE: tl.constexpr, GRAD1: tl.constexpr, GRAD2: tl.constexpr,
@@ -160,7 +196,10 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
     """Rows ``[pid * BLOCK * NB, ...)`` of the broadcast box pairs. Writes, as the flags ask: the
     IoU (``OUT_IOU``) or ``w (1 - IoU)`` (``OUT_LOSS``) per row, the partial sum of ``w (1 - IoU)``
     (``REDUCE``, finished by the last program as ``sum / denom``), and the grads of both boxes
-    scaled per row by ``c = go`` (bbox_iou) or ``c = -w go / denom`` (``LOSS``)."""
+    scaled per row by ``c = go`` (bbox_iou) or ``c = -w go / denom`` (``LOSS``). ``EPS`` is a
+    constexpr because a float argument arrives as float32 on a GPU; as a constant it is exact in
+    float64."""
+    eps = tl.full([], EPS, CD)
     pid = tl.program_id(0).to(tl.int64)
     part = tl.zeros([BLOCK], CD)
     for blk in tl.static_range(NB):
@@ -310,7 +349,7 @@ def _run(box1, box2, rows, kind, xywh, eps, *, weight=None, go=None, out=None, t
     partials, count = workspace(f1.device, grid, torch.float64 if f64 else torch.float32)
     launcher(_iou_kernel, (grid,), f1, f2, wf, gf, f1 if out is None else out, f1 if g1 is None else g1,
              f1 if g2 is None else g2, partials, count, f1 if total is None else total,
-             n, d1, m1, d2, m2, wd, wm, gd, gm, eps, denom,
+             n, d1, m1, d2, m2, wd, wm, gd, gm, denom, EPS=eps,
              KIND=kind, XYWH=xywh, B1_BCAST=bc1, B2_BCAST=bc2, HAS_W=weight is not None,
              W_BCAST=wb, GO_BCAST=gb, OUT=out_kind, REDUCE=total is not None,
              GRAD1=g1 is not None, GRAD2=g2 is not None, LOSS=loss, CLAMP_AT_ZERO=_clamp_at_zero(),

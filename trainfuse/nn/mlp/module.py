@@ -1,5 +1,6 @@
 """``FusedMLP`` (an ``nn.Sequential`` of Linear / activation / Dropout whose forward and backward
-run on the kernels in mlp.py) and ``fuse_mlps``, which swaps such chains into a model."""
+run on :class:`trainfuse.nn.mlp.function.FusedMLPFunction`) and ``fuse_mlps``, which swaps such
+chains into a model."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import torch
 from torch import nn
 
 from trainfuse._runtime.backend import backend, use_triton
-from trainfuse.nn.mlp import ACTIVATIONS, FusedMLPFunction, Layer
+from trainfuse.nn.mlp.activations import ACTIVATIONS, Layer
+from trainfuse.nn.mlp.function import FusedMLPFunction
 
 _STREAMS = (1, 2, "auto")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _AUTO_ALIGN = 16  # TRAINFUSE_BACKEND=auto: feature sizes the kernels take (16-byte rows, full MMA tiles)
 _AUTO_MIN_ROWS = 64  # and batches below this take torch's path (one cuBLAS call wins there)
+# "auto" streams: the side stream pays where a layer's matmuls are too narrow to fill the GPU alone
+# (H200, 4 x 256-wide layers at 65536 rows: 3 % less GPU time); for 1024 and 4096 wide layers it
+# saves 0-5 % of GPU time and costs more than that in host time
 _AUTO_TWO_STREAMS_WIDTH = 512
 
 
@@ -163,10 +168,6 @@ class FusedMLP(nn.Sequential):
         self.recompute = recompute
         self.fuse_grad_accumulation = fuse_grad_accumulation
         self._chain = _parse(list(self.named_children()))
-        # "auto" streams: the side stream pays where a layer's matmuls are too narrow to fill the
-        # GPU alone (H200, 4 x 256-wide layers at 65536 rows: 17 % less GPU time when it was
-        # chosen, 3 % since the weight grads got faster); for 1024 and 4096 wide layers it saved
-        # 0-5 % of GPU time and cost more than that in host time
         self._narrow = max(lin.out_features for lin, _, _ in self._chain) <= _AUTO_TWO_STREAMS_WIDTH
 
     def extra_repr(self) -> str:
@@ -214,8 +215,8 @@ class FusedMLP(nn.Sequential):
             return super().forward(x)
         # each Dropout child's own mode, as nn.Sequential would run it
         drops = tuple(d.p if d is not None and d.training else 0.0 for _, _, d in self._chain)
-        # Layer lists by dropout p and recompute, made on first use (also in modules pickled
-        # before the cache existed)
+        # Layer lists by dropout p and recompute, made on first use (a module unpickled without
+        # the cache gets it here)
         made = self.__dict__.setdefault("_layers", {})
         layers = made.get((drops, self.recompute))
         if layers is None:
