@@ -58,7 +58,9 @@ def _imports(module: str, path: Path) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            names = [f"{base}.{a.name}" for a in node.names] + [base]
+            # ``from pkg import submodule`` imports the submodule (its package is always set up
+            # first, whoever asks); ``from module import name`` imports the module
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
             continue
         for n in names:

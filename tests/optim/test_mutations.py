@@ -331,3 +331,20 @@ def test_state_dict_is_plain_and_loads_with_weights_only(cls, kernels, device):
     assert all(type(v) is dict for v in loaded["state"].values())
     theirs = TORCH_CLASS[cls]([p.detach().clone().requires_grad_()], lr=0.1)
     theirs.load_state_dict(loaded)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_max_grad_norm_on_the_torch_path_clips_like_torch(cls, monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
+    p = torch.randn(30, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    ours = cls([p], lr=0.1, max_grad_norm=0.5)
+    theirs = TORCH_CLASS[cls]([q], lr=0.1, foreach=False)
+    for _ in range(3):
+        g = torch.randn(30) * 10
+        p.grad, q.grad = g.clone(), g.clone()
+        norm = torch.nn.utils.clip_grad_norm_([q], 0.5)
+        ours.step()
+        theirs.step()
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        torch.testing.assert_close(ours.grad_norm, norm, rtol=0, atol=0)

@@ -304,7 +304,7 @@ class MultiTensorEngine:
         skip = found_inf is not None and float(found_inf) != 0.0  # the reference path may sync
         groups = client.param_groups
         by_group: dict[int, tuple[list, list, list]] = {}
-        all_grads = []
+        all_grads, with_grad = [], []
         for i in idx:
             g = grads[i]
             if g is None:
@@ -313,12 +313,14 @@ class MultiTensorEngine:
             ps.append(self._params[i])
             gs.append(g)
             all_grads.append(g)
+            with_grad.append(self._params[i])
         with torch.no_grad():
             if not skip:
                 if grad_scale is not None and all_grads:  # like torch's fused kernels, leave the
                     torch._foreach_div_(all_grads, grad_scale.to(device))  # grads unscaled
                 if client.max_grad_norm is not None and all_grads:
-                    total = torch.nn.utils.clip_grad_norm_(all_grads, client.max_grad_norm)
+                    # torch's function takes the params and clips their .grad
+                    total = torch.nn.utils.clip_grad_norm_(with_grad, client.max_grad_norm)
                     self._stats_out(device)[0].copy_(total)
                     self._norm_ready = True
                 for gi, (ps, gs, _) in by_group.items():
@@ -334,10 +336,15 @@ class MultiTensorEngine:
                         client.torch_group_step(groups[gi], ps, gs, ps)
             ema_w = client.ema_weight
             if ema_w is not None:
+                # as the kernel: toward a param's float32 master where it has one, in the EMA's dtype
+                group_of = {id(p): groups[self._group_of[i]] for i, p in enumerate(self._params)}
                 ema, src = [], []
                 for e, t in client.ema_pairs(device):
+                    group = group_of.get(id(t))
+                    master = None if group is None else client.master_of(t, group)
+                    t = t if master is None else master
                     ema.append(e)
-                    src.append(t)
+                    src.append(t if t.dtype == e.dtype else t.to(e.dtype))
                 if ema:
                     torch._foreach_lerp_(ema, src, ema_w)
 
