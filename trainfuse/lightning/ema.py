@@ -1,0 +1,118 @@
+"""The EMA FusedTraining keeps: a FusedEMA over the LightningModule's floating-point params and
+buffers, with Lightning's EMAWeightAveraging semantics.
+
+EMAWeightAveraging (``AveragedModel`` with ``get_ema_avg_fn(decay)``, buffers included) copies the
+weights on its first update and then moves ``ema <- decay * ema + (1 - decay) * w`` after every
+optimizer step. The same decay schedule drives the FusedEMA here (0 on update 1, ``decay`` after),
+so the two differ only by rounding (lerp against multiply-add). A step GradScaler skips still moves
+the EMA toward the unchanged weights in both (the fused kernel folds the EMA on skipped steps too).
+The FusedEMA is built over a holder module whose entries are the LightningModule's own tensors: no
+copy of the module object (its Trainer, datasets, metrics), only of its tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainfuse.optim import FusedEMA
+
+_SEP = "/"  # module names may not contain ".": state_dict keys are stored with "/" instead
+
+
+class _Tensors(nn.Module):
+    """The floating-point entries of a module's state_dict, the same tensor objects, flat."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        for key, t in module.state_dict(keep_vars=True).items():
+            if not t.is_floating_point():
+                continue
+            if isinstance(t, nn.Parameter):
+                self.register_parameter(key.replace(".", _SEP), t)
+            else:
+                self.register_buffer(key.replace(".", _SEP), t)
+
+
+class WeightEMA:
+    """An EMA of ``module``'s float params and buffers with EMAWeightAveraging's schedule.
+
+    Args:
+        module: the LightningModule (its params still float32: build this before casting them).
+        decay: the EMA decay, in (0, 1).
+    """
+
+    def __init__(self, module: nn.Module, decay: float):
+        self.decay = decay
+        self.holder = _Tensors(module)
+        self.fused = FusedEMA(self.holder, decay=decay)
+        # EMAWeightAveraging's schedule: update 1 copies the weights, every later one uses decay
+        self.fused.decay = lambda k: 0.0 if k <= 1 else decay
+        ema = self.fused.ema.state_dict(keep_vars=True)
+        src = self.holder.state_dict(keep_vars=True)
+        seen: set[int] = set()
+        self.pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for k, e in ema.items():
+            if id(e) not in seen:
+                seen.add(id(e))
+                self.pairs.append((k.replace(_SEP, "."), e, src[k]))
+        self._saved: list[torch.Tensor] | None = None
+
+    @property
+    def updates(self) -> int:
+        """EMA updates done (optimizer steps since the start, skipped ones included)."""
+        return self.fused.updates
+
+    def update(self) -> None:
+        """One update toward the current weights (a no-op while attached to an optimizer)."""
+        self.fused.update(self.holder)
+
+    # ---- evaluation on the averaged weights ---------------------------------------------------
+    @torch.no_grad()
+    def swap_in(self) -> bool:
+        """Put the EMA values into the module's tensors, keeping the live ones aside. Nothing
+        happens before the first update (there is no average yet). Returns whether it swapped."""
+        if self._saved is not None or self.updates == 0:
+            return False
+        self._saved = [w.detach().clone() for _, _, w in self.pairs]
+        for _, e, w in self.pairs:
+            w.copy_(e)
+        return True
+
+    @torch.no_grad()
+    def swap_out(self) -> None:
+        """Put the live values back (after :meth:`swap_in`)."""
+        if self._saved is None:
+            return
+        for (_, _, w), saved in zip(self.pairs, self._saved):
+            w.copy_(saved)
+        self._saved = None
+
+    def live_values(self) -> dict[str, torch.Tensor]:
+        """While the EMA is swapped in: state_dict key -> the live value it displaced (else empty)."""
+        if self._saved is None:
+            return {}
+        return {k: saved for (k, _, _), saved in zip(self.pairs, self._saved)}
+
+    # ---- checkpoint ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The averaged tensors under the module's own state_dict keys (a partial state_dict of
+        the plain module, float32), the update count and the decay."""
+        return {"state_dict": {k: e.detach().clone() for k, e, _ in self.pairs},
+                "updates": self.updates, "decay": self.decay}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["state_dict"]
+        missing = [k for k, _, _ in self.pairs if k not in saved]
+        if missing:
+            raise KeyError(f"FusedTraining: the checkpoint's EMA lacks {missing[0]} (and {len(missing) - 1} "
+                           "more): it was saved from another model")
+        for k, e, _ in self.pairs:
+            e.copy_(saved[k])
+        self.fused.updates = int(state["updates"])
+
+
+__all__ = ["WeightEMA"]
