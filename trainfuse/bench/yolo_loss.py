@@ -1,0 +1,280 @@
+"""YOLO loss benchmark: ultralytics' v8DetectionLoss against trainfuse's FusedDetectionLoss,
+forward + backward on fixed predictions of a yolov5n-shaped batch (batch 16, 640 px, 80 classes:
+8,400 anchors; 8 labels per image), with the kernels each launches (torch.profiler), the host
+syncs each makes, and the TaskAlignedAssigner piece by piece.
+
+The predictions come from one forward of a freshly initialized yolov5n under fp16 autocast (what
+the trainer hands the loss); ``--fp32`` adds the same in float32, where the two must agree to
+fp32 tolerance (the agreement is printed and saved). FusedDetectionLoss runs twice: with the
+labels padded on the CPU (``add_padded_targets``, what FusedDetectionTrainer does: no host sync,
+CUDA-graph capturable) and on the plain ultralytics batch (one host sync for the capacity).
+Needs ultralytics (``YOLO_OFFLINE=1`` is set here)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from trainfuse.bench._common import (
+    add_row,
+    bench_parser,
+    graph_ms,
+    host_ms,
+    kernel_ms,
+    note,
+    parse_and_start,
+    print_table,
+    save_report,
+    wall_ms,
+)
+
+LABELS_PER_IMAGE = 8
+STOCK = "ultralytics v8DetectionLoss"
+PADDED = "trainfuse FusedDetectionLoss, labels padded on the CPU"
+PLAIN = "trainfuse FusedDetectionLoss, plain batch (one sync)"
+DEVICE = "cuda"
+
+
+def _setup(batch: int, imgsz: int, nc: int, dtype: torch.dtype):
+    """(model, predictions as grad-requiring leaves, ultralytics batch on the GPU, the same with
+    padded labels made on the CPU)."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    from ultralytics.cfg import get_cfg
+    from ultralytics.nn.tasks import DetectionModel
+
+    from trainfuse.ultralytics import add_padded_targets
+
+    torch.manual_seed(0)
+    model = DetectionModel("yolov5n.yaml", nc=nc, verbose=False).to(DEVICE).train()
+    model.args = get_cfg()
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.float16, enabled=dtype == torch.float16):
+        out = model(torch.rand(batch, 3, imgsz, imgsz, device=DEVICE))
+    preds = {"boxes": out["boxes"].detach().to(dtype).requires_grad_(),
+             "scores": out["scores"].detach().to(dtype).requires_grad_(),
+             "feats": [f.detach() for f in out["feats"]]}
+    n = LABELS_PER_IMAGE * batch
+    cpu = {"img": torch.zeros(batch, 1, 1, 1),
+           "batch_idx": torch.arange(batch).repeat_interleave(LABELS_PER_IMAGE).float(),
+           "cls": torch.randint(0, nc, (n, 1)).float(),
+           "bboxes": torch.cat([torch.rand(n, 2) * 0.6 + 0.2, torch.rand(n, 2) * 0.2 + 0.05], 1)}
+    plain = {k: v.to(DEVICE) for k, v in cpu.items()}
+    prepared = {k: v.to(DEVICE) for k, v in add_padded_targets(dict(cpu)).items()}
+    return model, preds, plain, prepared
+
+
+def _fwd_bwd(criterion, preds, batch, amp: bool):
+    leaves = (preds["boxes"], preds["scores"])
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=amp):
+            loss, _ = criterion(preds, batch)
+        loss.sum().backward()
+
+    def captured():
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=amp):
+            loss, _ = criterion(preds, batch)
+        return torch.autograd.grad(loss.sum(), leaves)
+
+    step.captured = captured
+    return step
+
+
+def _launches(fn) -> tuple[int, int]:
+    """(kernels, memcpy/memset) on the GPU during one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sum(n.startswith(("Memcpy", "Memset")) for n in names)
+    return len(names) - copies, copies
+
+
+def _syncs(fn) -> int:
+    """Host syncs during one call, as torch's sync debug mode reports them."""
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _timings(fn, quick: bool, graph: bool) -> dict:
+    reps = dict(warmup=5, rep=20) if quick else {}
+    out = {"do_bench_ms": kernel_ms(fn, **reps),
+           "wall_ms": wall_ms(fn, iters=10, repeats=2) if quick else wall_ms(fn, iters=50),
+           "host_ms": host_ms(fn, iters=10 if quick else 100)}
+    if graph:
+        try:
+            out["graph_ms"] = graph_ms(fn.captured)
+        except Exception as e:  # noqa: BLE001 - report a failed capture, keep measuring
+            out["graph_ms"] = None
+            out["graph_error"] = str(e).splitlines()[0][:100]
+    return out
+
+
+def _agreement(stock_step, fused_step, preds, report, label):
+    """Largest relative difference of the loss items and of the grads (over each grad's max)."""
+    res = []
+    for step in (stock_step, fused_step):
+        step()
+        res.append([preds["boxes"].grad.float().clone(), preds["scores"].grad.float().clone()])
+    diffs = {f"{k}_grad": ((a - b).abs().max() / b.abs().max()).item()
+             for k, a, b in zip(("boxes", "scores"), res[1], res[0])}
+    report.setdefault("agreement", {})[label] = diffs
+    return diffs
+
+
+def _loss_rows(report, model, preds, plain, prepared, amp, label, quick):
+    from ultralytics.utils.loss import v8DetectionLoss
+
+    from trainfuse.ultralytics import FusedDetectionLoss
+
+    stock, fused = v8DetectionLoss(model), FusedDetectionLoss(model)
+    impls = {STOCK: (_fwd_bwd(stock, preds, plain, amp), False),
+             PADDED: (_fwd_bwd(fused, preds, prepared, amp), True),
+             PLAIN: (_fwd_bwd(fused, preds, plain, amp), True)}
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.float16, enabled=amp):
+        items = [torch.stack(list(c(preds, b)[1].values())) for c, b in ((stock, plain), (fused, prepared))]
+    rel = ((items[1] - items[0]).abs() / items[0].abs().clamp(min=1e-12)).max().item()
+    grads = _agreement(impls[STOCK][0], impls[PADDED][0], preds, report, label)
+    report["agreement"][label]["items_rel"] = rel
+    print(f"\n{label}: items {items[0].tolist()} (ultralytics) vs {items[1].tolist()} (trainfuse): "
+          f"max rel diff {rel:.2e}; grads max diff / max grad: boxes {grads['boxes_grad']:.2e}, "
+          f"scores {grads['scores_grad']:.2e}")
+    rows, base = [], None
+    for name, (fn, ours) in impls.items():
+        t = _timings(fn, quick, graph=name == PADDED)
+        kernels, copies = _launches(fn)
+        syncs = _syncs(fn)
+        base = base or t
+        add_row(report, f"loss forward + backward, {label}", name, trainfuse=ours,
+                **{k: v for k, v in t.items() if k != "graph_error"})
+        report.setdefault("launches", {})[f"{label} | {name}"] = {"kernels": kernels, "copies": copies,
+                                                                  "syncs": syncs}
+        g = t.get("graph_ms")
+        rows.append([name, f"{t['do_bench_ms']:.3f}", f"{t['wall_ms']:.3f}", f"{t['host_ms']:.3f}",
+                     "" if g is None else f"{g:.3f}", f"{base['do_bench_ms'] / t['do_bench_ms']:.1f}x",
+                     f"{kernels} + {copies}", str(syncs)])
+        if t.get("graph_error"):
+            note(report, f"{label} {name}: CUDA-graph capture failed: {t['graph_error']}")
+    print_table(f"Loss forward + backward, {label} (speed-up over ultralytics by do_bench)",
+                ["implementation", "do_bench ms", "wall ms", "host ms", "graph ms", "speed-up",
+                 "kernels + copies", "syncs"], rows)
+
+
+def _assigner_rows(report, model, preds, plain, prepared, quick):
+    """Each assigner piece, ultralytics' and ours, on the float32 view of the same predictions."""
+    from ultralytics.utils.loss import v8DetectionLoss
+    from ultralytics.utils.tal import make_anchors
+
+    from trainfuse.ultralytics import FusedDetectionLoss
+    from trainfuse.ultralytics import assigner as tal
+    from trainfuse.ultralytics.targets import anchor_grid
+
+    stock, fused = v8DetectionLoss(model), FusedDetectionLoss(model)
+    boxes, scores = preds["boxes"].detach().float(), preds["scores"].detach().float()
+    B, _, A = scores.shape
+    feats = preds["feats"]
+    # ultralytics' inputs, as get_assigned_targets_and_loss makes them
+    anchors, stride_t = make_anchors(feats, stock.stride, 0.5)
+    imgsz = torch.tensor(feats[0].shape[2:], device=DEVICE, dtype=torch.float32) * stock.stride[0]
+    t = torch.cat((plain["batch_idx"].view(-1, 1), plain["cls"].view(-1, 1), plain["bboxes"]), 1)
+    t = stock.preprocess(t, B, scale_tensor=imgsz[[1, 0, 1, 0]])
+    gt_labels, gt_bboxes = t.split((1, 4), 2)
+    mask_gt = gt_bboxes.sum(2, keepdim=True).gt_(0.0)
+    pd_scores = scores.permute(0, 2, 1).contiguous().sigmoid()
+    pd_bboxes = stock.bbox_decode(anchors, boxes.permute(0, 2, 1).contiguous()) * stride_t
+    anc = anchors * stride_t
+    a = stock.assigner
+    a.bs, a.n_max_boxes = B, gt_bboxes.shape[1]
+    in_gts = a.select_candidates_in_gts(anc, gt_bboxes, mask_gt)
+    align, ov = a.get_box_metrics(pd_scores, pd_bboxes, gt_labels, gt_bboxes, in_gts * mask_gt)
+    topk_mask = mask_gt.expand(-1, -1, a.topk).bool()
+    mask_pos, align, ov = a.get_pos_mask(pd_scores, pd_bboxes, gt_labels, gt_bboxes, anc, mask_gt)
+    gidx, fg, _ = a.select_highest_overlaps(mask_pos, ov, a.n_max_boxes, align)
+    ultra = {
+        "in-box test": lambda: a.select_candidates_in_gts(anc, gt_bboxes, mask_gt),
+        "CIoU + scores + metric": lambda: a.get_box_metrics(pd_scores, pd_bboxes, gt_labels, gt_bboxes,
+                                                            in_gts * mask_gt),
+        "top-k": lambda: a.select_topk_candidates(align, topk_mask=topk_mask),
+        "resolve (select_highest_overlaps)":
+            lambda: a.select_highest_overlaps(mask_pos, ov, a.n_max_boxes, align),
+        "targets (get_targets)": lambda: a.get_targets(gt_labels, gt_bboxes, gidx, fg),
+        "whole assigner": lambda: a(pd_scores, pd_bboxes, anc, gt_labels, gt_bboxes, mask_gt),
+    }
+    sizes = tuple((f.shape[2], f.shape[3]) for f in feats)
+    anchors2, strides2 = anchor_grid(sizes, fused._strides, torch.device(DEVICE))
+    strides2 = strides2.view(-1)
+    gt = fused.targets(prepared, B, torch.device(DEVICE))
+    px = (sizes[0][0] * fused._strides[0], sizes[0][1] * fused._strides[0])
+    cfg = fused.assign_config
+    m_align, m_ov, m_cand, pa, po = tal.metric(boxes, scores, gt, px, anchors2, strides2, cfg)
+    sel = tal.topk_mask(m_align, cfg.topk)
+    g2 = tal.resolve(sel, m_cand, m_align, m_ov, pa, po)
+    ours = {
+        "in-box + CIoU + scores + metric (one kernel, DFL decode included)":
+            lambda: tal.metric(boxes, scores, gt, px, anchors2, strides2, cfg),
+        "top-k (one kernel: k rounds of argmax per row)": lambda: tal.topk_mask(m_align, cfg.topk),
+        "top-k as torch.topk + scatter (not used; for comparison)":
+            lambda: tal.topk_mask_torch(m_align, cfg.topk),
+        "resolve (one kernel)": lambda: tal.resolve(sel, m_cand, m_align, m_ov, pa, po),
+        "target scores + tss (one kernel)": lambda: tal.target_scores(g2, m_align, pa, po, gt, cfg),
+        "whole assigner": lambda: tal.assign_kernels(boxes, scores, gt, px, anchors2, strides2, cfg),
+    }
+    rows = []
+    reps = dict(warmup=5, rep=20) if quick else {}
+    for impl, pieces in (("ultralytics", ultra), ("trainfuse", ours)):
+        for piece, fn in pieces.items():
+            k = kernel_ms(fn, **reps)
+            w = wall_ms(fn, iters=10, repeats=2) if quick else wall_ms(fn, iters=50)
+            add_row(report, f"TaskAlignedAssigner: {piece}", impl, trainfuse=impl == "trainfuse",
+                    do_bench_ms=k, wall_ms=w)
+            rows.append([impl, piece, f"{k:.3f}", f"{w:.3f}"])
+    print_table(f"TaskAlignedAssigner pieces, {B} x {gt.shape[1]} labels x {A} anchors (float32 predictions)",
+                ["impl", "piece", "do_bench ms", "wall ms"], rows)
+
+
+def main(argv=None):
+    parser = bench_parser(__doc__)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--nc", type=int, default=80)
+    parser.add_argument("--fp32", action="store_true", help="also time float32 predictions without autocast")
+    parser.add_argument("--quick", action="store_true", help="few repetitions: a smoke run")
+    started = parse_and_start(parser, argv, "yolo-loss")
+    if started is None:
+        return
+    args, report, _ = started
+    try:
+        import ultralytics  # noqa: F401
+    except ImportError:
+        note(report, "ultralytics is not installed: nothing to compare against")
+        save_report(report, args.out, "yolo-loss")
+        return
+    shape = f"yolov5n batch {args.batch}, {args.imgsz} px, nc {args.nc}"
+    report["workload"] = {"batch": args.batch, "imgsz": args.imgsz, "nc": args.nc,
+                          "labels_per_image": LABELS_PER_IMAGE}
+    dtypes = [(torch.float16, "AMP fp16 predictions")] + ([(torch.float32, "fp32")] if args.fp32 else [])
+    for dtype, label in dtypes:
+        model, preds, plain, prepared = _setup(args.batch, args.imgsz, args.nc, dtype)
+        amp = dtype == torch.float16
+        _loss_rows(report, model, preds, plain, prepared, amp, f"{shape}, {label}", args.quick)
+    model, preds, plain, prepared = _setup(args.batch, args.imgsz, args.nc, torch.float32)
+    _assigner_rows(report, model, preds, plain, prepared, args.quick)
+    save_report(report, args.out, "yolo-loss")
+
+
+__all__ = ["main"]

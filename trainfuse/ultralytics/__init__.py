@@ -1,0 +1,17 @@
+"""trainfuse for ultralytics: FusedDetectionLoss (a sync-free, fused ``v8DetectionLoss``) and the
+helpers that pad a batch's labels on the CPU. Importing this package does not import ultralytics."""
+
+from trainfuse.ultralytics.loss import FusedDetectionLoss
+from trainfuse.ultralytics.targets import add_padded_targets, pad_targets, target_capacity
+
+__all__ = ["FusedDetectionLoss", "FusedDetectionTrainer", "add_padded_targets", "pad_targets",
+           "target_capacity"]
+
+
+def __getattr__(name: str):
+    # FusedDetectionTrainer subclasses ultralytics' trainer: it (and ultralytics) load on first use
+    if name == "FusedDetectionTrainer":
+        from trainfuse.ultralytics.trainer import FusedDetectionTrainer
+
+        return FusedDetectionTrainer
+    raise AttributeError(f"module 'trainfuse.ultralytics' has no attribute {name!r}")

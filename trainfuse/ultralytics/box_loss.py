@@ -1,0 +1,242 @@
+"""YOLOv8's box losses over the foreground, straight from the DFL logits: CIoU and DFL, forward and
+backward, one launch each, masked (no gathers), the reductions inside.
+
+For anchor ``a`` of image ``b`` with assigned ground truth ``g`` (``gidx[b, a] >= 0``) and target
+score ``t = t[b, a]``, in grid units (``s`` the anchor's stride, ``R = reg_max``)::
+
+    p_k   = softmax(logits[b, k*R:(k+1)*R, a])            k = left, top, right, bottom
+    d_k   = sum_j j p_kj                                   (ultralytics' bbox_decode)
+    pred  = (ax - d_0, ay - d_1, ax + d_2, ay + d_3)       (xyxy)
+    box   = label_xyxy[b, g] / s                          (pixels from the normalized labels)
+    iou   = sum_a t (1 - CIoU(pred, box)) / tss
+    y_k   = clamp(bbox2dist(anchor, box)_k, 0, R - 1.01),  l = floor(y_k), w_l = l + 1 - y_k
+    dfl   = sum_a t mean_k -(w_l log p_k,l + (1 - w_l) log p_k,l+1) / tss
+
+``tss`` (``target_scores_sum``, on the device) divides in the kernel: no host sync. Background
+anchors load nothing and get a zero grad. The CIoU is ultralytics' ``bbox_iou(..., xywh=False,
+CIoU=True)`` with its subgradients (ties in min/max split the grad; ``clamp(0)`` passes none at
+exactly 0). Math in float32; the grads come back in the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from trainfuse._runtime.reduce import last_to_arrive
+from trainfuse.losses.iou import atan
+from trainfuse.ultralytics.sums import arrive, fdiv, gather_sum
+
+FOUR_OVER_PI2 = tl.constexpr(0.4052847345693511)
+CIOU_EPS = 1e-7  # bbox_iou's default eps, as BboxLoss and the assigner call it
+
+
+@triton.jit
+def ciou(x1, y1, x2, y2, X1, Y1, X2, Y2, eps):
+    """CIoU of box1 ``(x1, y1, x2, y2)`` and box2 (capitals), ultralytics' formula and op order;
+    returns the value and what :func:`ciou_grad1` needs."""
+    w1 = x2 - x1
+    h1 = y2 - y1 + eps
+    w2 = X2 - X1
+    h2 = Y2 - Y1 + eps
+    iw_raw = tl.minimum(x2, X2) - tl.maximum(x1, X1)
+    ih_raw = tl.minimum(y2, Y2) - tl.maximum(y1, Y1)
+    iw = tl.maximum(iw_raw, 0.0)
+    ih = tl.maximum(ih_raw, 0.0)
+    inter = iw * ih
+    union = w1 * h1 + w2 * h2 - inter + eps
+    iou = fdiv(inter, union)
+    cw = tl.maximum(x2, X2) - tl.minimum(x1, X1)
+    ch = tl.maximum(y2, Y2) - tl.minimum(y1, Y1)
+    c2 = cw * cw + ch * ch + eps
+    dx = X1 + X2 - x1 - x2
+    dy = Y1 + Y2 - y1 - y2
+    rho2 = (dx * dx + dy * dy) / 4
+    q = fdiv(rho2, c2)
+    r1 = fdiv(w1, h1)
+    r2 = fdiv(w2, h2)
+    d = atan(r2) - atan(r1)
+    v = FOUR_OVER_PI2 * (d * d)
+    alpha = fdiv(v, 1 - iou + v + eps)
+    val = iou - (q + v * alpha)
+    return val, (w1, h1, iw_raw, ih_raw, iw, ih, union, iou, cw, ch, c2, dx, dy, q, r1, d, alpha)
+
+
+@triton.jit
+def _split(a, b, g):
+    # d min(a, b) / da (ties split the grad, as torch.minimum's backward)
+    return tl.where(a == b, g * 0.5, tl.where(a < b, g, 0.0))
+
+
+@triton.jit
+def ciou_grad1(c, x1, y1, x2, y2, X1, Y1, X2, Y2, saved):
+    """Grads of ``c * CIoU`` with respect to box1's corners (alpha a constant, as in
+    ultralytics)."""
+    w1, h1, iw_raw, ih_raw, iw, ih, union, iou, cw, ch, c2, dx, dy, q, r1, d, alpha = saved
+    g_q = -c
+    g_rho2 = fdiv(g_q, c2)
+    g_c2 = -fdiv(g_q * q, c2)
+    g_cw = g_c2 * 2 * cw
+    g_ch = g_c2 * 2 * ch
+    g_dx = g_rho2 * dx / 2
+    g_dy = g_rho2 * dy / 2
+    g_r1 = fdiv(c * alpha * FOUR_OVER_PI2 * 2 * d, r1 * r1 + 1)  # -(-c alpha) dv/dd datan/dr1
+    g_w1 = fdiv(g_r1, h1)
+    g_h1 = -fdiv(g_r1 * r1, h1)
+    g_inter = fdiv(c, union)
+    g_union = -fdiv(c * iou, union)
+    g_inter -= g_union
+    g_w1 += g_union * h1
+    g_h1 += g_union * w1
+    g_iw = tl.where(iw_raw > 0, g_inter * ih, 0.0)
+    g_ih = tl.where(ih_raw > 0, g_inter * iw, 0.0)
+    # intersection min(x2, X2) - max(x1, X1); enclosing max(x2, X2) - min(x1, X1)
+    gx2 = _split(x2, X2, g_iw) + _split(X2, x2, g_cw) + g_w1 - g_dx
+    gx1 = -_split(X1, x1, g_iw) - _split(x1, X1, g_cw) - g_w1 - g_dx
+    gy2 = _split(y2, Y2, g_ih) + _split(Y2, y2, g_ch) + g_h1 - g_dy
+    gy1 = -_split(Y1, y1, g_ih) - _split(y1, Y1, g_ch) - g_h1 - g_dy
+    return gx1, gy1, gx2, gy2
+
+
+@triton.jit
+def side_softmax(base, k, offs, mask, A, R: tl.constexpr):
+    """Side ``k``'s logit tile ``(BLOCK, R)`` of the anchors ``offs``: the logits, their softmax,
+    its log-normalizer and the expected distance ``sum_j j p_j``."""
+    j = tl.arange(0, R)
+    x = tl.load(base + (k * R + j)[None, :] * A + offs[:, None], mask=mask[:, None], other=0.0).to(tl.float32)
+    m = tl.max(x, 1)
+    e = tl.exp(x - m[:, None])
+    z = tl.sum(e, 1)
+    p = e / z[:, None]
+    dist = tl.sum(p * j[None, :].to(tl.float32), 1)
+    return x, p, m + tl.log(z), dist
+
+
+@triton.jit
+def _dfl_target(y, hi):
+    y = tl.minimum(tl.maximum(y, 0.0), hi)
+    lo = y.to(tl.int32)  # y >= 0: truncation is floor, as .long() in ultralytics
+    wl = (lo + 1).to(tl.float32) - y
+    return lo, wl, 1 - wl
+
+
+@triton.jit
+def _side_dfl(x, lse, lo, wl, wr, R: tl.constexpr):
+    j = tl.arange(0, R)[None, :]
+    xl = tl.sum(tl.where(j == lo[:, None], x, 0.0), 1)
+    xr = tl.sum(tl.where(j == lo[:, None] + 1, x, 0.0), 1)
+    return (xl - lse) * wl + (xr - lse) * wr
+
+
+@triton.jit
+def label_box(row, mask, W, H):
+    """The pixel ``xyxy`` box of label rows ``row`` (pointers to ``(class, x, y, w, h)``,
+    normalized): ultralytics' ``preprocess`` scaling and ``xywh2xyxy``, op for op."""
+    x = tl.load(row + 1, mask=mask, other=0.0) * W
+    y = tl.load(row + 2, mask=mask, other=0.0) * H
+    w = tl.load(row + 3, mask=mask, other=0.0) * W / 2
+    h = tl.load(row + 4, mask=mask, other=0.0) * H / 2
+    return x - w, y - h, x + w, y + h
+
+
+@triton.jit
+def _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs, A, M, W, H):
+    am = offs < A
+    gi = tl.load(gidx_ptr + b * A + offs, mask=am, other=-1)
+    fg = gi >= 0
+    t = tl.load(t_ptr + b * A + offs, mask=fg, other=0.0)
+    ax = tl.load(anc_ptr + offs * 2, mask=am, other=0.0)
+    ay = tl.load(anc_ptr + offs * 2 + 1, mask=am, other=0.0)
+    s = tl.load(stride_ptr + offs, mask=am, other=1.0)
+    X1, Y1, X2, Y2 = label_box(gt_ptr + (b * M + gi) * 5, fg, W, H)
+    return am, fg, t, ax, ay, X1 / s, Y1 / s, X2 / s, Y2 / s
+
+
+@triton.jit
+def box_loss_fwd_kernel(boxes, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss_ptr, out_ptr, items_ptr,
+                        partials, counter, A, M, W, H, nparts, hi, eps, box_gain, dfl_gain, batch,
+                        R: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``pid``: anchors ``[ab * BLOCK, ...)`` of image ``b``; the last program writes
+    ``items[0] = iou * box_gain``, ``items[2] = dfl * dfl_gain`` and ``out = items * batch``."""
+    pid = tl.program_id(0)
+    nblk = tl.cdiv(A, BLOCK)
+    b = pid // nblk
+    offs = (pid % nblk) * BLOCK + tl.arange(0, BLOCK)
+    am, fg, t, ax, ay, X1, Y1, X2, Y2 = _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs, A,
+                                                     M, W, H)
+    base = boxes + b.to(tl.int64) * (4 * R) * A
+    x0, p0, lse0, d0 = side_softmax(base, 0, offs, fg, A, R)
+    x1, p1, lse1, d1 = side_softmax(base, 1, offs, fg, A, R)
+    x2, p2, lse2, d2 = side_softmax(base, 2, offs, fg, A, R)
+    x3, p3, lse3, d3 = side_softmax(base, 3, offs, fg, A, R)
+    val, _ = ciou(ax - d0, ay - d1, ax + d2, ay + d3, X1, Y1, X2, Y2, eps)
+    iou_part = tl.sum(tl.where(fg, (1.0 - val) * t, 0.0), 0)
+    lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
+    lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
+    lo2, wl2, wr2 = _dfl_target(X2 - ax, hi)
+    lo3, wl3, wr3 = _dfl_target(Y2 - ay, hi)
+    ll = (_side_dfl(x0, lse0, lo0, wl0, wr0, R) + _side_dfl(x1, lse1, lo1, wl1, wr1, R)
+          + _side_dfl(x2, lse2, lo2, wl2, wr2, R) + _side_dfl(x3, lse3, lo3, wl3, wr3, R))
+    dfl_part = tl.sum(tl.where(fg, -(ll / 4) * t, 0.0), 0)
+    arrive(partials, nparts, 0, iou_part)
+    arrive(partials, nparts, 1, dfl_part)
+    if last_to_arrive(counter, nparts):
+        tss = tl.load(tss_ptr).to(tl.float64)
+        box = gather_sum(partials, nparts, 0) / tss * box_gain
+        dfl = gather_sum(partials, nparts, 1) / tss * dfl_gain
+        tl.store(items_ptr, box.to(tl.float32))
+        tl.store(items_ptr + 2, dfl.to(tl.float32))
+        tl.store(out_ptr, (box * batch).to(tl.float32))
+        tl.store(out_ptr + 2, (dfl * batch).to(tl.float32))
+        tl.store(counter, 0)
+
+
+@triton.jit
+def _side_grad(g_base, k, offs, am, fg, p, dist, g_dist, c_dfl, lo, wl, wr, A, R: tl.constexpr):
+    j = tl.arange(0, R)[None, :]
+    g = g_dist[:, None] * p * (j.to(tl.float32) - dist[:, None])
+    g += c_dfl[:, None] * (p * (wl + wr)[:, None] - tl.where(j == lo[:, None], wl[:, None], 0.0)
+                           - tl.where(j == lo[:, None] + 1, wr[:, None], 0.0))
+    g = tl.where(fg[:, None], g, 0.0)
+    tl.store(g_base + (k * R + j) * A + offs[:, None], g.to(g_base.dtype.element_ty), mask=am[:, None])
+
+
+@triton.jit
+def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss_ptr, go_ptr, go_stride,
+                        A, M, W, H, hi, eps, box_gain, dfl_gain, batch, R: tl.constexpr, BLOCK: tl.constexpr):
+    """The grad of ``go . out`` (``out`` from :func:`box_loss_fwd_kernel`) for the logits; zeros
+    on background anchors."""
+    pid = tl.program_id(0)
+    nblk = tl.cdiv(A, BLOCK)
+    b = pid // nblk
+    offs = (pid % nblk) * BLOCK + tl.arange(0, BLOCK)
+    am, fg, t, ax, ay, X1, Y1, X2, Y2 = _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs, A,
+                                                     M, W, H)
+    base = boxes + b.to(tl.int64) * (4 * R) * A
+    g_base = grad + b.to(tl.int64) * (4 * R) * A
+    _, p0, _, d0 = side_softmax(base, 0, offs, fg, A, R)
+    _, p1, _, d1 = side_softmax(base, 1, offs, fg, A, R)
+    _, p2, _, d2 = side_softmax(base, 2, offs, fg, A, R)
+    _, p3, _, d3 = side_softmax(base, 3, offs, fg, A, R)
+    inv = 1.0 / tl.load(tss_ptr).to(tl.float32)
+    c_box = tl.load(go_ptr).to(tl.float32) * (batch * box_gain) * inv * t
+    c_dfl = tl.load(go_ptr + 2 * go_stride).to(tl.float32) * (batch * dfl_gain) * inv * t / 4
+    px1 = ax - d0
+    py1 = ay - d1
+    px2 = ax + d2
+    py2 = ay + d3
+    _, saved = ciou(px1, py1, px2, py2, X1, Y1, X2, Y2, eps)
+    # loss = c_box (1 - CIoU): grads of -c_box CIoU
+    gx1, gy1, gx2, gy2 = ciou_grad1(-c_box, px1, py1, px2, py2, X1, Y1, X2, Y2, saved)
+    lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
+    lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
+    lo2, wl2, wr2 = _dfl_target(X2 - ax, hi)
+    lo3, wl3, wr3 = _dfl_target(Y2 - ay, hi)
+    _side_grad(g_base, 0, offs, am, fg, p0, d0, -gx1, c_dfl, lo0, wl0, wr0, A, R)
+    _side_grad(g_base, 1, offs, am, fg, p1, d1, -gy1, c_dfl, lo1, wl1, wr1, A, R)
+    _side_grad(g_base, 2, offs, am, fg, p2, d2, gx2, c_dfl, lo2, wl2, wr2, A, R)
+    _side_grad(g_base, 3, offs, am, fg, p3, d3, gy2, c_dfl, lo3, wl3, wr3, A, R)
+
+
+__all__ = ["CIOU_EPS", "box_loss_bwd_kernel", "box_loss_fwd_kernel", "ciou", "ciou_grad1", "label_box",
+           "side_softmax"]

@@ -1,0 +1,237 @@
+"""FusedDetectionLoss: ultralytics' ``v8DetectionLoss`` without host syncs, fused.
+
+Same constructor (``model, tal_topk=10, tal_topk2=None``), same call (``preds, batch``), same
+result: ``(loss * batch_size, {"box_loss", "cls_loss", "dfl_loss"})`` with ``loss`` the three
+gain-scaled terms (``hyp.box``, ``hyp.cls``, ``hyp.dfl``; ``model.class_weights`` if set)::
+
+    box = sum_fg t (1 - CIoU(pred, target)) / tss       (see box_loss.py)
+    dfl = sum_fg t DFL(logits, target) / tss
+    cls = sum_{b, a, c} w_c BCE(score, t one_hot(label)) / tss   (see cls_loss.py)
+
+with the TaskAlignedAssigner's ``t``, labels and ``tss = max(sum t, 1)`` (see assigner.py).
+
+No ``.nonzero()``, boolean indexing or ``.item()`` inside, and every shape depends only on the
+batch size, the anchors and the ground-truth capacity, so a step can be captured in a CUDA graph.
+The capacity comes from ``batch["padded_targets"]`` when the trainer has put it there on the CPU
+(:func:`~trainfuse.ultralytics.targets.add_padded_targets`); a batch without it costs one host
+sync (the largest label count, read from ``batch_idx``) when ``batch_idx`` is on the GPU.
+
+On CUDA tensors (or ``TRAINFUSE_BACKEND=triton``) the work is 6 launches forward (the assigner's
+metric, top-k, resolve and target scores; box+DFL; BCE) and 2 backward, nothing else; elsewhere
+the same math runs as dense torch operations (there float64 predictions stay float64; so they
+do on a GPU, and a reg_max that is not a power of two, 16 in every YOLO, takes that path too).
+The kernels compute in float32 whatever the predictions' dtype (ultralytics runs parts of the
+loss in float16 under AMP); grads come back in the predictions' dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from trainfuse._runtime.backend import use_triton
+from trainfuse.losses.iou import bbox_iou_reference
+from trainfuse.ultralytics.assigner import AssignConfig, Assignment, assign_kernels, assign_torch, decode
+from trainfuse.ultralytics.box_loss import CIOU_EPS, box_loss_bwd_kernel, box_loss_fwd_kernel
+from trainfuse.ultralytics.cls_loss import cls_loss_bwd_kernel, cls_loss_fwd_kernel, cls_tiles
+from trainfuse.ultralytics.sums import blocks, launcher, persistent_grid, scratch
+from trainfuse.ultralytics.targets import (
+    PADDED_KEY,
+    anchor_grid,
+    label_pixels,
+    pad_targets,
+    target_capacity,
+)
+
+
+class LossConstants(NamedTuple):
+    """What the loss kernels take besides tensors: the image size in pixels, the gains, the batch
+    size (the result is ``terms * batch``) and the DFL target's upper bound ``reg_max - 1.01``."""
+
+    height: float
+    width: float
+    gains: tuple[float, float, float]
+    batch: float
+    dfl_hi: float
+
+
+class DetectionLossFunction(torch.autograd.Function):
+    """The loss terms on the kernels: forward two launches (box+DFL, BCE) writing ``out`` (the
+    terms times the batch size) and ``items`` (the terms), backward two (the grads of the DFL
+    logits and of the class logits)."""
+
+    @staticmethod
+    def forward(ctx, boxes, scores, asg: Assignment, gt, anchors, strides, class_weights, k: LossConstants):
+        B, C, A = boxes.shape
+        dev = boxes.device
+        out = torch.empty(3, dtype=torch.float32, device=dev)
+        items = torch.empty(3, dtype=torch.float32, device=dev)
+        nblk = B * -(-A // blocks.box)
+        partials, counter = scratch(dev, 2 * nblk)
+        launcher(box_loss_fwd_kernel, (nblk,), boxes, asg.gidx, asg.t, gt, anchors, strides, asg.tss, out,
+                 items, partials, counter, A, gt.shape[1], k.width, k.height, nblk, k.dfl_hi, CIOU_EPS,
+                 k.gains[0], k.gains[2], k.batch, R=C // 4, BLOCK=blocks.box, num_warps=4)
+        nc = scores.shape[1]
+        tiles, nab = cls_tiles(B, nc, A, blocks.cls)
+        grid = persistent_grid(dev, tiles)
+        w = class_weights if class_weights is not None else scores
+        partials, counter = scratch(dev, grid)
+        launcher(cls_loss_fwd_kernel, (grid,), scores, asg.label, asg.t, w, asg.tss, out, items, partials,
+                 counter, tiles, nab, A, nc, k.gains[1], k.batch, HAS_W=class_weights is not None,
+                 BLOCK=blocks.cls, num_warps=4)
+        ctx.save_for_backward(boxes, scores, asg.gidx, asg.label, asg.t, asg.tss, gt, anchors, strides, w)
+        ctx.constants, ctx.has_w = k, class_weights is not None
+        ctx.mark_non_differentiable(items)
+        return out, items
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, go, _):
+        boxes, scores, gidx, label, t, tss, gt, anchors, strides, w = ctx.saved_tensors
+        k = ctx.constants
+        B, C, A = boxes.shape
+        g_boxes = g_scores = None
+        if ctx.needs_input_grad[0]:
+            g_boxes = torch.empty_like(boxes)
+            launcher(box_loss_bwd_kernel, (B * -(-A // blocks.box),), boxes, g_boxes, gidx, t, gt, anchors,
+                     strides, tss, go, go.stride(0), A, gt.shape[1], k.width, k.height, k.dfl_hi, CIOU_EPS,
+                     k.gains[0], k.gains[2], k.batch, R=C // 4, BLOCK=blocks.box, num_warps=4)
+        if ctx.needs_input_grad[1]:
+            g_scores = torch.empty_like(scores)
+            nc = scores.shape[1]
+            tiles, nab = cls_tiles(B, nc, A, blocks.cls)
+            launcher(cls_loss_bwd_kernel, (persistent_grid(scores.device, tiles),), scores, label, t, w, tss,
+                     go, go.stride(0), g_scores, tiles, nab, A, nc, k.gains[1], k.batch, HAS_W=ctx.has_w,
+                     BLOCK=blocks.cls, num_warps=4)
+        return g_boxes, g_scores, None, None, None, None, None, None
+
+
+def loss_terms_torch(boxes, scores, asg: Assignment, gt, imgsz, anchors, strides, class_weights
+                     ) -> torch.Tensor:
+    """The three terms (before gains) as dense, masked torch operations: the CPU path and the
+    kernels' reference. ``(3,)``: box, cls, dfl (float32, or float64 from float64 inputs)."""
+    B, C, A = boxes.shape
+    R = C // 4
+    ct = torch.promote_types(boxes.dtype, torch.float32)  # float32, or float64 for a float64 reference
+    fg = asg.gidx >= 0
+    gidx = asg.gidx.clamp(0).long()[..., None].expand(B, A, 4)
+    target = label_pixels(gt, imgsz).gather(1, gidx) / strides[:, None]
+    pred = decode(boxes, anchors)
+    iou = bbox_iou_reference(pred, target, xywh=False, CIoU=True).squeeze(-1)
+    box = torch.where(fg, (1.0 - iou) * asg.t, 0.0).sum() / asg.tss
+    y = torch.cat((anchors - target[..., :2], target[..., 2:] - anchors), -1).clamp(0, R - 1 - 0.01)
+    lo = y.long()
+    wl = (lo + 1) - y
+    logp = boxes.to(ct).view(B, 4, R, A).log_softmax(2)
+    lo = lo.transpose(1, 2)[:, :, None]  # (B, 4, 1, A)
+    pick = logp.gather(2, lo).squeeze(2) * wl.transpose(1, 2) + logp.gather(2, lo + 1).squeeze(2) * (
+        1 - wl.transpose(1, 2))
+    dfl = torch.where(fg, -pick.mean(1) * asg.t, 0.0).sum() / asg.tss
+    onehot = torch.zeros(B, scores.shape[1] + 1, A, dtype=asg.t.dtype, device=scores.device)
+    onehot.scatter_(1, (asg.label.long() + 1)[:, None], asg.t[:, None])  # row 0: background
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(scores.to(ct), onehot[:, 1:], reduction="none")
+    if class_weights is not None:
+        bce = bce * class_weights.view(1, -1, 1)
+    return torch.stack((box, bce.sum() / asg.tss, dfl))
+
+
+class FusedDetectionLoss:
+    """Drop-in for ultralytics' ``v8DetectionLoss`` (see the module docstring).
+
+    Args:
+        model: the de-paralleled ``DetectionModel``: reads ``model.args`` (the ``box``, ``cls``,
+            ``dfl`` gains), ``model.model[-1]`` (``nc``, ``reg_max``, ``stride``), the device of
+            its parameters and ``model.class_weights`` if set.
+        tal_topk: the assigner's k.
+        tal_topk2: its second k (None: ``tal_topk``); a different value takes the torch assigner.
+
+    Example:
+        >>> from ultralytics.nn.tasks import DetectionModel                      # doctest: +SKIP
+        >>> model.criterion = FusedDetectionLoss(model)                          # doctest: +SKIP
+        >>> loss, items = model.loss(batch)                                      # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module, tal_topk: int = 10, tal_topk2: int | None = None) -> None:
+        device = next(model.parameters()).device
+        head = model.model[-1]
+        if head.reg_max <= 1:
+            raise ValueError(f"FusedDetectionLoss: the Detect head has reg_max={head.reg_max}; only the DFL "
+                             "box loss (reg_max > 1) is implemented (use ultralytics' v8DetectionLoss)")
+        self.hyp = model.args
+        self.stride = head.stride
+        self.nc = head.nc
+        self.no = head.nc + head.reg_max * 4
+        self.reg_max = head.reg_max
+        self.device = device
+        self.use_dfl = True
+        self.loss_names = "box_loss", "cls_loss", "dfl_loss"
+        cw = getattr(model, "class_weights", None)
+        self.class_weights = None if cw is None else cw.to(device=device, dtype=torch.float32).reshape(-1)
+        strides = [float(s) for s in self.stride.tolist()]
+        self.assign_config = AssignConfig(topk=tal_topk, topk2=tal_topk2 or tal_topk, alpha=0.5, beta=6.0,
+                                          stride_val=strides[1] if len(strides) > 1 else strides[0])
+        self._strides = tuple(strides)
+
+    def parse_output(self, preds: dict | tuple) -> dict[str, Any]:
+        """The training outputs dict (the second element of an ``(inference, dict)`` tuple)."""
+        return preds[1] if isinstance(preds, tuple) else preds
+
+    def __call__(self, preds: dict | tuple, batch: dict[str, torch.Tensor]
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss * batch_size, {name: detached term})``, as ``v8DetectionLoss``."""
+        return self.loss(self.parse_output(preds), batch)
+
+    def targets(self, batch: dict[str, torch.Tensor], batch_size: int, device: torch.device) -> torch.Tensor:
+        """The padded labels ``(B, M, 5)``: class and normalized ``xywh``, float32, zero rows as
+        padding (``batch[PADDED_KEY]`` if the trainer put them there)."""
+        padded = batch.get(PADDED_KEY)
+        if padded is None:
+            # fallback for a batch the trainer did not prepare: one host sync for the capacity
+            # when batch_idx is on the GPU (none on the CPU)
+            cap = target_capacity(batch["batch_idx"], batch_size)
+            padded = pad_targets(batch["batch_idx"], batch["cls"], batch["bboxes"], batch_size, cap)
+        if padded.dim() != 3 or padded.shape[0] != batch_size or padded.shape[-1] != 5:
+            raise ValueError(f"FusedDetectionLoss: batch[{PADDED_KEY!r}] must have shape ({batch_size}, "
+                             f"capacity, 5), got {tuple(padded.shape)}")
+        return padded.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
+
+    def loss(self, preds: dict[str, Any], batch: dict[str, torch.Tensor]
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of ``preds`` (``boxes (B, 4 reg_max, A)``, ``scores (B, nc, A)``, ``feats``)."""
+        boxes, scores, feats = preds["boxes"], preds["scores"], preds["feats"]
+        B, _, A = scores.shape
+        if boxes.shape != (B, 4 * self.reg_max, A) or scores.shape[1] != self.nc:
+            raise ValueError(f"FusedDetectionLoss: preds['boxes'] must be ({B}, {4 * self.reg_max}, {A}) and "
+                             f"preds['scores'] ({B}, {self.nc}, {A}); got {tuple(boxes.shape)}, "
+                             f"{tuple(scores.shape)}")
+        dev = scores.device
+        sizes = tuple((int(f.shape[2]), int(f.shape[3])) for f in feats)
+        anchors, stride_col = anchor_grid(sizes, self._strides, dev)
+        strides = stride_col.view(-1)
+        imgsz = (sizes[0][0] * self._strides[0], sizes[0][1] * self._strides[0])
+        gt = self.targets(batch, B, dev)
+        gains = (float(self.hyp.box), float(self.hyp.cls), float(self.hyp.dfl))
+        boxes, scores = boxes.contiguous(), scores.contiguous()
+        # the kernels compute in float32: float64 predictions stay float64 on the torch path
+        fused = (use_triton(dev) and boxes.dtype != torch.float64 and scores.dtype != torch.float64
+                 and self.reg_max & (self.reg_max - 1) == 0)
+        with torch.autocast(dev.type, enabled=False):
+            cfg = self.assign_config
+            if fused and cfg.topk2 == cfg.topk:
+                asg = assign_kernels(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, cfg)
+            else:
+                asg = assign_torch(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, cfg)
+            if fused:
+                k = LossConstants(float(imgsz[0]), float(imgsz[1]), gains, float(B), self.reg_max - 1 - 0.01)
+                out, items = DetectionLossFunction.apply(boxes, scores, asg, gt, anchors, strides,
+                                                         self.class_weights, k)
+            else:
+                items = loss_terms_torch(boxes, scores, asg, gt, imgsz, anchors, strides, self.class_weights)
+                items = items * items.new_tensor(gains)
+                out = items * B
+                items = items.detach()
+        return out, dict(zip(self.loss_names, items))
+
+
+__all__ = ["DetectionLossFunction", "FusedDetectionLoss", "LossConstants", "loss_terms_torch"]
