@@ -1,0 +1,380 @@
+"""FusedDetectionTrainer against stock ultralytics (CPU: the fused optimizers take torch's path;
+with the ``kernels`` fixture the Triton kernels run in the interpreter).
+
+On torch's path a step is torch.optim's step and the EMA is ``_foreach_lerp_``, bit for bit; only the
+clipping norm differs in its last bits where it clips: the fused step sums the per-tensor norms in
+param-group order, ultralytics' ``clip_grad_norm_(model.parameters())`` in module order. Hence
+``CLIPPED``, a float32-rounding tolerance, wherever a step clips; and whole runs use loss gains
+scaled by ``GAIN`` (ultralytics' ``box``, ``cls``, ``dfl`` arguments), which keeps every gradient
+norm of these runs below the clip (largest 6.5), so that they compare bit for bit: a last-bit
+difference would otherwise grow through the assigner's discrete choices within a few steps.
+
+Whole runs use YOLOv5n on 16 synthetic 64-pixel images (batch 4, nbs 8, two epochs: 8 iterations
+and 5 optimizer steps through warmup and gradient accumulation). The optimizer-phase tests drive
+``optimizer_step`` of both trainers directly on a small model, several steps with warmup-style lr
+and momentum changes, clipping and a skipped step.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trainfuse.ultralytics.offline import offline_env
+
+offline_env(Path(tempfile.gettempdir()) / "trainfuse-tests-yolo-config")
+pytest.importorskip("ultralytics")
+
+from ultralytics import YOLO  # noqa: E402
+from ultralytics.models.yolo.detect import DetectionTrainer  # noqa: E402
+from ultralytics.utils.torch_utils import ModelEMA  # noqa: E402
+
+import trainfuse  # noqa: E402
+from tests._helpers import cuda  # noqa: E402
+from trainfuse.ultralytics import FusedDetectionLoss, FusedDetectionTrainer  # noqa: E402
+from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
+from trainfuse.ultralytics.trainer import PadTargets  # noqa: E402
+
+
+class FusedStepTrainer(FusedDetectionTrainer):
+    """The fused optimizer phase with ultralytics' own loss: results identical to stock on CPU."""
+
+    fused_loss = False
+
+
+STEPS_IN_TWO_EPOCHS = 5  # optimizer steps of the runs below (warmup ramps accumulate from 1 to 2)
+CLIPPED = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
+GAIN = 0.1  # see the module docstring
+# FusedDetectionLoss's float32 rounding, after 5 steps: on the losses, and on weights of size ~0.1
+FUSED_LOSS = {"rtol": 1e-4, "atol": 1e-5}
+FUSED_LOSS_WEIGHTS = {"rtol": 1e-3, "atol": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("shapes")
+    return str(make_shapes_dataset(root, n_train=16, n_val=8, imgsz=64, seed=0))
+
+
+class Run:
+    """One training run: the YOLO object, its per-iteration losses and a mid-run checkpoint."""
+
+    def __init__(self, model: YOLO, losses: list[float], mid: Path):
+        self.model, self.losses, self.mid = model, losses, mid
+        self.trainer = model.trainer
+
+
+def _train(data: str, project: Path, trainer=None, optimizer: str = "SGD", epochs: int = 2,
+           resume: Path | None = None) -> Run:
+    name = f"{trainer.__name__ if trainer else 'stock'}-{optimizer}{'-' + resume.stem if resume else ''}"
+    model = YOLO(str(resume) if resume else "yolov5n.yaml")
+    losses: list[float] = []
+    mid = project / f"{name}-epoch1.pt"
+    model.add_callback("on_train_batch_end", lambda t: losses.append(float(t.loss.detach())))
+
+    def keep_first_checkpoint(t):  # a checkpoint with optimizer state, as an interrupted run leaves it
+        if t.epoch == 0:
+            shutil.copyfile(t.last, mid)
+
+    model.add_callback("on_model_save", keep_first_checkpoint)
+    extra = {"trainer": trainer} if trainer else {}
+    if resume:  # into a folder of its own (the checkpoint names the interrupted run's)
+        model.train(resume=True, save_dir=str(project / name), **extra)
+    else:
+        model.train(data=data, epochs=epochs, imgsz=64, batch=4, nbs=8, workers=0, device="cpu", plots=False,
+                    val=False, seed=0, deterministic=True, verbose=False, optimizer=optimizer,
+                    box=7.5 * GAIN, cls=0.5 * GAIN, dfl=1.5 * GAIN, project=str(project), name=name,
+                    exist_ok=True, **extra)
+    return Run(model, losses, mid)
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+    """Runs per (trainer, optimizer), made on first use: trainer None is stock ultralytics."""
+    project = tmp_path_factory.mktemp("runs")
+    made: dict[tuple, Run] = {}
+
+    def get(trainer, optimizer: str = "SGD") -> Run:
+        key = (trainer, optimizer)
+        if key not in made:
+            made[key] = _train(data, project, trainer, optimizer)
+        return made[key]
+
+    return get
+
+
+def _assert_same_state(a: nn.Module, b: nn.Module, **tol) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if tol:
+            torch.testing.assert_close(sa[k], sb[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
+        else:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def _optimizer_states(opt: torch.optim.Optimizer) -> list[dict]:
+    return [opt.state_dict()["state"][i] for i in sorted(opt.state_dict()["state"])]
+
+
+# ---- whole runs -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer,fused_cls", [("SGD", trainfuse.FusedSGD),
+                                                 ("AdamW", trainfuse.FusedAdamW)])
+def test_fused_optimizer_phase_trains_exactly_like_stock(runs, optimizer, fused_cls):
+    stock, fused = runs(None, optimizer), runs(FusedStepTrainer, optimizer)
+    assert type(fused.trainer.optimizer) is fused_cls
+    assert fused.trainer.fused_reason == ""
+    # ultralytics' own param groups: same keys and values, same params in the same order
+    groups = zip(stock.trainer.optimizer.param_groups, fused.trainer.optimizer.param_groups, strict=True)
+    for gs, gf in groups:
+        assert {k: v for k, v in gs.items() if k != "params"} == {k: gf[k] for k in gf if k != "params"}
+        assert [p.shape for p in gs["params"]] == [p.shape for p in gf["params"]]
+    assert fused.losses == stock.losses and len(fused.losses) == 8
+    assert isinstance(fused.trainer.ema, trainfuse.FusedEMA)
+    assert fused.trainer.ema.updates == stock.trainer.ema.updates == STEPS_IN_TWO_EPOCHS
+    _assert_same_state(fused.trainer.model, stock.trainer.model)
+    _assert_same_state(fused.trainer.ema.ema, stock.trainer.ema.ema)
+    for a, b in zip(_optimizer_states(fused.trainer.optimizer), _optimizer_states(stock.trainer.optimizer),
+                    strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+    assert fused.trainer.metrics.keys() == stock.trainer.metrics.keys()  # validated like stock
+
+
+@pytest.mark.parametrize("optimizer", ["MuSGD"])
+def test_optimizers_without_fused_kernel_stay_stock(runs, optimizer):
+    stock, fused = runs(None, optimizer), runs(FusedStepTrainer, optimizer)
+    assert type(fused.trainer.optimizer) is type(stock.trainer.optimizer)
+    assert type(fused.trainer.optimizer).__name__ == optimizer
+    assert optimizer in fused.trainer.fused_reason
+    assert isinstance(fused.trainer.ema, trainfuse.FusedEMA)  # the EMA is fused all the same
+    assert fused.losses == stock.losses
+    assert fused.trainer.ema.updates == stock.trainer.ema.updates == STEPS_IN_TWO_EPOCHS
+    _assert_same_state(fused.trainer.ema.ema, stock.trainer.ema.ema)
+
+
+def test_fused_trainer_with_fused_loss_tracks_stock(runs):
+    stock, fused = runs(None), runs(FusedDetectionTrainer)
+    model = fused.trainer.model
+    assert isinstance(model.criterion, FusedDetectionLoss)
+    assert isinstance(fused.trainer.train_loader.collate_fn, PadTargets)  # labels padded by the loader
+    # the fused loss rounds differently from ultralytics' (float32 throughout): close, not equal
+    torch.testing.assert_close(fused.losses, stock.losses, **FUSED_LOSS)
+    assert fused.trainer.ema.updates == stock.trainer.ema.updates == STEPS_IN_TWO_EPOCHS
+    _assert_same_state(fused.trainer.ema.ema, stock.trainer.ema.ema, **FUSED_LOSS_WEIGHTS)
+
+
+def test_checkpoint_loads_validates_and_predicts_with_stock_yolo(runs, data, tmp_path):
+    fused = runs(FusedDetectionTrainer)
+    ckpt = torch.load(fused.mid, weights_only=False)
+    assert ckpt["updates"] == fused.trainer.ema.updates - 2  # epoch 1 held 3 of the 5 steps
+    assert ckpt["optimizer"]["param_groups"][0]["param_group"] == "weight"
+    for weights in (fused.trainer.last, fused.trainer.best, fused.mid):
+        model = YOLO(str(weights))
+        metrics = model.val(data=data, imgsz=64, batch=4, device="cpu", workers=0, plots=False, verbose=False,
+                            project=str(tmp_path), name="val")
+        assert 0.0 <= metrics.box.map50 <= 1.0
+        image = next((Path(data).parent / "images" / "val").iterdir())
+        (result,) = model.predict(str(image), imgsz=64, device="cpu", verbose=False, project=str(tmp_path))
+        assert result.boxes is not None
+
+
+@pytest.mark.parametrize("made_by", [None, FusedDetectionTrainer],
+                         ids=["stock-checkpoint", "fused-checkpoint"])
+def test_resume_with_either_trainer_matches_stock_resume(runs, made_by, tmp_path):
+    source = runs(made_by).mid
+    resumed = {}
+    for trainer in (None, FusedStepTrainer, FusedDetectionTrainer):
+        ckpt = tmp_path / f"{trainer.__name__ if trainer else 'stock'}.pt"
+        shutil.copyfile(source, ckpt)  # each resume gets its own copy of the interrupted run
+        resumed[trainer] = _train("", tmp_path, trainer, resume=ckpt)
+        assert resumed[trainer].trainer.start_epoch == 1
+        assert len(resumed[trainer].losses) == 4
+        assert resumed[trainer].trainer.ema.updates == STEPS_IN_TWO_EPOCHS
+    stock, ours = resumed[None], resumed[FusedStepTrainer]
+    assert isinstance(ours.trainer.ema, trainfuse.FusedEMA)
+    assert isinstance(ours.trainer.optimizer, trainfuse.FusedSGD)
+    assert ours.losses == stock.losses
+    _assert_same_state(ours.trainer.ema.ema, stock.trainer.ema.ema)
+    _assert_same_state(ours.trainer.model, stock.trainer.model)
+    full = resumed[FusedDetectionTrainer]
+    assert isinstance(full.trainer.model.criterion, FusedDetectionLoss)
+    torch.testing.assert_close(full.losses, stock.losses, **FUSED_LOSS)
+
+
+# ---- the optimizer phase, step by step --------------------------------------------------------------
+def _small_model() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 5, 1))
+
+
+def _trainer_pair(data, tmp_path, optimizer, device, scaler: bool):
+    """A stock and a fused trainer over copies of one small model, set up as _setup_train does."""
+    base = _small_model().to(device)
+    pair = []
+    for cls in (DetectionTrainer, FusedStepTrainer):
+        where = "0" if device.type == "cuda" else "cpu"
+        tr = cls(overrides=dict(model="yolov5n.yaml", data=data, device=where, project=str(tmp_path),
+                                name=cls.__name__, exist_ok=True, plots=False, verbose=False))
+        tr.model = copy.deepcopy(base)
+        tr.optimizer = tr.build_optimizer(tr.model, name=optimizer, lr=0.01, momentum=0.937, decay=5e-4)
+        tr.scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, enabled=scaler)
+        tr.ema = ModelEMA(tr.model)
+        pair.append(tr)
+    stock, fused = pair
+    if scaler and device.type == "cpu":  # ultralytics only ever makes "cuda" scalers: a CPU one here
+        fused.scaler = trainfuse.amp.GradScaler("cpu", init_scale=2.0**10)
+    else:
+        fused._install_scaler()
+    fused._install_ema()
+    return stock, fused
+
+
+@pytest.mark.parametrize("optimizer", ["RMSprop", "NAdam", "RAdam", "Adamax"])
+def test_build_optimizer_leaves_other_optimizers_stock(data, tmp_path, optimizer, device):
+    stock, fused = _trainer_pair(data, tmp_path, optimizer, device, scaler=False)
+    assert type(fused.optimizer) is type(stock.optimizer) and type(fused.optimizer).__name__ == optimizer
+    assert fused.fused_reason.startswith(f"{optimizer} has no fused counterpart")
+    assert not fused.fused
+    grads = [torch.randn_like(p) for p in stock.model.parameters()]
+    _step((stock, fused), 0, grads)  # stock optimizer_step, with the FusedEMA
+    assert fused.ema.updates == stock.ema.updates == 1
+    tol = {} if device.type == "cpu" else CLIPPED
+    _assert_same_state(fused.model, stock.model)
+    _assert_same_state(fused.ema.ema, stock.ema.ema, **tol)
+
+
+def _step(trainers, k: int, grads: list[torch.Tensor], poison: bool = False) -> None:
+    """One iteration's optimizer work on each trainer: warmup lr and momentum written into the
+    groups as _do_train writes them, a forward's BN statistics, the same (scaled) grads."""
+    for tr in trainers:
+        for group in tr.optimizer.param_groups:
+            group["lr"] = 0.1 / (k + 1) if group.get("param_group") == "bias" else 0.002 * (k + 1)
+            if "momentum" in group:
+                group["momentum"] = 0.8 + 0.03 * k
+        bn = tr.model[1]
+        with torch.no_grad():
+            bn.running_mean.add_(0.1 * (k + 1))
+            bn.running_var.mul_(1.01)
+        scale = tr.scaler.scale(torch.ones((), device=grads[0].device)) if tr.scaler.is_enabled() else 1.0
+        for p, g in zip(tr.model.parameters(), grads):
+            p.grad = g * scale
+        if poison:
+            tr.model[0].weight.grad[0, 0, 0, 0] = float("inf")
+        tr.optimizer_step()
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW", "Adam"])
+def test_optimizer_step_matches_stock(data, tmp_path, optimizer, backend, request, device):
+    if backend == "kernels":
+        request.getfixturevalue("kernels")
+    stock, fused = _trainer_pair(data, tmp_path, optimizer, device, scaler=False)
+    assert type(fused.optimizer).__name__ == f"Fused{optimizer}"
+    exact = backend == "torch" and device.type == "cpu"
+    for k, size in enumerate((0.1, 30.0, 0.1, 0.1)):  # step 1's gradient norm is far above the clip at 10
+        grads = [torch.randn_like(p) * size for p in stock.model.parameters()]
+        _step((stock, fused), k, grads)
+        assert fused.ema.updates == stock.ema.updates == k + 1
+        tol = {} if exact and k == 0 else CLIPPED
+        _assert_same_state(fused.model, stock.model, **tol)
+        _assert_same_state(fused.ema.ema, stock.ema.ema, **tol)
+        assert all(p.grad is None for p in fused.model.parameters())  # zero_grad as stock
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_ema_updates_after_a_skipped_step_like_stock(data, tmp_path, backend, request, device):
+    if backend == "kernels":  # the inf check, the skip and the EMA fold in the kernels
+        request.getfixturevalue("kernels")
+    stock, fused = _trainer_pair(data, tmp_path, "SGD", device, scaler=True)
+    tol = {} if backend == "torch" and device.type == "cpu" else CLIPPED
+    grads = [torch.randn_like(p) * 0.1 for p in stock.model.parameters()]  # norm below the clip
+    _step((stock, fused), 0, grads)
+    weights = copy.deepcopy(fused.model.state_dict())
+    ema_before = copy.deepcopy(fused.ema.ema.state_dict())
+    _step((stock, fused), 1, grads, poison=True)  # GradScaler skips this step
+    assert fused.scaler.get_scale() == stock.scaler.get_scale() == 2.0**9
+    assert fused.ema.updates == stock.ema.updates == 2  # ... and the EMA still counts it
+    for k, v in fused.model.state_dict().items():
+        if k.endswith(("weight", "bias")):
+            assert torch.equal(v, weights[k]), k  # weights untouched
+    moved = [k for k, v in fused.ema.ema.state_dict().items() if not torch.equal(v, ema_before[k])]
+    assert "1.running_mean" in moved and "0.weight" in moved  # toward the buffers and the unchanged weights
+    _assert_same_state(fused.ema.ema, stock.ema.ema, **tol)
+    _step((stock, fused), 2, grads)
+    _assert_same_state(fused.model, stock.model, **tol)
+    _assert_same_state(fused.ema.ema, stock.ema.ema, **tol)
+
+
+@cuda
+def test_fp16_inf_skips_the_step_in_three_launches(data, tmp_path):
+    """Real AMP on the GPU: a float16 forward whose gradient overflows, GradScaler skips the step,
+    the EMA still updates as stock's does; the fused optimizer phase is three launches."""
+    device = torch.device("cuda")
+    stock, fused = _trainer_pair(data, tmp_path, "SGD", device, scaler=True)
+    assert type(fused.scaler) is trainfuse.amp.GradScaler
+    x = torch.randn(4, 3, 16, 16, device=device)
+
+    def backward(tr, overflow: bool):
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = tr.model(x)
+        # an overflowing loss: its float16 gradients are inf (the forward and BN statistics stay finite)
+        loss = out.float().square().mean() * (1e8 if overflow else 1.0)
+        tr.scaler.scale(loss).backward()
+
+    for k, overflow in enumerate((False, True, False)):
+        for tr in (stock, fused):
+            backward(tr, overflow)
+        if overflow:
+            assert not torch.isfinite(fused.model[0].weight.grad).all()
+            weights = copy.deepcopy(fused.model.state_dict())
+        for tr in (stock, fused):
+            tr.optimizer_step()
+        if overflow:
+            assert fused.scaler.get_scale() == stock.scaler.get_scale() == 2.0**9
+            for name, v in fused.model.named_parameters():
+                assert torch.equal(v, weights[name]), name
+        assert fused.ema.updates == stock.ema.updates == k + 1
+        _assert_same_state(fused.ema.ema, stock.ema.ema, rtol=1e-4, atol=1e-5)
+    backward(fused, False)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fused.optimizer_step()
+        torch.cuda.synchronize()
+    launches = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(launches) == 3, [e.name for e in launches]
+
+
+@cuda
+def test_warmup_changes_lr_and_momentum_without_host_syncs_or_recompiles(data, tmp_path):
+    """ultralytics' warmup writes new lr and momentum floats into the groups every iteration: the
+    fused steps take them with no host sync (CUDA's sync debug mode raises on one) and no Triton
+    compile, and follow them as stock's steps do."""
+    import triton
+
+    stock, fused = _trainer_pair(data, tmp_path, "SGD", torch.device("cuda"), scaler=True)
+    grads = [torch.randn_like(p) * 0.1 for p in fused.model.parameters()]
+    _step((stock, fused), 0, grads)  # the first step builds the tables and compiles the kernels
+    torch.cuda.synchronize()
+    compiled = []
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs.get("fn"))
+    try:
+        for k in range(1, 5):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                _step((fused,), k, grads)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            _step((stock,), k, grads)  # stock's unscale_ reads found_inf on the host
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
+    assert compiled == []
+    assert fused.optimizer.param_groups[0]["momentum"] == pytest.approx(0.8 + 0.03 * 4)
+    _assert_same_state(fused.model, stock.model, **CLIPPED)
+    _assert_same_state(fused.ema.ema, stock.ema.ema, **CLIPPED)

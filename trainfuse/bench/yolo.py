@@ -1,0 +1,157 @@
+"""YOLOv5 training with ultralytics: the stock DetectionTrainer against FusedDetectionTrainer.
+
+``python -m trainfuse.bench yolo [--quick] [--epochs N] [--model yolov5n.yaml]`` (needs ultralytics;
+offline). One process, one GPU, the trainer's defaults as ``../shared/bench/yolo_trainer.py`` runs
+them (AMP, channels_last, nbs=64 so batch 16 steps every 4th iteration, mosaic, 8 workers,
+``cache="ram"``, ``deterministic=False``) on the synthetic shapes dataset, same seed and data for
+both trainers. Measures:
+
+- the training-loop time per iteration (median; data wait excluded, GPU synchronized at both ends),
+  the data wait, epoch time and images per second;
+- the launches (kernels, copies, fills) per iteration over one accumulation cycle (torch.profiler);
+- the optimizer phase (``trainer.optimizer_step()``: unscale, clip, step, EMA, zero_grad) on its
+  own: median wall time of a call and its launches;
+- quality: mAP50 / mAP50-95 of each run's final validation, and a PNG of both runs' loss curves and
+  per-iteration times (``<out>/yolo.png``).
+
+Goals (batch 16, imgsz 640): iteration >= 1.3x faster than stock, optimizer phase >= 10x faster,
+stock mAP50 >= 0.5 with ours within +-1 point. ``--quick`` is a smoke run (1 epoch, 256 images).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from trainfuse.bench._common import add_row, bench_parser, note, parse_and_start, print_table, save_report
+
+GOALS = {"iteration_speedup": 1.3, "optimizer_phase_speedup": 10.0, "stock_map50": 0.5, "map50_delta": 0.01}
+
+
+def _parser():
+    parser = bench_parser(__doc__)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 epoch on 256 images")
+    parser.add_argument("--model", default="yolov5n.yaml")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--images", type=int, default=512, help="synthetic training images")
+    parser.add_argument("--val-images", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=30, help="epochs of each run (quality needs ~30)")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "trainfuse-bench-shapes"),
+                        help="where the synthetic dataset is generated (reused when it matches)")
+    return parser
+
+
+def _run(kind: str, args, data: str, project: Path, device: int | str = 0) -> dict:
+    from ultralytics import YOLO
+
+    from trainfuse.ultralytics import FusedDetectionTrainer
+    from trainfuse.ultralytics.report import LaunchCounter, LoopTimer, final_map, optimizer_phase
+
+    model = YOLO(args.model)
+    timer = LoopTimer().attach(model)
+    # one accumulation cycle is profiled: after ultralytics' warmup ramp of accumulate (3 epochs),
+    # or after 8 iterations in a run too short for that
+    nb = -(-args.images // args.batch)
+    ramp = round(min(3, args.epochs - 1) * nb)
+    counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer).attach(model)
+    extra = {"trainer": FusedDetectionTrainer} if kind == "trainfuse" else {}
+    model.train(data=data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, seed=args.seed,
+                workers=args.workers, cache="ram", deterministic=False, val=False, plots=False, device=device,
+                project=str(project), name=kind, exist_ok=True, verbose=False, **extra)
+    trainer = model.trainer
+    summary = timer.summary(args.batch)
+    summary["map50"], summary["map50_95"] = final_map(trainer)
+    summary["launches_per_iteration"] = counter.per_iteration
+    summary["profiled_iterations"] = counter.iterations
+    summary["optimizer"] = type(trainer.optimizer).__name__
+    summary["phase_ms"], summary["phase_launches"] = optimizer_phase(trainer)
+    summary["losses"], summary["iter_ms_all"] = timer.losses, timer.iter_ms()
+    return summary
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _num(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
+    """Print the tables, check the goals, draw the PNG and fill ``report`` from both runs."""
+    from trainfuse.ultralytics.report import format_table, plot_runs, table_rows
+
+    out = Path(args.out)
+    stock, ours = runs["stock"], runs["trainfuse"]
+    workload = f"{args.model} batch {args.batch} imgsz {args.imgsz}"
+    print(f"\n{workload}, {args.epochs} epoch(s), ultralytics {version}")
+    print(format_table(*table_rows(runs)))
+    for kind, r in runs.items():
+        impl = "ultralytics DetectionTrainer" if kind == "stock" else "FusedDetectionTrainer"
+        add_row(report, f"{workload}: training-loop iteration", impl, trainfuse=kind != "stock",
+                wall_ms=r["iter_ms"])
+        add_row(report, f"{workload}: optimizer phase (unscale, clip, step, EMA, zero_grad)", impl,
+                trainfuse=kind != "stock", wall_ms=r["phase_ms"])
+    it_speedup = _ratio(stock["iter_ms"], ours["iter_ms"])
+    phase_speedup = _ratio(stock["phase_ms"], ours["phase_ms"])
+    print_table("speed", ["", "stock", "trainfuse", "speedup", "goal"], [
+        ["iteration ms (median)", _num(stock["iter_ms"], ".2f"), _num(ours["iter_ms"], ".2f"),
+         _num(it_speedup, ".2f") + "x", f">= {GOALS['iteration_speedup']}x"],
+        ["launches per iteration", _num(stock["launches_per_iteration"], ".0f"),
+         _num(ours["launches_per_iteration"], ".0f"), "", ""],
+        ["optimizer phase ms", _num(stock["phase_ms"], ".3f"), _num(ours["phase_ms"], ".3f"),
+         _num(phase_speedup, ".1f") + "x", f">= {GOALS['optimizer_phase_speedup']}x"],
+        ["optimizer phase launches", _num(stock["phase_launches"], "d"), _num(ours["phase_launches"], "d"),
+         "", "<= 3"],
+    ])
+    delta = None if stock["map50"] is None or ours["map50"] is None else ours["map50"] - stock["map50"]
+    goals = {"iteration": it_speedup is not None and it_speedup >= GOALS["iteration_speedup"],
+             "optimizer_phase": (phase_speedup is not None
+                                 and phase_speedup >= GOALS["optimizer_phase_speedup"]),
+             "optimizer_phase_launches": ours["phase_launches"] is not None and ours["phase_launches"] <= 3,
+             "stock_map50": stock["map50"] is not None and stock["map50"] >= GOALS["stock_map50"],
+             "map50_within_1_point": delta is not None and abs(delta) <= GOALS["map50_delta"]}
+    print_table("goals", ["goal", "met"], [[k, "yes" if v else "NO"] for k, v in goals.items()])
+    if args.quick:
+        note(report, "--quick: 1 epoch; the quality goals need the full run")
+    png = plot_runs(runs, out / "yolo.png", title=f"{workload}, {args.epochs} epoch(s), {report['device']}")
+    print(f"plot: {png}")
+    report["goals"] = goals
+    report["goal_values"] = GOALS
+    report["runs"] = {k: {key: v for key, v in r.items() if key not in ("losses", "iter_ms_all")}
+                      for k, r in runs.items()}
+    report["curves"] = {k: {"losses": r["losses"], "iter_ms": r["iter_ms_all"]} for k, r in runs.items()}
+    report["settings"] = {"model": args.model, "batch": args.batch, "imgsz": args.imgsz,
+                          "epochs": args.epochs, "images": args.images, "val_images": args.val_images,
+                          "workers": args.workers, "seed": args.seed, "ultralytics": version}
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    started = parse_and_start(_parser(), argv, "yolo")
+    if started is None:
+        return None
+    args, report, _ = started
+    if args.quick:
+        args.epochs, args.images, args.val_images = 1, 256, 32
+    out = Path(args.out)
+    from trainfuse.ultralytics.offline import offline_env
+
+    offline_env(out / "yolo-config")  # before ultralytics is imported
+    try:
+        import ultralytics
+    except ImportError:
+        note(report, "ultralytics is not installed (pip install ultralytics): nothing measured")
+        save_report(report, args.out, "yolo")
+        return report
+    from trainfuse.ultralytics.shapes import make_shapes_dataset
+
+    folder = Path(args.data_dir) / f"{args.imgsz}px-{args.images}-seed{args.seed}"
+    data = str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
+                                   seed=args.seed))
+    runs = {kind: _run(kind, args, data, out / "yolo-runs") for kind in ("stock", "trainfuse")}
+    _summarize(report, args, runs, ultralytics.__version__)
+    save_report(report, args.out, "yolo")
+    return report

@@ -1,0 +1,265 @@
+"""Measuring ultralytics training runs: loop timing per iteration, launch counts, the comparison
+table and PNG that ``examples/yolov5/train.py`` and ``python -m trainfuse.bench yolo`` print.
+
+Everything here hooks into a run through ultralytics' own callbacks (``model.add_callback``); the
+trainer is not touched. Timing follows ``../shared/bench/yolo_trainer.py``: the training-loop time
+of an iteration runs from ``on_train_batch_start`` to ``on_train_batch_end`` with the GPU
+synchronized at both, and the data wait is the gap from one iteration's end to the next's start.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _sync(trainer) -> None:
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+
+
+class LoopTimer:
+    """Per-iteration loop time, data wait and loss, and per-epoch time, of one training run.
+
+    Example:
+        >>> timer = LoopTimer().attach(model)            # doctest: +SKIP
+        >>> model.train(data=..., epochs=3)              # doctest: +SKIP
+        >>> timer.summary(batch=16)["iter_ms"]           # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.epoch_of: list[int] = []
+        self.losses: list[float] = []  # box + cls + dfl of each iteration (ultralytics' loss items)
+        self.epoch_s: list[float] = []
+        self.skip: set[int] = set()  # iterations left out of the statistics (profiled ones)
+        self._epoch_start = 0.0
+
+    def attach(self, model) -> LoopTimer:
+        """Register the callbacks on ``model`` (an ultralytics ``YOLO``); returns ``self``."""
+        for event in ("on_train_epoch_start", "on_train_batch_start", "on_train_batch_end",
+                      "on_train_epoch_end"):
+            model.add_callback(event, getattr(self, event))
+        return self
+
+    def on_train_epoch_start(self, trainer) -> None:
+        _sync(trainer)
+        self._epoch_start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer) -> None:
+        _sync(trainer)
+        self.starts.append(time.perf_counter())
+        self.epoch_of.append(trainer.epoch)
+
+    def on_train_batch_end(self, trainer) -> None:
+        _sync(trainer)
+        self.ends.append(time.perf_counter())
+        # the GPU is idle here: reading the loss costs no stall
+        self.losses.append(sum(float(v) for v in trainer.loss_items.values()))
+
+    def on_train_epoch_end(self, trainer) -> None:
+        _sync(trainer)
+        self.epoch_s.append(time.perf_counter() - self._epoch_start)
+
+    def iter_ms(self) -> list[float]:
+        """The loop time of every iteration, in ms."""
+        return [(e - s) * 1e3 for s, e in zip(self.starts, self.ends)]
+
+    def summary(self, batch: int, warmup: int = 5) -> dict[str, float]:
+        """Medians over the iterations after the first ``warmup`` (and not in :attr:`skip`).
+
+        Args:
+            batch: images per iteration.
+            warmup: iterations left out at the start (allocator and cuDNN warm-up).
+
+        Returns:
+            ``iterations``, ``iter_ms``, ``data_wait_ms``, ``epoch_s`` (median training time of
+            an epoch, validation excluded) and ``images_per_s`` (batch over loop time plus wait).
+        """
+        keep = [i for i in range(warmup, len(self.ends)) if i not in self.skip]
+        if not keep:
+            keep = list(range(len(self.ends)))
+        loop = [(self.ends[i] - self.starts[i]) * 1e3 for i in keep]
+        waits = [(self.starts[i + 1] - self.ends[i]) * 1e3 for i in keep
+                 if i + 1 < len(self.starts) and self.epoch_of[i + 1] == self.epoch_of[i]]
+        it = statistics.median(loop) if loop else float("nan")
+        wait = statistics.median(waits) if waits else 0.0
+        return {"iterations": len(self.ends), "iter_ms": it, "data_wait_ms": wait,
+                "epoch_s": statistics.median(self.epoch_s) if self.epoch_s else float("nan"),
+                "images_per_s": batch * 1e3 / (it + wait)}
+
+
+def device_launches(prof) -> int:
+    """Kernels, copies and fills a ``torch.profiler`` run saw on the GPU."""
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+class LaunchCounter:
+    """Profiles one accumulation cycle of a run on the GPU (from the iteration after an optimizer
+    step through the next step, within one epoch) and counts the launches: :attr:`per_iteration`
+    is their number over the cycle's iterations. The profiled iterations are added to
+    ``timer.skip``.
+
+    Args:
+        after: iterations to let pass first (warm-up, and ultralytics' warmup ramp if wanted).
+        timer: the run's :class:`LoopTimer` (its statistics leave the profiled iterations out).
+    """
+
+    def __init__(self, after: int, timer: LoopTimer | None = None) -> None:
+        self.after, self.timer = after, timer
+        self.seen = 0
+        self.iterations = 0
+        self.launches = 0
+        self._updates = None
+        self._stepped = False
+        self._prof = None
+        self.done = False
+        self._epoch = None
+        self._epoch_first = 0  # index of the epoch's first iteration
+
+    def attach(self, model) -> LaunchCounter:
+        model.add_callback("on_train_batch_start", self.on_train_batch_start)
+        model.add_callback("on_train_batch_end", self.on_train_batch_end)
+        return self
+
+    @property
+    def per_iteration(self) -> float | None:
+        return self.launches / self.iterations if self.iterations else None
+
+    def on_train_batch_start(self, trainer) -> None:
+        if trainer.epoch != self._epoch:
+            self._epoch, self._epoch_first = trainer.epoch, self.seen
+        if self.done or trainer.device.type != "cuda" or self._prof is not None:
+            return
+        left_in_epoch = len(trainer.train_loader) - (self.seen - self._epoch_first)
+        if self.seen >= self.after and self._stepped and left_in_epoch >= trainer.accumulate:
+            _sync(trainer)
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self._prof.start()
+
+    def on_train_batch_end(self, trainer) -> None:
+        # an optimizer step counts one EMA update, in ultralytics' trainer and in ours
+        updates = trainer.ema.updates
+        self._stepped = self._updates is not None and updates != self._updates
+        self._updates = updates
+        index = self.seen
+        self.seen += 1
+        if self._prof is None:
+            return
+        self.iterations += 1
+        if self.timer is not None:
+            self.timer.skip.add(index)
+        if self._stepped:
+            _sync(trainer)
+            self._prof.stop()
+            self.launches = device_launches(self._prof)
+            self._prof = None
+            self.done = True
+
+
+def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[float, int | None]:
+    """Time ``trainer.optimizer_step()`` (unscale, clip, step, EMA, zero_grad) on its own: the
+    median wall time of one call, the GPU synchronized before and after, on gradients of
+    realistic size re-attached between calls; and the launches of one call (CUDA only).
+
+    Returns:
+        ``(ms, launches)``.
+    """
+    model = trainer.model
+    device = next(model.parameters()).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    scale = trainer.scaler.scale(torch.ones((), device=device)) if trainer.scaler.is_enabled() else 1.0
+    # small gradients (norm well below the clip at 10), scaled as the backward leaves them
+    grads = [torch.randn_like(p) * 1e-4 * scale for p in params]
+    times = []
+    for k in range(warmup + calls):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        _sync(trainer)
+        t0 = time.perf_counter()
+        trainer.optimizer_step()
+        _sync(trainer)
+        if k >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    launches = None
+    if device.type == "cuda":
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        _sync(trainer)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            trainer.optimizer_step()
+            _sync(trainer)
+        launches = device_launches(prof)
+    return statistics.median(times), launches
+
+
+def final_map(trainer) -> tuple[float | None, float | None]:
+    """mAP50 and mAP50-95 of the run's final validation (ultralytics' validator, best.pt)."""
+    metrics = trainer.metrics or {}
+    return metrics.get("metrics/mAP50(B)"), metrics.get("metrics/mAP50-95(B)")
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def table_rows(runs: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the comparison table, one row per run (name -> summary dict)."""
+    header = ["run", "iter ms (median)", "data wait ms", "epoch s", "images/s", "mAP50", "mAP50-95"]
+    rows = [[name, _fmt(r["iter_ms"]), _fmt(r["data_wait_ms"]), _fmt(r["epoch_s"]),
+             _fmt(r["images_per_s"], 0), _fmt(r.get("map50"), 3), _fmt(r.get("map50_95"), 3)]
+            for name, r in runs.items()]
+    return header, rows
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """``rows`` under ``header`` in aligned columns."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    rule = ["-" * w for w in widths]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header, rule, *rows])
+
+
+def plot_runs(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
+    """Loss curves and per-iteration loop time of each run (``losses`` and ``iter_ms_all`` of
+    its summary) in one PNG.
+
+    Returns:
+        ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in runs.items():
+        ax_loss.plot(r["losses"], label=name, linewidth=1)
+        ax_time.plot(r["iter_ms_all"], label=f"{name} (median {r['iter_ms']:.1f} ms)", linewidth=1)
+    ax_loss.set(xlabel="iteration", ylabel="loss (box + cls + dfl)", title="training loss")
+    ax_time.set(xlabel="iteration", ylabel="ms",
+                title="training-loop time per iteration (data wait excluded)")
+    ax_time.set_yscale("log")
+    for ax in (ax_loss, ax_time):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["LaunchCounter", "LoopTimer", "device_launches", "final_map", "format_table", "optimizer_phase",
+           "plot_runs", "table_rows"]

@@ -1,0 +1,133 @@
+"""A synthetic detection dataset: shapes of several classes on textured backgrounds, YOLO labels.
+
+Deterministic from its seed (numpy's PCG64 draws every choice, OpenCV only rasterizes) and offline:
+nothing is downloaded. The class is the shape; each class has its own hue, jittered per object, so
+that a YOLOv5n trained from scratch learns it in a few epochs. Layout::
+
+    root/data.yaml
+    root/images/{train,val}/00000.jpg ...
+    root/labels/{train,val}/00000.txt      # "cls xc yc w h", normalized
+
+A ``root/shapes.json`` records the arguments: calling again with the same ones reuses the files.
+Needs OpenCV and numpy (both ultralytics dependencies), not torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+CLASSES = ("box", "ellipse", "triangle", "frame", "cross")
+# BGR base colour of each class; each object's colour is this, jittered
+_HUES = ((60, 60, 230), (60, 210, 60), (230, 90, 40), (40, 200, 230), (200, 60, 200))
+_JITTER = 40  # per-channel colour jitter: the hue identifies the class, the shade varies
+_SIZE = (0.06, 0.3)  # object width and height, as fractions of the image side
+
+
+def _background(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A textured background: a smooth colour field, fine noise and a few dim random lines."""
+    import cv2
+
+    coarse = rng.integers(0, 110, (4, 4, 3), dtype=np.uint8)
+    img = cv2.resize(coarse, (size, size), interpolation=cv2.INTER_CUBIC)
+    noise = rng.integers(-20, 21, (size, size, 3), dtype=np.int16)
+    img = np.clip(img.astype(np.int16) + noise, 0, 255).astype(np.uint8)
+    for _ in range(int(rng.integers(2, 7))):
+        p1 = tuple(int(v) for v in rng.integers(0, size, 2))
+        p2 = tuple(int(v) for v in rng.integers(0, size, 2))
+        shade = tuple(int(v) for v in rng.integers(40, 120, 3))
+        cv2.line(img, p1, p2, shade, max(1, size // 160))
+    return img
+
+
+def _draw(img: np.ndarray, cls: int, box: tuple[int, int, int, int], color: tuple[int, ...]) -> None:
+    import cv2
+
+    x1, y1, x2, y2 = box
+    cx, cy, w, h = (x1 + x2) // 2, (y1 + y2) // 2, x2 - x1, y2 - y1
+    thick = max(2, min(w, h) // 6)
+    if CLASSES[cls] == "box":
+        cv2.rectangle(img, (x1, y1), (x2, y2), color, -1)
+    elif CLASSES[cls] == "ellipse":
+        cv2.ellipse(img, (cx, cy), (max(w // 2, 1), max(h // 2, 1)), 0, 0, 360, color, -1)
+    elif CLASSES[cls] == "triangle":
+        pts = np.array([[cx, y1], [x2, y2], [x1, y2]], dtype=np.int32)
+        cv2.fillPoly(img, [pts], color)
+    elif CLASSES[cls] == "frame":
+        half = thick // 2
+        cv2.rectangle(img, (x1 + half, y1 + half), (x2 - half, y2 - half), color, thick)
+    else:  # cross
+        cv2.rectangle(img, (cx - thick // 2, y1), (cx + thick // 2, y2), color, -1)
+        cv2.rectangle(img, (x1, cy - thick // 2), (x2, cy + thick // 2), color, -1)
+
+
+def _image(rng: np.random.Generator, size: int, nc: int, max_objects: int) -> tuple[np.ndarray, list[str]]:
+    img = _background(rng, size)
+    lines = []
+    for _ in range(int(rng.integers(1, max_objects + 1))):
+        cls = int(rng.integers(0, nc))
+        w, h = rng.uniform(*_SIZE, 2)
+        xc, yc = rng.uniform(w / 2, 1 - w / 2), rng.uniform(h / 2, 1 - h / 2)
+        x1, y1 = math.floor((xc - w / 2) * size), math.floor((yc - h / 2) * size)
+        x2, y2 = math.ceil((xc + w / 2) * size) - 1, math.ceil((yc + h / 2) * size) - 1
+        jitter = rng.integers(-_JITTER, _JITTER + 1, 3)
+        color = tuple(int(np.clip(c + j, 0, 255)) for c, j in zip(_HUES[cls], jitter))
+        _draw(img, cls, (x1, y1, x2, y2), color)
+        lines.append(f"{cls} {xc:.6f} {yc:.6f} {w:.6f} {h:.6f}")
+    return img, lines
+
+
+def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, imgsz: int = 640,
+                        seed: int = 0, nc: int = len(CLASSES), max_objects: int = 8) -> Path:
+    """Write the dataset under ``root`` (or reuse it when made with the same arguments).
+
+    Args:
+        root: the dataset folder (created).
+        n_train: training images.
+        n_val: validation images.
+        imgsz: image side in pixels (square images).
+        seed: every pixel and label follows from it.
+        nc: number of classes, 1 to ``len(CLASSES)`` (the first ``nc`` shapes).
+        max_objects: each image holds 1 to ``max_objects`` shapes (they may overlap).
+
+    Returns:
+        The path of ``data.yaml``, ready for ``YOLO(...).train(data=...)``.
+    """
+    import cv2
+
+    if not 1 <= nc <= len(CLASSES):
+        raise ValueError(f"make_shapes_dataset: nc={nc}; expected 1 to {len(CLASSES)}")
+    if n_train < 1 or n_val < 1:
+        raise ValueError(f"make_shapes_dataset: n_train={n_train}, n_val={n_val}; expected at least 1 each")
+    if imgsz < 32 or max_objects < 1:
+        raise ValueError(f"make_shapes_dataset: imgsz={imgsz}, max_objects={max_objects}; expected "
+                         "imgsz >= 32 and max_objects >= 1")
+    root = Path(root)
+    spec = {"n_train": n_train, "n_val": n_val, "imgsz": imgsz, "seed": seed, "nc": nc,
+            "max_objects": max_objects, "version": 1}
+    marker, yaml = root / "shapes.json", root / "data.yaml"
+    if marker.exists() and yaml.exists() and json.loads(marker.read_text()) == spec:
+        return yaml
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", n_train), ("val", n_val)):
+        images, labels = root / "images" / split, root / "labels" / split
+        for folder in (images, labels):
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.iterdir():  # a different earlier dataset must not leave files behind
+                old.unlink()
+        for i in range(n):
+            img, lines = _image(rng, imgsz, nc, max_objects)
+            cv2.imwrite(str(images / f"{i:05d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 95])
+            (labels / f"{i:05d}.txt").write_text("\n".join(lines) + "\n")
+    for cache in root.glob("labels/*.cache"):  # ultralytics' label cache of an earlier dataset
+        cache.unlink()
+    names = "".join(f"  {k}: {CLASSES[k]}\n" for k in range(nc))
+    yaml.write_text(f"path: {root.resolve()}\ntrain: images/train\nval: images/val\nnames:\n{names}")
+    marker.write_text(json.dumps(spec))
+    return yaml
+
+
+__all__ = ["CLASSES", "make_shapes_dataset"]

@@ -1,0 +1,221 @@
+"""FusedDetectionTrainer: ultralytics' DetectionTrainer with trainfuse's optimizer phase and loss.
+
+Use it like any ultralytics trainer; every argument keeps its meaning::
+
+    from ultralytics import YOLO
+    from trainfuse.ultralytics import FusedDetectionTrainer
+
+    YOLO("yolov5n.yaml").train(data="data.yaml", trainer=FusedDetectionTrainer)
+
+What it changes, and nothing else (ultralytics itself is not patched):
+
+- **Optimizer**: ultralytics builds its optimizer and param groups as always (every ``optimizer=``
+  choice, ``auto`` included); an ``SGD``, ``Adam`` or ``AdamW`` is then rebuilt over the very same
+  groups (every key kept: ``param_group``, ``lr``, ``momentum``, ``betas``, decay) as
+  :class:`~trainfuse.optim.FusedSGD`, :class:`~trainfuse.optim.FusedAdam` or
+  :class:`~trainfuse.optim.FusedAdamW`, clipping at ultralytics' norm of 10 inside the step.
+  ``MuSGD``, ``NAdam``, ``RAdam``, ``Adamax`` and ``RMSprop`` stay stock, and the log says why.
+- **Warmup**: ultralytics' per-iteration warmup writes ``lr`` and ``momentum`` into the groups as
+  floats; the fused kernels read them from a small device table refreshed by a non-blocking copy
+  when they change: no recompile, no host sync.
+- **optimizer_step**: ``scaler.step`` runs one statistics launch (the inf/NaN check and the
+  gradient norm) and one update launch (unscale, clip, step, EMA of every param and buffer);
+  ``scaler.update`` is torch's one launch; ``zero_grad`` sets grads to None. Three launches in
+  all, where the stock phase runs several hundred (yolov5n) — see ``python -m trainfuse.bench yolo``.
+- **EMA**: :class:`~trainfuse.optim.FusedEMA` replaces ``ModelEMA``, attached to the fused
+  optimizer. Its semantics are ultralytics': one EMA update per ``optimizer_step``, also when
+  GradScaler skips the step for an inf/NaN gradient (the EMA then moves toward the unchanged
+  weights and the buffers, exactly as ``ModelEMA.update`` after a skipped ``scaler.step``).
+- **GradScaler**: :class:`trainfuse.amp.GradScaler` (torch's, with the one-launch check) replaces
+  torch's, state included.
+- **Loss**: :func:`_criterion` picks the detection loss the model trains with:
+  :class:`~trainfuse.ultralytics.FusedDetectionLoss` (ultralytics' ``v8DetectionLoss`` without host
+  syncs), with the labels padded to a bucketed capacity on the CPU in ``preprocess_batch``, before
+  ultralytics moves the batch to the GPU.
+
+Checkpoints stay stock: the optimizer state_dict has torch's layout, the EMA is a plain model, so
+``last.pt`` / ``best.pt`` load, validate, predict and resume with stock ultralytics, and a stock
+checkpoint resumes with this trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from ultralytics.models.yolo.detect import DetectionTrainer
+from ultralytics.nn.tasks import DetectionModel
+from ultralytics.utils import LOGGER, colorstr
+from ultralytics.utils.torch_utils import ModelEMA, unwrap_model
+
+from trainfuse.amp import GradScaler
+from trainfuse.optim import FusedAdam, FusedAdamW, FusedEMA, FusedSGD
+from trainfuse.ultralytics.loss import FusedDetectionLoss
+from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets
+
+# ultralytics' optimizer_step clips the gradient norm at this value
+CLIP_NORM = 10.0
+# torch optimizer -> its fused drop-in (same arguments, groups and state_dict)
+FUSED_OPTIMIZERS: dict[type[torch.optim.Optimizer], type[torch.optim.Optimizer]] = {
+    torch.optim.SGD: FusedSGD,
+    torch.optim.Adam: FusedAdam,
+    torch.optim.AdamW: FusedAdamW,
+}
+_FUSED = tuple(FUSED_OPTIMIZERS.values())
+_PREFIX = colorstr("trainfuse:")
+
+
+def _takes_fused_loss(model: torch.nn.Module) -> bool:
+    """Whether FusedDetectionLoss implements ``model``'s loss: a plain DetectionModel whose head
+    has DFL (``reg_max > 1``) and is not end-to-end (those train with ultralytics' E2ELoss)."""
+    head = model.model[-1] if type(model) is DetectionModel else None
+    return head is not None and getattr(head, "one2one_cv2", None) is None and getattr(head, "reg_max", 1) > 1
+
+
+def _criterion(model: torch.nn.Module) -> Any:
+    """The detection loss :class:`FusedDetectionTrainer` installs on ``model``: the one place to
+    switch it. :class:`~trainfuse.ultralytics.FusedDetectionLoss` where it applies
+    (:func:`_takes_fused_loss`), else ultralytics' own ``model.init_criterion()``."""
+    return FusedDetectionLoss(model) if _takes_fused_loss(model) else model.init_criterion()
+
+
+def fused_optimizer(stock: torch.optim.Optimizer, max_grad_norm: float | None = CLIP_NORM
+                    ) -> tuple[torch.optim.Optimizer | None, str]:
+    """Rebuild ``stock`` (an optimizer ultralytics built) as its fused drop-in over the same groups.
+
+    Args:
+        stock: the optimizer; its param groups are reused with every key they carry.
+        max_grad_norm: the global gradient norm the fused step clips to (None: no clipping).
+
+    Returns:
+        ``(fused optimizer, "")``, or ``(None, reason)`` when there is no fused counterpart.
+    """
+    kind = FUSED_OPTIMIZERS.get(type(stock))
+    if kind is None:
+        return None, (f"{type(stock).__name__} has no fused counterpart in trainfuse "
+                      f"({', '.join(t.__name__ for t in FUSED_OPTIMIZERS)} have)")
+    if stock.state:
+        return None, f"{type(stock).__name__} already holds state; it stays as built"
+    groups = [dict(group) for group in stock.param_groups]
+    for group in groups:
+        if group.get("differentiable"):
+            return None, f"{type(stock).__name__} has differentiable=True, which the fused step does not take"
+    return kind(groups, max_grad_norm=max_grad_norm), ""
+
+
+class PadTargets:
+    """A dataset's ``collate_fn`` followed by :func:`~trainfuse.ultralytics.add_padded_targets`:
+    the labels padded to a capacity read from the CPU-side counts, in the loader's workers, off
+    the training loop's thread (~0.1 ms a batch)."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, samples: list[dict]) -> dict:
+        return add_padded_targets(self.collate(samples))
+
+
+class FusedDetectionTrainer(DetectionTrainer):
+    """``ultralytics.models.yolo.detect.DetectionTrainer`` with a fused optimizer phase (see the
+    module docstring): ``YOLO("yolov5n.yaml").train(trainer=FusedDetectionTrainer, ...)``.
+
+    Attributes:
+        fused_loss: install :func:`_criterion`'s loss (a subclass may set False to train with
+            ultralytics' own loss and fuse only the optimizer phase).
+        fused_reason: empty when the optimizer is fused, else why it stayed stock.
+    """
+
+    fused_loss = True
+    fused_reason = "the optimizer is not built yet"
+    _pad_targets = False
+
+    # ---- optimizer -------------------------------------------------------------------------------
+    def build_optimizer(self, model, name="auto", lr=0.001, momentum=0.9, decay=1e-5, iterations=1e5):
+        """Ultralytics' optimizer and param groups, rebuilt as a fused optimizer where one exists
+        (same arguments and return as ``BaseTrainer.build_optimizer``)."""
+        stock = super().build_optimizer(model, name, lr, momentum, decay, iterations)
+        fused, self.fused_reason = fused_optimizer(stock)
+        if fused is None:
+            LOGGER.info(f"{_PREFIX} optimizer stays stock {type(stock).__name__}: {self.fused_reason}")
+            return stock
+        LOGGER.info(f"{_PREFIX} {type(fused).__name__} over ultralytics' {len(fused.param_groups)} param "
+                    f"groups, gradient norm clipped at {CLIP_NORM:g} inside the step")
+        return fused
+
+    @property
+    def fused(self) -> bool:
+        """Whether the optimizer phase runs fused (a trainfuse optimizer was built)."""
+        return isinstance(getattr(self, "optimizer", None), _FUSED)
+
+    def optimizer_step(self):
+        """Unscale, clip at 10, step, EMA update and zero_grad: three launches when fused
+        (statistics, update with the EMA folded in, GradScaler's scale update), else stock."""
+        if not self.fused:
+            return super().optimizer_step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad()
+        if self.ema:
+            self.ema.update(self.model)  # counts nothing while attached: the step did this update
+
+    # ---- setup: scaler, EMA, loss --------------------------------------------------------------
+    def _setup_train(self):
+        super()._setup_train()
+        self._install_scaler()
+        self._install_ema()
+        model = unwrap_model(self.model)
+        if self.fused_loss and isinstance(model, DetectionModel):  # segment, pose, ... keep their own
+            model.criterion = _criterion(model)
+            self._pad_targets = isinstance(model.criterion, FusedDetectionLoss)
+            if self._pad_targets:
+                LOGGER.info(f"{_PREFIX} FusedDetectionLoss, labels padded on the CPU (no host sync in the "
+                            "loss)")
+
+    def build_dataset(self, img_path: str, mode: str = "train", batch: int | None = None):
+        """Ultralytics' dataset; in training, its batches also carry the labels padded to their
+        bucketed capacity (``add_padded_targets``, run by the loader's workers)."""
+        dataset = super().build_dataset(img_path, mode, batch)
+        if mode == "train" and self.fused_loss and _takes_fused_loss(unwrap_model(self.model)):
+            dataset.collate_fn = PadTargets(dataset.collate_fn)
+        return dataset
+
+    def preprocess_batch(self, batch: dict) -> dict:
+        """Pad the labels on the CPU where the loader did not, then ultralytics' preprocessing
+        (which moves the padded labels to the device with the rest of the batch)."""
+        if self._pad_targets and PADDED_KEY not in batch and batch["batch_idx"].device.type == "cpu":
+            add_padded_targets(batch)
+        return super().preprocess_batch(batch)
+
+    def _load_checkpoint_state(self, ckpt):
+        # resume and NaN recovery load the EMA into a fresh ModelEMA: make it fused again
+        super()._load_checkpoint_state(ckpt)
+        if getattr(self, "scaler", None) is not None:
+            self._install_scaler()
+        self._install_ema()
+
+    def _install_scaler(self) -> None:
+        """Replace torch's GradScaler by trainfuse's (same settings and state)."""
+        old = self.scaler
+        if type(old) is not torch.amp.GradScaler:  # NPU scaler, or already ours
+            return
+        # the device string ultralytics gives its own scaler
+        new = GradScaler("xpu" if self.device.type == "xpu" else "cuda", enabled=old.is_enabled())
+        if old.is_enabled():
+            new.load_state_dict(old.state_dict())
+        self.scaler = new
+
+    def _install_ema(self) -> None:
+        """Replace the ModelEMA by a FusedEMA with its weights and count, attached to the fused
+        optimizer."""
+        old = getattr(self, "ema", None)
+        if not isinstance(old, ModelEMA):
+            return
+        ema = FusedEMA(self.model, updates=old.updates)
+        ema.ema.load_state_dict(old.ema.state_dict())
+        ema.enabled = old.enabled
+        self.ema = ema
+        if self.fused:
+            self.optimizer.attach_ema(ema)
+
+
+__all__ = ["CLIP_NORM", "FUSED_OPTIMIZERS", "FusedDetectionTrainer", "PadTargets", "fused_optimizer"]
