@@ -14,6 +14,9 @@ ARGS = {
     "losses": ["--no-compile", "--sizes", "100"],
     "mlp": ["--no-compile", "--only", "relu", "--sweep", "--set-to-none"],
     "optim": ["--no-compile", "--only", "GPT", "--sweep-only", "--configs", "512x8x4"],
+    "lightning": ["--quick"],
+    "yolo": ["--quick"],
+    "yolo_loss": ["--quick"],
 }
 
 

@@ -8,7 +8,10 @@ import sys
 def main() -> None:
     families = {"optim": "trainfuse.bench.optim", "amp": "trainfuse.bench.amp",
                 "ema": "trainfuse.bench.ema", "losses": "trainfuse.bench.losses",
-                "mlp": "trainfuse.bench.mlp"}
+                "mlp": "trainfuse.bench.mlp",
+                "yolo-loss": "trainfuse.bench.yolo_loss",
+                "yolo": "trainfuse.bench.yolo",
+                "lightning": "trainfuse.bench.lightning"}
     if len(sys.argv) < 2 or sys.argv[1] not in families:
         print(f"usage: python -m trainfuse.bench {{{','.join(families)}}} [options]")
         raise SystemExit(2)
