@@ -206,10 +206,11 @@ class MultiTensorEngine:
 
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         self._check_structure()
-        self._step(grad_scale, found_inf)
-        self._structure = self._snapshot()
+        if not self._step(grad_scale, found_inf) or self._structure is None:
+            self._structure = self._snapshot()  # a build or the torch path may have changed state
 
-    def _step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+    def _step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> bool:
+        """One step; True when it launched on a cached plan, touching no state."""
         if not self._indexed:
             self._index()
         params = self._params
@@ -219,18 +220,18 @@ class MultiTensorEngine:
             if checked is not None and checked[1] is self._plans.get(device):
                 # GradScaler's check_grads just validated the plan (and the backend) for this step
                 self._launch(device, checked[1], grad_scale, found_inf)
-                return
+                return True
             if use_triton(device):
                 plan = self._hot_plan(device)
                 if plan is not None:  # the hot path: one pass over the params, then launch
                     self._launch(device, plan, grad_scale, found_inf)
-                    return
+                    return True
                 grads = [p.grad for p in params]
                 self._triton_step(device, None, grads, grad_scale, found_inf)
             else:
                 grads = [p.grad for p in params]
                 self._torch_step(device, range(len(params)), grads, grad_scale, found_inf)
-            return
+            return False
         grads = [p.grad for p in params]
         plans_ok = all(self._plan_valid(d, idx, grads) for d, idx in self._devices.items()
                        if use_triton(d))
@@ -242,6 +243,7 @@ class MultiTensorEngine:
                 self._triton_step(device, idx, grads, grad_scale, found_inf)
             else:
                 self._torch_step(device, idx, grads, grad_scale, found_inf)
+        return False
 
     def check_grads(self, grad_scale: torch.Tensor) -> dict[torch.device, torch.Tensor] | None:
         """GradScaler's inf/NaN check, run by the statistics pass the step needs anyway (it also
