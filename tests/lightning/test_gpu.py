@@ -8,14 +8,28 @@ import torch
 
 import trainfuse
 from tests._helpers import cuda
-from tests.lightning.helpers import assert_params_equal, fit, make_module, package, params
+from tests.lightning.helpers import GPU_TOL, assert_params_equal, fit, make_module, package, params
 from trainfuse.lightning import FusedTraining
 
 pytestmark = cuda
-# the compiled kernels against torch on one GPU, 4 steps of AdamW at lr 1e-2: float32 a few ulp
-# per step (amplified for near-zero grads by Adam's normalization), 16-bit runs additionally by the
-# masters' 2-ulp division/square root and 16-bit rounding ties
-TOL = {"32-true": 1e-5, "bf16-mixed": 1e-4, "16-mixed": 1e-4}
+# SGD (lr 0.1, Nesterov momentum 0.9) passes a grad difference e into the weights linearly: over the
+# 4 steps the grad of step 1 moves a weight by lr * (1.9 + 0.81 + 0.73 + 0.66) ~ 0.41 e, where
+# AdamW's normalized update (lr * m / sqrt(v)) barely moves with it. Under 16-bit precision the
+# weight-grad GEMMs read 16-bit activations and output grads, and FusedMLP's Triton kernels
+# accumulate in another order than cuBLAS: one flipped bf16 rounding (2^-8 relative) of a batch
+# term of ~0.2 changes a grad by ~1e-3 through the batch sum's cancellation, a weight by ~4e-4
+SGD_16BIT_TOL = 4e-4
+
+
+def tolerance(precision: str, optimizer: str) -> float:
+    if optimizer == "sgd" and precision != "32-true":
+        return SGD_16BIT_TOL
+    return GPU_TOL[precision]
+
+
+def ema_cpu(cb) -> dict[str, torch.Tensor]:
+    """The EMA on the CPU, where Lightning's teardown moved the stock run's module."""
+    return {k: v.float().cpu() for k, v in cb._ema.state_dict()["state_dict"].items()}
 
 
 def gpu_pair(pl, optimizer="adamw", steps=4, callback=None, stock_callbacks=(), **kw):
@@ -40,7 +54,7 @@ def test_gpu_run_close_to_stock_run(precision, algorithm, optimizer):
     if precision == "16-mixed":
         assert rows["scaler"].action == "swapped"
         assert type(trainer.precision_plugin.scaler) is torch.amp.GradScaler  # restored at teardown
-    tol = TOL[precision]
+    tol = tolerance(precision, optimizer)
     torch.testing.assert_close(torch.stack(ours.losses), torch.stack(ref.losses), atol=tol, rtol=0)
     assert_params_equal(params(ref), params(ours), atol=tol, rtol=0)
     assert trainer.gradient_clip_val == clip
@@ -52,10 +66,10 @@ def test_gpu_ema_and_validation_match_ema_weight_averaging():
                                 stock_callbacks=[pl.callbacks.EMAWeightAveraging(decay=0.8)],
                                 precision="bf16-mixed", clip=1.0, val_every=2)
     torch.testing.assert_close(torch.stack(ours.val_losses), torch.stack(ref.val_losses), atol=1e-3, rtol=0)
-    ema = cb._ema.state_dict()["state_dict"]
+    ema = ema_cpu(cb)
     for k, v in ref.state_dict().items():
         if v.is_floating_point():
-            torch.testing.assert_close(ema[k].float(), v.float(), atol=1e-4, rtol=0, msg=k)
+            torch.testing.assert_close(ema[k], v.float(), atol=GPU_TOL["bf16-mixed"], rtol=0, msg=k)
 
 
 def test_gpu_skipped_step_under_16_mixed_matches_lightning():
@@ -74,10 +88,10 @@ def test_gpu_skipped_step_under_16_mixed_matches_lightning():
     assert trainer.precision_plugin.scaler.get_scale() == ref_trainer.precision_plugin.scaler.get_scale()
     steps = {float(s["step"]) for s in trainer.optimizers[0].state.values() if "step" in s}
     assert steps == {3.0}
-    ema = cb._ema.state_dict()["state_dict"]
+    ema = ema_cpu(cb)
     for k, v in ref.state_dict().items():  # EMAWeightAveraging left its average in the weights
         if v.is_floating_point():
-            torch.testing.assert_close(ema[k].float(), v.float(), atol=1e-4, rtol=0, msg=k)
+            torch.testing.assert_close(ema[k], v.float(), atol=GPU_TOL["16-mixed"], rtol=0, msg=k)
 
 
 def test_gpu_resume_with_casts_is_exact(tmp_path):

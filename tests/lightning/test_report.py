@@ -18,10 +18,11 @@ def rows_of(cb):
 def test_report_rows_and_printed_table(torch_path, pkg, capsys):
     pl = package(pkg)
     cb = FusedTraining(ema_decay=0.9)
-    fit(pl, make_module(pl), 2, callbacks=[cb], clip=1.0)
+    trainer = fit(pl, make_module(pl), 2, callbacks=[cb], clip=1.0)
+    device = str(trainer.strategy.root_device)  # the device with its index: "cuda:0", "cpu"
     assert all(isinstance(r, Row) for r in cb.report)
     assert [(r.kind, r.name, r.action) for r in cb.report] == [
-        ("backend", str(DEVICE), "on"),
+        ("backend", device, "on"),
         ("mlp", "body", "swapped"),
         ("loss", "crit", "swapped"),
         ("optimizer", "optimizer 0 (AdamW)", "swapped"),
@@ -29,7 +30,7 @@ def test_report_rows_and_printed_table(torch_path, pkg, capsys):
         ("ema", "decay=0.9", "on"),
         ("casts", "32-true", "off"),
     ]
-    detail = rows_of(cb)[("backend", str(DEVICE))].detail
+    detail = rows_of(cb)[("backend", device)].detail
     assert detail.startswith("no GPU: torch path" if DEVICE.type == "cpu" else "torch path for cuda tensors")
     printed = capsys.readouterr().out
     assert "FusedTraining: 3 swapped, 0 skipped" in printed
@@ -133,11 +134,23 @@ def test_modules_with_hooks_or_parametrizations_are_skipped():
 
 def test_module_fusion_keeps_parameters_and_keys_and_can_be_turned_off():
     pl = package()
+    ids = {}
+
+    class Probe(pl.Callback):  # listed before FusedTraining: on_fit_start sees the module unchanged
+        def on_fit_start(self, trainer, pl_module):
+            ids["before"] = {k: id(v) for k, v in pl_module.state_dict(keep_vars=True).items()}
+
+        def on_train_start(self, trainer, pl_module):
+            ids["after"] = {k: id(v) for k, v in pl_module.state_dict(keep_vars=True).items()}
+
     module = make_module(pl)
-    before = {k: id(v) for k, v in module.state_dict(keep_vars=True).items()}
-    fit(pl, module, 1, callbacks=[FusedTraining(verbose=False)])
+    param_ids = {k: id(p) for k, p in module.named_parameters()}
+    fit(pl, module, 1, callbacks=[Probe(), FusedTraining(verbose=False)])
     assert type(module.body) is trainfuse.nn.FusedMLP
-    assert {k: id(v) for k, v in module.state_dict(keep_vars=True).items()} == before
+    # the same tensors under the same keys, compared on the Trainer's device (moving the module
+    # there, and back at teardown, replaces its buffers but keeps its Parameter objects)
+    assert ids["after"] == ids["before"]
+    assert {k: id(p) for k, p in module.named_parameters()} == param_ids
     module = make_module(pl)
     cb = FusedTraining(verbose=False, mlp=False, losses=False, fuse_casts=False)
     fit(pl, module, 1, callbacks=[cb], precision="bf16-mixed")

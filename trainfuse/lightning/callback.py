@@ -119,7 +119,7 @@ class FusedTraining(*_compat.callback_bases()):
         if stage != "fit" or not self._applied:
             return
         if self._ema is not None:
-            self._ema.swap_out()
+            self._ema.swap_out(pl_module)
         if self._casts is not None:
             self._casts.restore()
         if self._saved_clip is not None:
@@ -314,19 +314,19 @@ class FusedTraining(*_compat.callback_bases()):
     # ---- evaluation on the EMA -------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._ema is not None:
-            self._ema.swap_in()
+            self._ema.swap_in(pl_module)
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._ema is not None:
-            self._ema.swap_out()
+            self._ema.swap_out(pl_module)
 
     def on_test_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._ema is not None:
-            self._ema.swap_in()
+            self._ema.swap_in(pl_module)
 
     def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._ema is not None:
-            self._ema.swap_out()
+            self._ema.swap_out(pl_module)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:

@@ -70,23 +70,36 @@ class WeightEMA:
         self.fused.update(self.holder)
 
     # ---- evaluation on the averaged weights ---------------------------------------------------
+    def _current(self, module: nn.Module) -> list[torch.Tensor]:
+        """``module``'s tensors under the averaged keys, looked up now: moving a module between
+        devices or dtypes (Lightning's teardown ``.cpu()``, the ``.to(device)`` of a later
+        validate/test) keeps its Parameter objects but replaces its buffers, so the tensors
+        paired at fit start may no longer be the module's."""
+        current = module.state_dict(keep_vars=True)
+        missing = [k for k, _, _ in self.pairs if k not in current]
+        if missing:
+            raise KeyError(f"FusedTraining: the module has no {missing[0]} (and {len(missing) - 1} more "
+                           "averaged entries): the EMA was made for another model")
+        return [current[k] for k, _, _ in self.pairs]
+
     @torch.no_grad()
-    def swap_in(self) -> bool:
-        """Put the EMA values into the module's tensors, keeping the live ones aside. Nothing
+    def swap_in(self, module: nn.Module) -> bool:
+        """Put the EMA values into ``module``'s tensors, keeping the live ones aside. Nothing
         happens before the first update (there is no average yet). Returns whether it swapped."""
         if self._saved is not None or self.updates == 0:
             return False
-        self._saved = [w.detach().clone() for _, _, w in self.pairs]
-        for _, e, w in self.pairs:
+        tensors = self._current(module)
+        self._saved = [w.detach().clone() for w in tensors]
+        for (_, e, _), w in zip(self.pairs, tensors):
             w.copy_(e)
         return True
 
     @torch.no_grad()
-    def swap_out(self) -> None:
-        """Put the live values back (after :meth:`swap_in`)."""
+    def swap_out(self, module: nn.Module) -> None:
+        """Put the live values back into ``module``'s tensors (after :meth:`swap_in`)."""
         if self._saved is None:
             return
-        for (_, _, w), saved in zip(self.pairs, self._saved):
+        for w, saved in zip(self._current(module), self._saved):
             w.copy_(saved)
         self._saved = None
 

@@ -49,10 +49,12 @@ class CastState:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Make the cast params float32 again, with their float32 values (after fit)."""
+        """Make the cast params float32 again, with their float32 values, on the device the
+        params are on now (after fit: Lightning's teardown has already moved the module and the
+        optimizer state to the CPU, but not the float32 tensors of params outside the optimizer)."""
         for p, data in self.cast:
             p.grad = None
-            p.data = self.float32_of(p, data).detach().clone()
+            p.data = self.float32_of(p, data).detach().to(device=p.device, copy=True)
 
 
 def swap_scaler(plugin: Any) -> Any | None:
