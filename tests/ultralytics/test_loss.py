@@ -46,6 +46,24 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(sums.blocks, name, value)
 
 
+@pytest.fixture
+def garbage_empty(monkeypatch):
+    """``torch.empty`` and ``torch.empty_like`` filled with garbage (NaN, 0x5A bytes in integers,
+    a huge index in int32): an output element that no kernel program writes shows up."""
+    fills = {1: 0x5A, 2: 0x5A5A, 4: 0x5A5A5A5A, 8: 0x5A5A5A5A5A5A5A5A}
+
+    def garbage(make):
+        def filled(*args, **kwargs):
+            out = make(*args, **kwargs)
+            if out.dtype != torch.bool:
+                out.fill_(float("nan") if out.is_floating_point() else fills[out.element_size()])
+            return out
+        return filled
+
+    monkeypatch.setattr(torch, "empty", garbage(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", garbage(torch.empty_like))
+
+
 @pytest.fixture(params=["kernels", "torch"])
 def path(request, monkeypatch):
     """The Triton kernels (the interpreter on CPU) or the dense torch path."""
@@ -189,8 +207,10 @@ def test_padded_batch_and_fallback_give_the_same_loss(kernels, small_blocks, mod
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 
-def test_assigner_kernels_match_torch(kernels, small_blocks, model):
-    """The assignment pieces against the dense torch assigner, on several images and labels."""
+def test_assigner_kernels_match_torch(kernels, small_blocks, garbage_empty, model):
+    """The assignment pieces against the dense torch assigner, on several images and labels, with
+    garbage in the outputs before the kernels write them; a second call (on a GPU, the cached
+    launcher's direct relaunch) gives the same."""
     fused = FusedDetectionLoss(model)
     preds, batch = draw(fused, [5, 0, 3], imgsz=(96, 64))
     B, _, A = preds["scores"].shape
@@ -208,10 +228,21 @@ def test_assigner_kernels_match_torch(kernels, small_blocks, model):
     assert (got.gidx >= 0).sum() > 0
     torch.testing.assert_close(got.t, want.t, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(got.tss, want.tss, rtol=1e-6, atol=0)
+    again = tal.assign_kernels(*args)
+    for a, b in zip(again, got):
+        assert torch.equal(a, b)
+
+
+def test_loss_kernels_are_launched_on_one_axis_grids():
+    """The cached launcher relaunches a compiled kernel on the grid's first axis alone, so a kernel
+    on a grid of two axes would skip most of its programs from its second launch on: refused, on
+    the CPU too."""
+    with pytest.raises(ValueError, match="metric_kernel: grid must have one axis"):
+        sums.launcher(tal.metric_kernel, (2, 3), torch.zeros(1), num_warps=4)
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-def test_loss_kernels_match_torch_float64_reference(weighted, kernels, small_blocks, model):
+def test_loss_kernels_match_torch_float64_reference(weighted, kernels, small_blocks, garbage_empty, model):
     """The box+DFL and BCE kernels against the dense torch terms computed in float64."""
     fused = FusedDetectionLoss(model)
     preds, batch = draw(fused, [4, 3, 0])
@@ -250,7 +281,7 @@ def test_topk_kernel_keeps_the_k_largest_and_the_lowest_index_on_ties(anchors, k
     align[0, 1, :anchors // 2] = 0.0  # zeros, as outside the boxes
     torch.testing.assert_close(tal.topk_mask(align, 10), tal.topk_mask_torch(align, 10), rtol=0, atol=0)
     tied = torch.zeros(1, 1, anchors, device=DEVICE)
-    tied[0, 0, [3, 5, 9, 20]] = torch.tensor([0.5, 0.9, 0.5, 0.5])
+    tied[0, 0, [3, 5, 9, 20]] = torch.tensor([0.5, 0.9, 0.5, 0.5], device=DEVICE)
     sel = tal.topk_mask(tied, 3)[0, 0]
     assert sel.nonzero().flatten().tolist() == [3, 5, 9]
     zeros = torch.zeros(1, 1, anchors, device=DEVICE)
@@ -339,7 +370,7 @@ def test_forward_and_backward_launch_our_eight_kernels_and_nothing_else(model):
         step(go)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(names) == len(KERNELS), names
+    assert len(names) == len(KERNELS), ", ".join(names)
     for k in KERNELS:
         assert sum(k in n for n in names) == 1, (k, names)
 

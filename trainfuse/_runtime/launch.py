@@ -73,7 +73,8 @@ class CachedLauncher:
     def __call__(self, fn, grid: tuple[int], *args: torch.Tensor | float, num_warps: int,
                  key: Any = None, stream: int | None = None, **constexprs) -> None:
         device = args[0].device
-        if not self._usable or device.type != "cuda":
+        if not self._usable or device.type != "cuda" or len(grid) != 1:
+            # the cached launch takes a 1-d grid: a grid of more axes goes through Triton each time
             fn[grid](*args, num_warps=num_warps, **constexprs)
             return
         import triton

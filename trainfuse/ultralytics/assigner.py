@@ -88,11 +88,12 @@ def power_steps(p: float) -> int:
 def metric_kernel(boxes, scores, gt_ptr, anc_ptr, stride_ptr, align_ptr, ov_ptr, cand_ptr, pos_align, pos_ov,
                   A, M, NC, W, H, stride_val, eps, ciou_eps, R: tl.constexpr, ALPHA: tl.constexpr,
                   ALPHA_N: tl.constexpr, BETA: tl.constexpr, BETA_N: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``(b, block)``: decode the block's predicted boxes once, then for every ground truth
-    of image ``b`` write ``align``, ``ov`` and ``cand`` (``(B, M, A)``); block 0 zeroes the per-gt
-    maxima that :func:`resolve_kernel` accumulates."""
-    b = tl.program_id(0)
-    blk = tl.program_id(1)
+    """Program ``b * cdiv(A, BLOCK) + block``: decode the block's predicted boxes once, then for
+    every ground truth of image ``b`` write ``align``, ``ov`` and ``cand`` (``(B, M, A)``); block 0
+    zeroes the per-gt maxima that :func:`resolve_kernel` accumulates."""
+    nblk = tl.cdiv(A, BLOCK)
+    b = tl.program_id(0) // nblk
+    blk = tl.program_id(0) % nblk
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     am = offs < A
     base = boxes + b.to(tl.int64) * (4 * R) * A
@@ -157,10 +158,11 @@ def topk_kernel(align_ptr, sel_ptr, A, K: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def resolve_kernel(sel_ptr, cand_ptr, align_ptr, ov_ptr, gidx_ptr, pos_align, pos_ov, A, M,
                    BLOCK: tl.constexpr):
-    """Program ``(b, block)``: each anchor's ground truth (or -1), and the per-gt maxima of the
-    positives' metric and overlap (float atomic max: order-free, so deterministic)."""
-    b = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    """Program ``b * cdiv(A, BLOCK) + block``: each anchor's ground truth (or -1), and the per-gt
+    maxima of the positives' metric and overlap (float atomic max: order-free, so deterministic)."""
+    nblk = tl.cdiv(A, BLOCK)
+    b = tl.program_id(0) // nblk
+    offs = (tl.program_id(0) % nblk) * BLOCK + tl.arange(0, BLOCK)
     am = offs < A
     count = tl.zeros([BLOCK], tl.int32)
     first = tl.full([BLOCK], -1, tl.int32)
@@ -217,7 +219,7 @@ def metric(boxes, scores, gt, imgsz, anchors, strides, cfg: AssignConfig):
     ov = torch.empty(B, M, A, dtype=torch.float32, device=dev)
     cand = torch.empty(B, M, A, dtype=torch.int8, device=dev)
     pos = torch.empty(2, B, M, dtype=torch.float32, device=dev)
-    launcher(metric_kernel, (B, triton.cdiv(A, blocks.assign)), boxes, scores, gt, anchors, strides, align,
+    launcher(metric_kernel, (B * triton.cdiv(A, blocks.assign),), boxes, scores, gt, anchors, strides, align,
              ov, cand, pos[0], pos[1], A, M, scores.shape[1], float(imgsz[1]), float(imgsz[0]),
              float(cfg.stride_val), float(cfg.eps), CIOU_EPS,
              R=R, ALPHA=float(cfg.alpha), ALPHA_N=power_steps(cfg.alpha), BETA=float(cfg.beta),
@@ -250,7 +252,7 @@ def topk_mask(align: torch.Tensor, k: int) -> torch.Tensor:
 def resolve(sel, cand, align, ov, pos_align, pos_ov) -> torch.Tensor:
     B, M, A = align.shape
     gidx = torch.empty(B, A, dtype=torch.int32, device=align.device)
-    launcher(resolve_kernel, (B, triton.cdiv(A, blocks.assign)), sel, cand, align, ov, gidx, pos_align,
+    launcher(resolve_kernel, (B * triton.cdiv(A, blocks.assign),), sel, cand, align, ov, gidx, pos_align,
              pos_ov, A, M, BLOCK=blocks.assign, num_warps=4)
     return gidx
 

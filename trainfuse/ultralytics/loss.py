@@ -83,6 +83,7 @@ class DetectionLossFunction(torch.autograd.Function):
         ctx.save_for_backward(boxes, scores, asg.gidx, asg.label, asg.t, asg.tss, gt, anchors, strides, w)
         ctx.constants, ctx.has_w = k, class_weights is not None
         ctx.mark_non_differentiable(items)
+        ctx.set_materialize_grads(False)  # items' grad would be a zero-filled tensor: a launch per step
         return out, items
 
     @staticmethod
@@ -92,6 +93,8 @@ class DetectionLossFunction(torch.autograd.Function):
         k = ctx.constants
         B, C, A = boxes.shape
         g_boxes = g_scores = None
+        if go is None:  # only items reached the loss: no grad flows
+            return g_boxes, g_scores, None, None, None, None, None, None
         if ctx.needs_input_grad[0]:
             g_boxes = torch.empty_like(boxes)
             launcher(box_loss_bwd_kernel, (B * -(-A // blocks.box),), boxes, g_boxes, gidx, t, gt, anchors,
