@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from trainfuse._multi_tensor import kernels
+from trainfuse._multi_tensor import kernels, stats
 from trainfuse._runtime.launch import CachedLauncher
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -30,8 +30,7 @@ OP_PARAM, OP_GRAD, OP_MASTER, OP_EMA, OP_STATE = (k.value for k in (
     kernels.OP_PARAM, kernels.OP_GRAD, kernels.OP_MASTER, kernels.OP_EMA, kernels.OP_STATE))
 CODE_MASTER, CODE_EMA, CODE_EMA_LOW, CODE_EMA_ONLY = (k.value for k in (
     kernels.CODE_MASTER, kernels.CODE_EMA, kernels.CODE_EMA_LOW, kernels.CODE_EMA_ONLY))
-NORM_KINDS = {1.0: kernels.NORM_L1.value, 2.0: kernels.NORM_L2.value,
-              float("inf"): kernels.NORM_INF.value}
+NORM_KINDS = {1.0: stats.NORM_L1.value, 2.0: stats.NORM_L2.value, float("inf"): stats.NORM_INF.value}
 
 
 @dataclasses.dataclass
@@ -263,11 +262,11 @@ def launch_stats(launcher: CachedLauncher, plan: Plan, out: torch.Tensor, *,
         plan.partials = torch.empty(plan.ngrad, dtype=torch.float32, device=device)
         plan.flags = torch.empty(plan.ngrad, dtype=torch.int32, device=device)
         plan.counter = torch.tensor([0, plan.ngrad], dtype=torch.int32).to(device)
-    norm = kernels.NORM_NONE.value if norm_type is None else NORM_KINDS[float(norm_type)]
+    norm = stats.NORM_NONE.value if norm_type is None else NORM_KINDS[float(norm_type)]
     launch = plan.launch
     key = ("stats", _tables_key(plan), plan.param_dtypes, _ptr_class(grad_scale), _ptr_class(out), norm)
     launcher(
-        kernels.grad_stats_kernel, (plan.ngrad,), plan.rows, plan.chunks,
+        stats.grad_stats_kernel, (plan.ngrad,), plan.rows, plan.chunks,
         plan.rows if grad_scale is None else grad_scale, plan.partials, plan.flags, plan.counter,
         out, float(max_norm),
         BLOCK=launch.block, NB=launch.unroll, PARAM_DTYPES=plan.param_dtypes, ALIGNED=plan.aligned,

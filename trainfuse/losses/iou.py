@@ -49,65 +49,13 @@ from trainfuse.losses._common import (
     launcher,
     workspace,
 )
+from trainfuse.losses.atan import atan
+from trainfuse.losses.iou_torch import bbox_iou_reference, iou_loss_reference, weight_view
 
 KINDS = {"iou": 0, "giou": 1, "diou": 2, "ciou": 3}
 IOU, GIOU, DIOU, CIOU = (tl.constexpr(v) for v in KINDS.values())
 OUT_NONE, OUT_IOU, OUT_LOSS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
-
-
-@triton.jit
-def _atan_f64(x):
-    """atan in float64, by the same reduction as :func:`atan`'s float32 branch; pi/2 and pi/4 are
-    added as a float64 head plus the tail the head misses. P (degree 10 in z = r^2) interpolates
-    (atan(r)/r - 1)/z at 11 Chebyshev nodes of [0, tan(pi/8)^2]: 8e-18 relative error in exact
-    arithmetic, so float64 rounding (about 1 ulp) dominates. Python float literals here are
-    float64 constants (a scalar takes the tensor's dtype)."""
-    a = tl.abs(x)
-    zero = tl.zeros_like(a)
-    big = a > 2.414213562373095
-    mid = a > 0.41421356237309503
-    num = tl.where(big, -1.0, tl.where(mid, a - 1.0, a))
-    den = tl.where(big, a, tl.where(mid, a + 1.0, 1.0))
-    r = num / den
-    head = tl.where(big, zero + 1.5707963267948966, tl.where(mid, zero + 0.7853981633974483, zero))
-    tail = tl.where(big, zero + 6.123233995736766e-17, tl.where(mid, zero + 3.061616997868383e-17, zero))
-    z = r * r
-    p = -0.019175404711104935 * z + 0.03923044778479309
-    p = p * z - 0.050854078345894844
-    p = p * z + 0.05858140904866328
-    p = p * z - 0.06664510525508936
-    p = p * z + 0.07692183125376892
-    p = p * z - 0.0909090457530649
-    p = p * z + 0.11111111015187018
-    p = p * z - 0.14285714284665682
-    p = p * z + 0.19999999999995516
-    p = p * z - 0.3333333333333333
-    y = head + (r + (r * z * p + tail))
-    return tl.where(x < 0, -y, y)
-
-
-@triton.jit
-def atan(x):
-    """atan from basic operations: odd symmetry, then atan(x) = pi/2 - atan(1/x) above
-    tan(3pi/8) and pi/4 + atan((x - 1)/(x + 1)) above tan(pi/8), then the polynomial. NaN stays
-    NaN, +-inf gives +-pi/2. Triton's libdevice atan does not run under TRITON_INTERPRET=1; this
-    runs everywhere. Float32: P is a least-squares fit (degree 4 in z = r^2, relative error) of
-    atan on [0, tan(pi/8)]: max relative error 2e-9 there, so float32 rounding dominates. Float64
-    (:func:`_atan_f64`): within 2 ulp of the correctly rounded atan."""
-    if x.dtype == tl.float64:
-        return _atan_f64(x)
-    a = tl.abs(x)
-    big = a > 2.414213562373095
-    mid = a > 0.41421356237309503
-    num = tl.where(big, -1.0, tl.where(mid, a - 1.0, a))
-    den = tl.where(big, a, tl.where(mid, a + 1.0, 1.0))
-    r = fast_div(num, den)
-    base = tl.where(big, 1.5707963267948966, tl.where(mid, 0.7853981633974483, 0.0))
-    z = r * r
-    p = (((-0.061694869 * z + 0.1062866029) * z - 0.1424805588) * z + 0.199986983) * z - 0.3333331861
-    y = base + (r + r * z * p)
-    return tl.where(x < 0, -y, y)
 
 
 @triton.jit
@@ -435,52 +383,6 @@ class IoULossFunction(torch.autograd.Function):
         return _fold_grad(g1, pred), _fold_grad(g2, target), None, None, None, None, None, None
 
 
-# ---- torch reference ----------------------------------------------------------------------------
-def bbox_iou_reference(box1: torch.Tensor, box2: torch.Tensor, xywh: bool = True, GIoU: bool = False,
-                       DIoU: bool = False, CIoU: bool = False, eps: float = 1e-7) -> torch.Tensor:
-    """The formula in torch operations, in ultralytics' order (the CPU path and the tests'
-    reference)."""
-    def corners(box):
-        a, b, c, d = box.unbind(-1)
-        a, b, c, d = (t.unsqueeze(-1) for t in (a, b, c, d))
-        if xywh:
-            return a - c / 2, b - d / 2, a + c / 2, b + d / 2, c, d
-        return a, b, c, d, c - a, d - b + eps
-
-    x1, y1, x2, y2, w1, h1 = corners(box1)
-    X1, Y1, X2, Y2, w2, h2 = corners(box2)
-    inter = (x2.minimum(X2) - x1.maximum(X1)).clamp(0) * (y2.minimum(Y2) - y1.maximum(Y1)).clamp(0)
-    union = w1 * h1 + w2 * h2 - inter + eps
-    iou = inter / union
-    if not (GIoU or DIoU or CIoU):
-        return iou
-    cw = x2.maximum(X2) - x1.minimum(X1)
-    ch = y2.maximum(Y2) - y1.minimum(Y1)
-    if not (DIoU or CIoU):
-        c_area = cw * ch + eps
-        return iou - (c_area - union) / c_area
-    c2 = cw.pow(2) + ch.pow(2) + eps
-    rho2 = ((X1 + X2 - x1 - x2).pow(2) + (Y1 + Y2 - y1 - y2).pow(2)) / 4
-    if not CIoU:
-        return iou - rho2 / c2
-    v = (4 / math.pi**2) * ((w2 / h2).atan() - (w1 / h1).atan()).pow(2)
-    with torch.no_grad():
-        alpha = v / (1 - iou + v + eps)
-    return iou - (rho2 / c2 + v * alpha)
-
-
-def _flags(kind: str) -> dict[str, bool]:
-    return {"GIoU": kind == "giou", "DIoU": kind == "diou", "CIoU": kind == "ciou"}
-
-
-def iou_loss_reference(pred, target, weight=None, kind="ciou", xywh=False, reduction="sum",
-                       eps=1e-7) -> torch.Tensor:
-    loss = 1 - bbox_iou_reference(pred, target, xywh, eps=eps, **_flags(kind))
-    if weight is not None:
-        loss = loss * _weight_view(weight, loss.shape[:-1])
-    return loss if reduction == "none" else loss.sum() if reduction == "sum" else loss.mean()
-
-
 # ---- public functions ---------------------------------------------------------------------------
 def _check_boxes(fn: str, box1, box2) -> tuple[int, ...]:
     check_float("box1", fn, box1)
@@ -498,22 +400,6 @@ def _check_boxes(fn: str, box1, box2) -> tuple[int, ...]:
     except RuntimeError:
         raise ValueError(f"{fn}: box shapes {tuple(box1.shape)} and {tuple(box2.shape)} do not "
                          "broadcast") from None
-
-
-def _weight_view(weight: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
-    """``weight`` as a tensor of shape ``rows + (1,)``: it broadcasts to the IoU's shape, or it
-    has the boxes' leading shape (one weight per box)."""
-    if weight.shape == rows + (1,):
-        return weight
-    if weight.shape == rows:
-        return weight.unsqueeze(-1)
-    try:
-        if tuple(torch.broadcast_shapes(weight.shape, rows + (1,))) == rows + (1,):
-            return weight.expand(rows + (1,))
-    except RuntimeError:
-        pass
-    raise ValueError(f"iou_loss: weight of shape {tuple(weight.shape)} must broadcast to the IoU's "
-                     f"shape {rows + (1,)} or equal the boxes' leading shape {rows}")
 
 
 def bbox_iou(box1: torch.Tensor, box2: torch.Tensor, xywh: bool = True, GIoU: bool = False,
@@ -576,7 +462,7 @@ def iou_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | No
         check_float("weight", "iou_loss", weight)
         if weight.device != pred.device:
             raise ValueError(f"iou_loss: weight is on {weight.device}, the boxes on {pred.device}")
-        weight = _weight_view(weight, rows)
+        weight = weight_view(weight, rows)
     if (not use_triton(pred.device) or math.prod(rows) == 0
             or (weight is not None and weight.requires_grad and torch.is_grad_enabled())):
         return iou_loss_reference(pred, target, weight, kind, xywh, reduction, eps)

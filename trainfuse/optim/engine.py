@@ -1,40 +1,20 @@
 """The fused optimizers' step driver: one multi-tensor launch per device over every param group.
 
 Per device the driver keeps a *plan* (``trainfuse._multi_tensor.tables``): a row per param with
-the raw addresses of its param, grad, float32 master, EMA tensor, state tensors and step counter,
-and a work item per chunk. Launching from cached addresses is what makes a step cheap on the host,
-so the plan must never outlive what it points at. The property, and how it holds:
+the raw addresses of its param, grad, float32 master, EMA tensor, state tensors and step counter.
+The plan never outlives what it points at (docs/design/engine.md, "Memory safety"):
 
-* **Every address in a plan belongs to a storage the plan keeps alive, or is compared before each
-  launch.** The plan holds the storages of every param, master, EMA tensor (and its source), state
-  tensor and step counter it addresses (``plan.keepalive``), so a ``state.clear()`` or a
-  ``p.data = ...`` can never leave it writing into memory the allocator has handed to someone
-  else. Grads are not held (``zero_grad(set_to_none=True)`` must give their memory back, so the
-  next backward gets the same addresses): their addresses, and the params' and EMA tensors', are
-  compared with the plan's before every launch (:meth:`MultiTensorEngine._hot_plan`).
-* **Anything that changes what the rows should hold rebuilds the plan.** Before every step, in
-  O(number of groups): the optimizer's ``state`` container and each group's ``params`` list are
-  compared by identity and by their mutation counters (:mod:`trainfuse.optim.tracked`), and each
-  group's :meth:`~trainfuse.optim._base.FusedOptimizer.plan_key` (which states a param carries:
-  momentum, amsgrad; float32 masters). ``state.clear()``, ``opt.state = defaultdict(dict)``, a
-  replaced state tensor, a param appended to or replaced in a group, momentum turned on: each
-  drops the plans, and the next launch runs on tables built from what is there now (turning
-  amsgrad on over existing state raises torch's ``KeyError``). ``add_param_group``,
-  ``load_state_dict`` and ``attach_ema`` drop them explicitly; a moved param, grad or EMA tensor, a
-  grad that became None and a layout change are caught by the address comparison.
-* **Layouts.** A row pairs element k of each operand's memory, so every operand must have the
-  param's memory layout: grads with other strides go through a conformed copy, states and masters
-  are conformed when the plan is built, and an EMA tensor is re-laid-out like its source (see
-  :class:`trainfuse.optim.FusedEMA`).
+* every address belongs to a storage the plan keeps alive (``plan.keepalive``: params, masters,
+  EMA tensors and their sources, states, step counters), or is compared before each launch (the
+  grads', with the params' and EMA tensors', :meth:`MultiTensorEngine._hot_plan`);
+* before every step, in O(groups), the optimizer's ``state`` and each group's ``params`` are
+  compared by identity and mutation counter (:mod:`trainfuse.optim.tracked`), with each group's
+  ``plan_key`` (which states a param carries, masters): any change drops the plans;
+* every operand has the param's memory layout (grads with other strides go through a conformed
+  copy; states, masters and EMA tensors are conformed when the plan is built).
 
-``tests/optim/test_mutations.py`` interleaves steps with random mutations against torch.optim
-(through the Triton interpreter on CPU; on a GPU under ``compute-sanitizer --tool memcheck`` with
-``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so a read of freed memory is a reported error).
-
-Besides the update the step can clip the gradients to a global norm (``max_grad_norm``: one
-statistics launch before the update, or none when GradScaler already ran it through
-:meth:`MultiTensorEngine.check_grads`), keep float32 masters of 16-bit params and fold an attached
-EMA into the update (EMA rows, plus EMA-only rows for buffers).
+``tests/optim/test_mutations.py`` checks it against torch.optim with random mutations between
+steps (interpreter on CPU; ``compute-sanitizer --tool memcheck`` on a GPU).
 """
 
 from __future__ import annotations
@@ -44,7 +24,6 @@ import operator
 import torch
 
 from trainfuse._multi_tensor.tables import (
-    DTYPE_CODES,
     OP_EMA,
     OP_GRAD,
     OP_MASTER,
@@ -55,7 +34,6 @@ from trainfuse._multi_tensor.tables import (
     RowBuilder,
     code_of,
     conform,
-    is_dense,
     launch_stats,
     launch_update,
     place,
@@ -64,12 +42,14 @@ from trainfuse._multi_tensor.tables import (
 )
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import CachedLauncher
+from trainfuse.optim.torch_path import TorchPath
+from trainfuse.optim.tracked import changed, snapshot
 
 _grad = operator.attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
 
 
-class MultiTensorEngine:
+class MultiTensorEngine(TorchPath):
     """Runs one optimizer's step over all its params: Triton plans per device, or the torch path.
 
     The optimizer (the *client*) supplies, as methods: ``state_keys``, ``init_state``,
@@ -98,33 +78,10 @@ class MultiTensorEngine:
         self._norm_ready = False  # whether _stats holds a norm a step computed
 
     # ---- what the tables depend on besides addresses ---------------------------------------
-    def _snapshot(self) -> tuple:
-        """The optimizer's state container, its param lists and each group's :meth:`plan_key`,
-        with the containers' mutation counters, as they are now."""
-        client = self.client
-        groups = client.param_groups
-        lists = [g["params"] for g in groups]
-        return (client.state, client.state.version, groups, len(groups), lists,
-                [lst.version for lst in lists], [client.plan_key(g) for g in groups])
-
-    def _structure_changed(self) -> bool:
-        """True when anything :meth:`_snapshot` covers changed since the last step: O(groups)."""
-        state, version, groups, ngroups, lists, versions, keys = self._structure
-        client = self.client
-        if client.state is not state or state.version != version:
-            return True
-        if client.param_groups is not groups or len(groups) != ngroups:
-            return True
-        for g, lst, ver, key in zip(groups, lists, versions, keys):
-            params = g["params"]
-            if params is not lst or params.version != ver or client.plan_key(g) != key:
-                return True
-        return False
-
     def _check_structure(self) -> None:
         """Drop every plan when the state, a param list or a state-shaping hyperparameter
         changed: the next launch then runs on tables built from what is there now."""
-        if self._structure is None or self._structure_changed():
+        if self._structure is None or changed(self._structure, self.client):
             self._structure = None
             self._plans.clear()
             self._checked.clear()
@@ -143,44 +100,6 @@ class MultiTensorEngine:
         self._single = len(devices) == 1
         self._indexed = True
         self._ekey_flat = None
-
-    def _fail(self, i: int, what: str, exc: type[Exception] = ValueError) -> None:
-        p = self._params[i]
-        raise exc(
-            f"{type(self.client).__name__}: param {i} (group {self._group_of[i]}, shape "
-            f"{tuple(p.shape)}, {p.dtype}, {p.device}) {what}"
-        )
-
-    def validate(self, grads: list[torch.Tensor | None], kernels: bool) -> None:
-        """Raise a clear error for the first unusable param/grad, before anything is modified."""
-        if self.client.max_grad_norm is not None and not self._single and self._params:
-            raise ValueError(f"{type(self.client).__name__}: max_grad_norm needs all params on one "
-                             f"device, found {', '.join(map(str, self._devices))}; clip with "
-                             "trainfuse.amp.clip_grad_norm_ per device instead")
-        for i, (p, g) in enumerate(zip(self._params, grads)):
-            if g is None:
-                continue
-            if g.layout != torch.strided or g.is_sparse:
-                self._fail(i, "has a sparse gradient; sparse gradients are not supported "
-                              "(use torch.optim.SparseAdam)", RuntimeError)
-            if p.is_complex():
-                self._fail(i, "is complex; complex params are not supported "
-                              "(view them as real with torch.view_as_real)")
-            if not p.is_floating_point():
-                self._fail(i, "is not floating point")
-            if g.dtype != p.dtype:
-                self._fail(i, f"has a {g.dtype} gradient; the gradient must have the param's dtype")
-            if g.shape != p.shape:
-                self._fail(i, f"has a gradient of shape {tuple(g.shape)}; expected the param's shape")
-            if g.device != p.device:
-                self._fail(i, f"has its gradient on {g.device}; expected the param's device")
-            if kernels and use_triton(p.device):
-                if p.dtype not in DTYPE_CODES:
-                    self._fail(i, "has a dtype the kernels do not take (float32, bfloat16, float16); "
-                                  "TRAINFUSE_BACKEND=torch runs the torch path for it", TypeError)
-                if not is_dense(p):
-                    self._fail(i, "is a view with gaps or overlaps in memory; the fused update "
-                                  "works over a param's storage, so pass a dense param")
 
     # ---- the step ------------------------------------------------------------------------------
     def _hot_plan(self, device) -> Plan | None:
@@ -207,7 +126,7 @@ class MultiTensorEngine:
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         self._check_structure()
         if not self._step(grad_scale, found_inf) or self._structure is None:
-            self._structure = self._snapshot()  # a build or the torch path may have changed state
+            self._structure = snapshot(self.client)  # a build or the torch path may have changed state
 
     def _step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> bool:
         """One step; True when it launched on a cached plan, touching no state."""
@@ -269,7 +188,7 @@ class MultiTensorEngine:
                      max_norm=self.client.max_grad_norm or 0.0, norm_type=2.0 if clipping else None)
         self._norm_ready = self._norm_ready or clipping
         self._checked[device] = (grad_scale, plan)
-        self._structure = self._snapshot()
+        self._structure = snapshot(self.client)
         return {device: out[2]}
 
     def forget_check(self) -> None:
@@ -298,57 +217,6 @@ class MultiTensorEngine:
         for out in self._stats.values():
             return out[0]
         return None
-
-    # ---- torch path ----------------------------------------------------------------------------
-    def _torch_step(self, device, idx, grads, grad_scale, found_inf) -> None:
-        self.validate(grads, kernels=False)
-        client = self.client
-        skip = found_inf is not None and float(found_inf) != 0.0  # the reference path may sync
-        groups = client.param_groups
-        by_group: dict[int, tuple[list, list, list]] = {}
-        all_grads, with_grad = [], []
-        for i in idx:
-            g = grads[i]
-            if g is None:
-                continue
-            ps, gs, ms = by_group.setdefault(self._group_of[i], ([], [], []))
-            ps.append(self._params[i])
-            gs.append(g)
-            all_grads.append(g)
-            with_grad.append(self._params[i])
-        with torch.no_grad():
-            if not skip:
-                if grad_scale is not None and all_grads:  # like torch's fused kernels, leave the
-                    torch._foreach_div_(all_grads, grad_scale.to(device))  # grads unscaled
-                if client.max_grad_norm is not None and all_grads:
-                    # torch's function takes the params and clips their .grad
-                    total = torch.nn.utils.clip_grad_norm_(with_grad, client.max_grad_norm)
-                    self._stats_out(device)[0].copy_(total)
-                    self._norm_ready = True
-                for gi, (ps, gs, _) in by_group.items():
-                    masters = [client.master_of(p, groups[gi]) for p in ps]
-                    if any(m is not None for m in masters):  # float32 math on the masters
-                        ws = [p if m is None else m for p, m in zip(ps, masters)]
-                        gs32 = [g if m is None else g.float() for g, m in zip(gs, masters)]
-                        client.torch_group_step(groups[gi], ps, gs32, ws)
-                        for p, m in zip(ps, masters):
-                            if m is not None:
-                                p.copy_(m)
-                    else:
-                        client.torch_group_step(groups[gi], ps, gs, ps)
-            ema_w = client.ema_weight
-            if ema_w is not None:
-                # as the kernel: toward a param's float32 master where it has one, in the EMA's dtype
-                group_of = {id(p): groups[self._group_of[i]] for i, p in enumerate(self._params)}
-                ema, src = [], []
-                for e, t in client.ema_pairs(device):
-                    group = group_of.get(id(t))
-                    master = None if group is None else client.master_of(t, group)
-                    t = t if master is None else master
-                    ema.append(e)
-                    src.append(t if t.dtype == e.dtype else t.to(e.dtype))
-                if ema:
-                    torch._foreach_lerp_(ema, src, ema_w)
 
     # ---- triton path ---------------------------------------------------------------------------
     def _keys(self, idx, grads):

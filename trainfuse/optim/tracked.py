@@ -166,4 +166,27 @@ for _name in ("append", "extend", "insert", "remove", "pop", "clear", "sort", "r
     setattr(ParamList, _name, _bumping(_name))
 
 
-__all__ = ["ParamList", "StateDict", "StateEntry"]
+def snapshot(optimizer) -> tuple:
+    """The optimizer's state container, its param lists and each group's ``plan_key``, with the
+    containers' mutation counters, as they are now."""
+    groups = optimizer.param_groups
+    lists = [g["params"] for g in groups]
+    return (optimizer.state, optimizer.state.version, groups, len(groups), lists,
+            [lst.version for lst in lists], [optimizer.plan_key(g) for g in groups])
+
+
+def changed(snap: tuple, optimizer) -> bool:
+    """True when anything :func:`snapshot` covers changed since ``snap``: O(groups)."""
+    state, version, groups, ngroups, lists, versions, keys = snap
+    if optimizer.state is not state or state.version != version:
+        return True
+    if optimizer.param_groups is not groups or len(groups) != ngroups:
+        return True
+    for g, lst, ver, key in zip(groups, lists, versions, keys):
+        params = g["params"]
+        if params is not lst or params.version != ver or optimizer.plan_key(g) != key:
+            return True
+    return False
+
+
+__all__ = ["ParamList", "StateDict", "StateEntry", "changed", "snapshot"]
