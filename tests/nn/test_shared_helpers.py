@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from trainfuse._multi_tensor import kernels as mt
+from trainfuse._multi_tensor import stats as mt_stats
 from trainfuse._runtime import reduce, rounding
 from trainfuse._runtime.backend import interpreting
 from trainfuse.losses import _common, bce, iou
@@ -119,5 +120,5 @@ def test_the_helpers_are_defined_once():
     """Every kernel family calls the one copy in trainfuse._runtime."""
     assert mlp_kernels.round_bf16_rne is mt.round_bf16_rne is rounding.round_bf16_rne
     assert bce.reduce_partials is iou.reduce_partials is reduce.reduce_partials
-    assert mlp_kernels.last_to_arrive is mt.last_to_arrive is reduce.last_to_arrive
+    assert mlp_kernels.last_to_arrive is mt_stats.last_to_arrive is reduce.last_to_arrive
     assert not hasattr(_common, "reduce_partials")
