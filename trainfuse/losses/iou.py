@@ -50,86 +50,13 @@ from trainfuse.losses._common import (
     workspace,
 )
 from trainfuse.losses.atan import atan
+from trainfuse.losses.box_math import axis_grads, corners, load_box, store_box, tmax, tmin
 from trainfuse.losses.iou_torch import bbox_iou_reference, iou_loss_reference, weight_view
 
 KINDS = {"iou": 0, "giou": 1, "diou": 2, "ciou": 3}
 IOU, GIOU, DIOU, CIOU = (tl.constexpr(v) for v in KINDS.values())
 OUT_NONE, OUT_IOU, OUT_LOSS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
-
-
-@triton.jit
-def _min(a, b):
-    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)  # NaN wins, as in torch.minimum
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _min_grads(a, b, g):
-    # torch.minimum's backward: ties split the grad, NaN sends it to both sides
-    ga = tl.where(a == b, g * 0.5, tl.where(a > b, 0.0, g))
-    gb = tl.where(a == b, g * 0.5, tl.where(a < b, 0.0, g))
-    return ga, gb
-
-
-@triton.jit
-def _max_grads(a, b, g):
-    ga = tl.where(a == b, g * 0.5, tl.where(a < b, 0.0, g))
-    gb = tl.where(a == b, g * 0.5, tl.where(a > b, 0.0, g))
-    return ga, gb
-
-
-@triton.jit
-def _axis_grads(lo1, lo2, hi1, hi2, g_inter, g_enclose, ENCLOSE: tl.constexpr):
-    """Grads of one axis's corners (box1's and box2's low and high edges) from the intersection
-    extent min(hi) - max(lo) and, for GIoU/DIoU/CIoU, the enclosing extent max(hi) - min(lo)."""
-    h1, h2 = _min_grads(hi1, hi2, g_inter)
-    l1, l2 = _max_grads(lo1, lo2, g_inter)
-    if ENCLOSE:
-        eh1, eh2 = _max_grads(hi1, hi2, g_enclose)
-        el1, el2 = _min_grads(lo1, lo2, g_enclose)
-        h1 += eh1
-        h2 += eh2
-        l1 += el1
-        l2 += el2
-    return -l1, -l2, h1, h2
-
-
-@triton.jit
-def _load_box(ptr, idx, mask, CD: tl.constexpr):
-    p = ptr + idx * 4
-    return (tl.load(p, mask=mask, other=0.0).to(CD), tl.load(p + 1, mask=mask, other=0.0).to(CD),
-            tl.load(p + 2, mask=mask, other=0.0).to(CD), tl.load(p + 3, mask=mask, other=0.0).to(CD))
-
-
-@triton.jit
-def _corners(a, b, c, d, eps, XYWH: tl.constexpr):
-    # (x1, y1, x2, y2, w, h) as ultralytics derives them from either format
-    if XYWH:
-        hw = c / 2
-        hh = d / 2
-        return a - hw, b - hh, a + hw, b + hh, c, d
-    return a, b, c, d, c - a, d - b + eps
-
-
-@triton.jit
-def _store_box(ptr, idx, mask, gx1, gy1, gx2, gy2, gw, gh, XYWH: tl.constexpr):
-    p = ptr + idx * 4
-    dt = ptr.dtype.element_ty
-    if XYWH:
-        tl.store(p, (gx1 + gx2).to(dt), mask=mask)
-        tl.store(p + 1, (gy1 + gy2).to(dt), mask=mask)
-        tl.store(p + 2, ((gx2 - gx1) / 2 + gw).to(dt), mask=mask)
-        tl.store(p + 3, ((gy2 - gy1) / 2 + gh).to(dt), mask=mask)
-    else:
-        tl.store(p, (gx1 - gw).to(dt), mask=mask)
-        tl.store(p + 1, (gy1 - gh).to(dt), mask=mask)
-        tl.store(p + 2, (gx2 + gw).to(dt), mask=mask)
-        tl.store(p + 3, (gy2 + gh).to(dt), mask=mask)
 
 
 @triton.jit
@@ -155,22 +82,22 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
         mask = offs < n
         i1 = bcast_index(offs, b1_div, b1_mod, B1_BCAST)
         i2 = bcast_index(offs, b2_div, b2_mod, B2_BCAST)
-        a0, a1, a2, a3 = _load_box(b1_ptr, i1, mask, CD)
-        c0, c1, c2_, c3 = _load_box(b2_ptr, i2, mask, CD)
-        b1x1, b1y1, b1x2, b1y2, w1, h1 = _corners(a0, a1, a2, a3, eps, XYWH)
-        b2x1, b2y1, b2x2, b2y2, w2, h2 = _corners(c0, c1, c2_, c3, eps, XYWH)
+        a0, a1, a2, a3 = load_box(b1_ptr, i1, mask, CD)
+        c0, c1, c2_, c3 = load_box(b2_ptr, i2, mask, CD)
+        b1x1, b1y1, b1x2, b1y2, w1, h1 = corners(a0, a1, a2, a3, eps, XYWH)
+        b2x1, b2y1, b2x2, b2y2, w2, h2 = corners(c0, c1, c2_, c3, eps, XYWH)
 
-        iw_raw = _min(b1x2, b2x2) - _max(b1x1, b2x1)
-        ih_raw = _min(b1y2, b2y2) - _max(b1y1, b2y1)
-        iw = _max(iw_raw, 0.0)
-        ih = _max(ih_raw, 0.0)
+        iw_raw = tmin(b1x2, b2x2) - tmax(b1x1, b2x1)
+        ih_raw = tmin(b1y2, b2y2) - tmax(b1y1, b2y1)
+        iw = tmax(iw_raw, 0.0)
+        ih = tmax(ih_raw, 0.0)
         inter = iw * ih
         union = w1 * h1 + w2 * h2 - inter + eps
         iou = fast_div(inter, union)
         val = iou
         if KIND != IOU:
-            cw = _max(b1x2, b2x2) - _min(b1x1, b2x1)
-            ch = _max(b1y2, b2y2) - _min(b1y1, b2y1)
+            cw = tmax(b1x2, b2x2) - tmin(b1x1, b2x1)
+            ch = tmax(b1y2, b2y2) - tmin(b1y1, b2y1)
             if KIND == GIOU:
                 c_area = cw * ch + eps
                 f = fast_div(c_area - union, c_area)
@@ -256,13 +183,13 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
             else:
                 g_iw = tl.where(iw_raw > 0, g_inter * ih, 0.0)
                 g_ih = tl.where(ih_raw > 0, g_inter * iw, 0.0)
-            gx1, gX1, gx2, gX2 = _axis_grads(b1x1, b2x1, b1x2, b2x2, g_iw, g_cw, KIND != IOU)
-            gy1, gY1, gy2, gY2 = _axis_grads(b1y1, b2y1, b1y2, b2y2, g_ih, g_ch, KIND != IOU)
+            gx1, gX1, gx2, gX2 = axis_grads(b1x1, b2x1, b1x2, b2x2, g_iw, g_cw, KIND != IOU)
+            gy1, gY1, gy2, gY2 = axis_grads(b1y1, b2y1, b1y2, b2y2, g_ih, g_ch, KIND != IOU)
             if GRAD1:
-                _store_box(g1_ptr, offs, mask, gx1 - g_dx, gy1 - g_dy, gx2 - g_dx, gy2 - g_dy, g_w1, g_h1,
+                store_box(g1_ptr, offs, mask, gx1 - g_dx, gy1 - g_dy, gx2 - g_dx, gy2 - g_dy, g_w1, g_h1,
                            XYWH)
             if GRAD2:
-                _store_box(g2_ptr, offs, mask, gX1 + g_dx, gY1 + g_dy, gX2 + g_dx, gY2 + g_dy, g_w2, g_h2,
+                store_box(g2_ptr, offs, mask, gX1 + g_dx, gY1 + g_dy, gX2 + g_dx, gY2 + g_dy, g_w2, g_h2,
                            XYWH)
     if REDUCE:
         reduce_partials(partials, counter, total, tl.sum(part, 0), tl.num_programs(0), denom)
