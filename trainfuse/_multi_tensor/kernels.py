@@ -46,6 +46,12 @@ CODE_EMA_LOW = tl.constexpr(16)
 CODE_EMA_ONLY = tl.constexpr(32)
 NCODES = tl.constexpr(64)
 
+# HAS_CLIP, the clipping a launch applies to the unscaled gradient with the value at ``clip_ptr``:
+# none, times a clip coefficient (clip_grad_norm_'s second pass), clamped to [-v, v] (clip_grad_value_)
+CLIP_NONE = tl.constexpr(0)
+CLIP_NORM = tl.constexpr(1)
+CLIP_VALUE = tl.constexpr(2)
+
 # The interpreter (triton <= 3.9) truncates float32 -> bfloat16 instead of rounding to nearest even;
 # round by hand there so CPU tests see the bits the GPU writes. Compiled kernels use the native cvt.
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -188,13 +194,20 @@ def store_weight(w_ptr, p_ptr, offs, n, w, MASTER: tl.constexpr, MASKED: tl.cons
 @triton.jit
 def grad_in(g_ptr, offs, n, g, scale, clip, maximize, HAS_SCALE: tl.constexpr,
             HAS_CLIP: tl.constexpr, MASKED: tl.constexpr):
-    """The gradient an update uses: divided by GradScaler's scale, times the clip coefficient,
-    written back that way (what unscale_ + clip_grad_norm_ leave in .grad), negated to maximize."""
+    """The gradient an update uses: divided by GradScaler's scale, clipped as HAS_CLIP says (times
+    the clip coefficient, or clamped to [-clip, clip] with NaN kept, as torch.clamp), written back
+    that way (what unscale_ + clip_grad_norm_ / clip_grad_value_ leave in .grad), negated to
+    maximize. The clamp bound is ``clip`` as the grad's dtype stores it: a clamped element then
+    holds the bits clip_grad_value_ writes, also in the float32 math beside a master weight."""
     if HAS_SCALE:
         g = tl.div_rn(g, scale)
-    if HAS_CLIP:
+    if HAS_CLIP == CLIP_NORM:
         g = g * clip
-    if HAS_SCALE or HAS_CLIP:
+    elif HAS_CLIP == CLIP_VALUE:
+        bound = as_stored(clip, g_ptr.dtype.element_ty)
+        g = tl.where(g < -bound, -bound, g)
+        g = tl.where(g > bound, bound, g)
+    if HAS_SCALE or HAS_CLIP != CLIP_NONE:
         store(g_ptr, offs, n, g, MASKED)
     return tl.where(maximize, -g, g)
 
@@ -317,8 +330,10 @@ def run(chunk_fn, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_
 
     updates ``n`` (<= BLOCK * NB) elements of the tensor in ``row`` from ``start``: PARAM_DT is the
     param/grad dtype, STATE_DT the dtype of the weight it does math on and of the states, EMA_DT
-    the EMA's. MASKED is False for full chunks, whose accesses then vectorize. A client that needs
-    only part of it (clipping's scaling) ignores the rest: Triton has no way to pass a subset.
+    the EMA's. HAS_CLIP is CLIP_NONE, CLIP_NORM (``clip`` is a coefficient) or CLIP_VALUE (``clip``
+    is the clamp bound), both applied by :func:`grad_in`. MASKED is False for full chunks, whose
+    accesses then vectorize. A client that needs only part of it (clipping's scaling) ignores the
+    rest: Triton has no way to pass a subset.
     """
     r, row, start, n = work_item(chunks, rows, BLOCK * NB)
     ok = live(inf_ptr, HAS_INF)
@@ -326,7 +341,7 @@ def run(chunk_fn, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_
         scale = tl.load(scale_ptr).to(tl.float32)
     else:
         scale = 1.0
-    if HAS_CLIP:
+    if HAS_CLIP != CLIP_NONE:
         clip = tl.load(clip_ptr).to(tl.float32)
     else:
         clip = 1.0

@@ -30,6 +30,8 @@ OP_PARAM, OP_GRAD, OP_MASTER, OP_EMA, OP_STATE = (k.value for k in (
     kernels.OP_PARAM, kernels.OP_GRAD, kernels.OP_MASTER, kernels.OP_EMA, kernels.OP_STATE))
 CODE_MASTER, CODE_EMA, CODE_EMA_LOW, CODE_EMA_ONLY = (k.value for k in (
     kernels.CODE_MASTER, kernels.CODE_EMA, kernels.CODE_EMA_LOW, kernels.CODE_EMA_ONLY))
+CLIP_NONE, CLIP_NORM, CLIP_VALUE = (k.value for k in (
+    kernels.CLIP_NONE, kernels.CLIP_NORM, kernels.CLIP_VALUE))
 NORM_KINDS = {1.0: stats.NORM_L1.value, 2.0: stats.NORM_L2.value, float("inf"): stats.NORM_INF.value}
 
 
@@ -228,22 +230,28 @@ def _tables_key(plan: Plan) -> tuple:
 
 def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tensor | None = None, *,
                   wide16: bool = False, grad_scale: torch.Tensor | None = None,
-                  clip: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-                  ema_w: float = 0.0, width: int = 8) -> None:
+                  clip: torch.Tensor | None = None, clip_value: torch.Tensor | None = None,
+                  found_inf: torch.Tensor | None = None, ema_w: float = 0.0, width: int = 8) -> None:
     """One launch of :func:`kernels.update_kernel` over ``plan`` with the client's ``chunk_fn``
-    (the contract in :func:`kernels.run`); ``wide16`` doubles the blocks of 16-bit rows."""
+    (the contract in :func:`kernels.run`); ``wide16`` doubles the blocks of 16-bit rows. The
+    unscaled grads are multiplied by ``clip`` (a clip coefficient) or clamped to
+    ``[-clip_value, clip_value]`` (1-element float32 tensors on the device; at most one of them)."""
     if plan.nchunks == 0:
         return
+    if clip is not None and clip_value is not None:
+        raise ValueError("launch_update: pass clip (a coefficient) or clip_value (a bound), not both")
+    mode = CLIP_NORM if clip is not None else CLIP_VALUE if clip_value is not None else CLIP_NONE
+    clip = clip if clip is not None else clip_value
     dummy = plan.rows  # stands in for absent pointers; never read (the HAS_* flags are off)
     launch = plan.launch
     key = ("update", chunk_fn, wide16, _tables_key(plan), plan.codes, _ptr_class(hp), _ptr_class(grad_scale),
-           _ptr_class(clip), _ptr_class(found_inf), width)
+           _ptr_class(clip), mode, _ptr_class(found_inf), width)
     launcher(
         kernels.update_kernel, (plan.nchunks,), plan.rows, plan.chunks, dummy if hp is None else hp,
         plan.arrivals, dummy if grad_scale is None else grad_scale, dummy if clip is None else clip,
         dummy if found_inf is None else found_inf, float(ema_w),
         BLOCK=launch.block, NB=launch.unroll, CODES=plan.codes, ALIGNED=plan.aligned,
-        HAS_SCALE=grad_scale is not None, HAS_CLIP=clip is not None,
+        HAS_SCALE=grad_scale is not None, HAS_CLIP=mode,
         HAS_INF=found_inf is not None, WIDTH=width, WIDE16=wide16, CHUNK_FN=chunk_fn,
         num_warps=launch.num_warps, key=key,
     )

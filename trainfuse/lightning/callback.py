@@ -27,10 +27,11 @@ class FusedTraining(*_compat.callback_bases()):
 
     At fit start (after Lightning restored a checkpoint's optimizer when ``ckpt_path=`` is given)
     it swaps ``torch.optim.AdamW``/``Adam``/``SGD`` for FusedAdamW/FusedAdam/FusedSGD (same param
-    groups, state and schedulers), folds ``Trainer(gradient_clip_val=...)`` into their step,
-    under 16-mixed/bf16-mixed makes the weights 16-bit with float32 masters in the optimizer
-    (:func:`trainfuse.amp.fuse_casts`), swaps Linear/activation Sequentials for FusedMLP and
-    ``nn.BCEWithLogitsLoss`` for the fused loss, and keeps an EMA inside the optimizer step.
+    groups, state and schedulers), folds ``Trainer(gradient_clip_val=...)`` into their step (by
+    norm: ``max_grad_norm``; by value: ``max_grad_value``), under 16-mixed/bf16-mixed makes the
+    weights 16-bit with float32 masters in the optimizer (:func:`trainfuse.amp.fuse_casts`), swaps
+    Linear/activation Sequentials for FusedMLP and ``nn.BCEWithLogitsLoss`` for the fused loss,
+    and keeps an EMA inside the optimizer step.
     Checkpoints stay plain (float32 weights, torch.optim state layout). Every change, and every
     thing it left alone with the reason, is a row of :attr:`report`, printed on rank zero.
 
@@ -84,7 +85,6 @@ class FusedTraining(*_compat.callback_bases()):
         self._deferred = False
         self._casts: CastState | None = None
         self._saved_clip: tuple[Any, Any] | None = None
-        self._clip_value: float | None = None
         self._norm_optimizer: torch.optim.Optimizer | None = None
         self._old_scaler = None
         self._ema_steps = False  # the EMA is updated after the step, not inside it
@@ -165,17 +165,17 @@ class FusedTraining(*_compat.callback_bases()):
         clip = float(clip_val) if clip_val is not None and clip_val > 0 else None
         algorithm = trainer.gradient_clip_algorithm
         algorithm = getattr(algorithm, "value", algorithm) or "norm"
-        in_step = algorithm == "norm"  # the fused step clips by norm (kernels and torch path alike)
-        swapped = self._swap_optimizers(trainer, pl_module, kernels, clip if in_step else None)
+        by_norm = algorithm == "norm"  # the fused step clips by norm or by value (kernels and torch path)
+        swapped = self._swap_optimizers(trainer, pl_module, kernels, clip if by_norm else None,
+                                        None if by_norm else clip)
         all_swapped = bool(swapped) and len(swapped) == len(strategy.optimizers)
-        self._set_clipping(trainer, clip, algorithm, all_swapped, in_step)
+        self._set_clipping(trainer, clip, algorithm, all_swapped, by_norm)
 
         if self.ema_decay is not None:  # before the casts: the EMA copies the float32 weights
             self._start_ema(pl_module, swapped, all_swapped)
         else:
             report.add("ema", "-", OFF, "ema_decay=None")
-        value_clip_16 = precision == "16-mixed" and clip is not None and algorithm == "value"
-        self._set_casts(pl_module, precision, kind, kernels, swapped, all_swapped, averaging, value_clip_16)
+        self._set_casts(pl_module, precision, kind, kernels, swapped, all_swapped, averaging)
         if precision == "16-mixed" and swapped:
             self._old_scaler = swap_scaler(trainer.precision_plugin)
             if self._old_scaler is not None:
@@ -183,7 +183,8 @@ class FusedTraining(*_compat.callback_bases()):
                            "the step's statistics pass; unscale and inf skip run in the step, no host sync")
         self._print(trainer)
 
-    def _swap_optimizers(self, trainer: Any, pl_module: Any, kernels: bool, max_norm: float | None) -> list:
+    def _swap_optimizers(self, trainer: Any, pl_module: Any, kernels: bool, max_norm: float | None,
+                         max_value: float | None) -> list:
         strategy = trainer.strategy
         manual = not pl_module.automatic_optimization
         own_clipping = _compat.is_overridden("configure_gradient_clipping", pl_module)
@@ -202,7 +203,7 @@ class FusedTraining(*_compat.callback_bases()):
                 self.report.add("optimizer", name, SKIPPED, reason)
                 result.append(opt)
                 continue
-            new = swap_optimizer(opt, max_norm)
+            new = swap_optimizer(opt, max_norm, max_value)
             moved = repoint_schedulers(strategy.lr_scheduler_configs, opt, new)
             detail = f"{type(new).__name__}: one multi-tensor launch per step"
             if moved:
@@ -215,7 +216,7 @@ class FusedTraining(*_compat.callback_bases()):
         return swapped
 
     def _set_clipping(self, trainer: Any, clip: float | None, algorithm: str, all_swapped: bool,
-                      in_step: bool) -> None:
+                      by_norm: bool) -> None:
         name = f"gradient_clip_val={trainer.gradient_clip_val}, algorithm={algorithm}"
         if clip is None:
             self.report.add("clipping", "gradient_clip_val", OFF, "not set")
@@ -227,15 +228,13 @@ class FusedTraining(*_compat.callback_bases()):
         self._saved_clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         trainer.gradient_clip_val = None  # Lightning's clipping refuses fused optimizers; ours runs instead
         off = "Trainer clipping off for the run"
-        if in_step:
+        if by_norm:
             self._norm_optimizer = trainer.strategy.optimizers[0]
             self.report.add("clipping", name, ON, "by norm inside the fused step (statistics pass + update, "
                             f"no host sync); pre-clip norm logged as grad_norm; {off}")
         else:
-            self._clip_value = clip
-            self.report.add("clipping", name, ON, "by value with torch.nn.utils.clip_grad_value_ (torch's "
-                            "foreach clamp, no fused kernel) before the step, after unscaling (16-mixed); "
-                            f"{off}")
+            self.report.add("clipping", name, ON, "by value inside the fused step (the update clamps the "
+                            f"unscaled grads: no extra launch, no host sync); {off}")
 
     def _start_ema(self, pl_module: Any, swapped: list, all_swapped: bool) -> None:
         ema = WeightEMA(pl_module, self.ema_decay)
@@ -254,8 +253,7 @@ class FusedTraining(*_compat.callback_bases()):
                             "after each optimizer step (not one swapped optimizer to fold it into); "
                             "validation/test run on the EMA; saved in the checkpoint")
 
-    def _set_casts(self, pl_module, precision, kind, kernels, swapped, all_swapped, averaging,
-                   value_clip_16) -> None:
+    def _set_casts(self, pl_module, precision, kind, kernels, swapped, all_swapped, averaging) -> None:
         dtype = PRECISIONS[precision]
         if dtype is None:
             self.report.add("casts", precision, OFF, "32-true: nothing is cast")
@@ -271,9 +269,6 @@ class FusedTraining(*_compat.callback_bases()):
             reason = "torch path: only the optimizer kernel writes the 16-bit weights"
         elif not (len(swapped) == 1 and all_swapped):
             reason = "needs one swapped optimizer to hold the float32 masters"
-        elif value_clip_16:
-            reason = ("clipping by value under 16-mixed unscales the grads before clamping them, and "
-                      "GradScaler.unscale_ refuses float16 grads")
         elif averaging:
             reason = (f"{type(averaging[0]).__name__} copies its average into the weights at train end, "
                       "which the float32 masters would overwrite")
@@ -290,16 +285,6 @@ class FusedTraining(*_compat.callback_bases()):
             print(self.report)
 
     # ---- every step ------------------------------------------------------------------------------
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any,
-                                 optimizer: torch.optim.Optimizer) -> None:
-        if self._clip_value is None:
-            return
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
-            scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"]],
-                                        self._clip_value)
-
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._ema_steps and trainer.global_step > self._last_step:

@@ -19,7 +19,7 @@ from trainfuse.optim import FusedAdam, FusedAdamW, FusedSGD
 FUSED: dict[type, type] = {torch.optim.AdamW: FusedAdamW, torch.optim.Adam: FusedAdam,
                            torch.optim.SGD: FusedSGD}
 # constructor options the fused classes set themselves
-_OWN = {"params", "master_weights", "max_grad_norm"}
+_OWN = {"params", "master_weights", "max_grad_norm", "max_grad_value"}
 # AdamW's group key that FusedAdamW implies (it has no such argument)
 _IMPLIED = {FusedAdamW: {"decoupled_weight_decay": True}}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,12 +60,14 @@ def why_not_swappable(opt: torch.optim.Optimizer, kernels: bool) -> str | None:
     return None
 
 
-def swap_optimizer(opt: torch.optim.Optimizer, max_grad_norm: float | None) -> torch.optim.Optimizer:
+def swap_optimizer(opt: torch.optim.Optimizer, max_grad_norm: float | None,
+                   max_grad_value: float | None = None) -> torch.optim.Optimizer:
     """The fused optimizer that continues ``opt``: its group dicts and list, its state.
 
     Args:
         opt: a torch.optim.AdamW, Adam or SGD (checked by :func:`why_not_swappable`).
         max_grad_norm: clip the gradients to this global 2-norm inside the step (None: no clipping).
+        max_grad_value: or clamp them to [-max_grad_value, max_grad_value] inside the step.
 
     Returns:
         The new optimizer; ``opt`` must not be stepped any more.
@@ -80,7 +82,8 @@ def swap_optimizer(opt: torch.optim.Optimizer, max_grad_norm: float | None) -> t
     """
     cls = FUSED[type(opt)]
     kwargs = {k: v for k, v in opt.defaults.items() if k in _accepted(cls)}
-    new = cls([dict(g) for g in opt.param_groups], **kwargs, max_grad_norm=max_grad_norm)
+    new = cls([dict(g) for g in opt.param_groups], **kwargs, max_grad_norm=max_grad_norm,
+              max_grad_value=max_grad_value)
     groups = opt.param_groups
     for old, made in zip(groups, new.param_groups):
         for k, v in made.items():  # keys the fused class adds to a group; the user's stay as they are

@@ -11,6 +11,7 @@ which drives the step through these methods.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -54,10 +55,16 @@ class FusedOptimizer(Optimizer):
     # Set once the constructor has validated the first groups; later groups are checked on add.
     _hparams_checked = False
 
-    def __init__(self, params, defaults: dict[str, Any], max_grad_norm: float | None = None):
+    def __init__(self, params, defaults: dict[str, Any], max_grad_norm: float | None = None,
+                 max_grad_value: float | None = None):
         if max_grad_norm is not None and not float(max_grad_norm) >= 0.0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (expected a number >= 0)")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.max_grad_value = max_grad_value
+        self.check_clipping()
+        self.max_grad_value = None if max_grad_value is None else float(max_grad_value)
+        # device -> (max_grad_value, the float32 tensor holding it) that the update kernel reads
+        self._clip_values: dict[torch.device, tuple[float, torch.Tensor]] = {}
         self._ema = None
         self.ema_weight: float | None = None
         self._engine = MultiTensorEngine(self)
@@ -113,12 +120,15 @@ class FusedOptimizer(Optimizer):
         # keep masters (those live in the groups and the state) exactly as this one does
         state = super().__getstate__()
         state["max_grad_norm"] = self.max_grad_norm
+        state["max_grad_value"] = self.max_grad_value
         state["_ema"] = self._ema
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("max_grad_value", None)
+        self._clip_values = {}
         self.__dict__.setdefault("_ema", None)
         self.__dict__.setdefault("ema_weight", None)
         self._engine = MultiTensorEngine(self)
@@ -141,6 +151,34 @@ class FusedOptimizer(Optimizer):
         return self.state_keys(group), bool(group.get("master_weights"))
 
     # ---- gradient clipping, masters, EMA ------------------------------------------------------
+    def check_clipping(self) -> None:
+        """Raise a ValueError naming the argument for a ``max_grad_value`` that is not a number
+        >= 0 (NaN, negative, not a number), or for ``max_grad_norm`` and ``max_grad_value`` both
+        set. Runs at construction and, since both are plain attributes, again when one changed."""
+        name, value = type(self).__name__, self.max_grad_value
+        if value is None:
+            return
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value >= 0.0:
+            raise ValueError(f"{name}: max_grad_value must be a number >= 0 (inf: nothing is clipped) "
+                             f"or None, got {value!r}")
+        if self.max_grad_norm is not None:
+            raise ValueError(f"{name}: max_grad_norm={self.max_grad_norm} and max_grad_value={value} are "
+                             "both set; clip by norm or by value, not both")
+
+    def clip_value_on(self, device: torch.device) -> torch.Tensor:
+        """``max_grad_value`` as the 1-element float32 tensor on ``device`` that the update kernel
+        clamps the unscaled grads with: made once per device, refilled in place (after
+        :meth:`check_clipping`) when either clipping attribute changed since the last step."""
+        value = self.max_grad_value
+        cached = self._clip_values.get(device)
+        if cached is not None and cached[0] == value and self.max_grad_norm is None:
+            return cached[1]
+        self.check_clipping()
+        bound = torch.empty(1, dtype=torch.float32, device=device) if cached is None else cached[1]
+        bound.fill_(float(value))
+        self._clip_values[device] = (value, bound)
+        return bound
+
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm the last step clipped with (``max_grad_norm``): a device

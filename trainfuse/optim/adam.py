@@ -139,6 +139,10 @@ class FusedAdam(FusedOptimizer):
         max_grad_norm: clip the gradients to this global 2-norm inside the step (torch's
             ``clip_grad_norm_`` semantics, of the unscaled gradients under GradScaler): one
             statistics pass plus the update, no host sync. The norm is ``optimizer.grad_norm``.
+        max_grad_value: clamp every gradient element to ``[-max_grad_value, max_grad_value]``
+            inside the step (torch's ``clip_grad_value_`` semantics, of the unscaled gradients
+            under GradScaler; NaN stays NaN): the update kernel clamps, no extra launch. The
+            clipped gradients are left in ``.grad``. At most one of the two clippings.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -169,6 +173,7 @@ class FusedAdam(FusedOptimizer):
         decoupled_weight_decay: bool = False,
         master_weights: bool = False,
         max_grad_norm: float | None = None,
+        max_grad_value: float | None = None,
     ):
         if differentiable:
             raise RuntimeError(f"{type(self).__name__} does not support differentiable=True")
@@ -187,7 +192,7 @@ class FusedAdam(FusedOptimizer):
         }
         if master_weights:  # a group key only when used: default state_dicts stay torch's layout
             defaults["master_weights"] = True
-        super().__init__(params, defaults, max_grad_norm)
+        super().__init__(params, defaults, max_grad_norm, max_grad_value)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -284,12 +289,13 @@ class FusedAdamW(FusedAdam):
         fused: bool | None = None,
         master_weights: bool = False,
         max_grad_norm: float | None = None,
+        max_grad_value: float | None = None,
     ):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, master_weights=master_weights,
-                         max_grad_norm=max_grad_norm)
+                         max_grad_norm=max_grad_norm, max_grad_value=max_grad_value)
 
 
 __all__ = ["FusedAdam", "FusedAdamW"]

@@ -55,8 +55,9 @@ class MultiTensorEngine(TorchPath):
     The optimizer (the *client*) supplies, as methods: ``state_keys``, ``init_state``,
     ``prepare_state``, ``step_tensor``, ``plan_key``, ``hparams_row``, ``check_hparams``,
     ``torch_group_step``, ``master_of``, ``ema_target``, ``ema_pairs``, ``ema_tensors``,
-    ``track_mutations``, and as attributes ``chunk_fn``, ``wide16``, ``HP_WIDTH``, ``max_grad_norm`` and
-    ``ema_weight`` (see :class:`trainfuse.optim._base.FusedOptimizer`).
+    ``track_mutations``, ``check_clipping``, ``clip_value_on``, and as attributes ``chunk_fn``,
+    ``wide16``, ``HP_WIDTH``, ``max_grad_norm``, ``max_grad_value`` and ``ema_weight`` (see
+    :class:`trainfuse.optim._base.FusedOptimizer`).
     """
 
     def __init__(self, client: torch.optim.Optimizer):
@@ -326,8 +327,10 @@ class MultiTensorEngine(TorchPath):
             grad_scale = grad_scale.to(device, non_blocking=True)
         if found_inf is not None and found_inf.device != device:
             found_inf = found_inf.to(device, non_blocking=True)
-        clip = None
-        if client.max_grad_norm is not None:
+        clip = clip_value = None
+        if client.max_grad_value is not None:  # a clamp in the update itself: no statistics pass
+            clip_value = client.clip_value_on(device)
+        elif client.max_grad_norm is not None:
             out = self._stats_out(device)
             if checked is None or checked[0] is not grad_scale:  # GradScaler did not run it for us
                 launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
@@ -336,9 +339,9 @@ class MultiTensorEngine(TorchPath):
             clip = self._clip_of(out)
         ema_w = client.ema_weight
         launch_update(self._launcher, client.chunk_fn, plan, hp, wide16=client.wide16,
-                      grad_scale=grad_scale, clip=clip, found_inf=found_inf,
+                      grad_scale=grad_scale, clip=clip, clip_value=clip_value, found_inf=found_inf,
                       ema_w=0.0 if ema_w is None else ema_w, width=client.HP_WIDTH)
-        if grad_scale is not None or clip is not None:
+        if grad_scale is not None or clip is not None or clip_value is not None:
             for g, tmp in plan.copy_back:
                 g.copy_(tmp)
 

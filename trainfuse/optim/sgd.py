@@ -92,7 +92,7 @@ class FusedSGD(FusedOptimizer):
         nesterov: Nesterov momentum (needs momentum > 0 and zero dampening).
         maximize: maximize the objective instead of minimizing.
         foreach, differentiable, fused: accepted for torch compatibility.
-        master_weights, max_grad_norm: as in :class:`trainfuse.optim.FusedAdam`.
+        master_weights, max_grad_norm, max_grad_value: as in :class:`trainfuse.optim.FusedAdam`.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -119,6 +119,7 @@ class FusedSGD(FusedOptimizer):
         fused: bool | None = None,
         master_weights: bool = False,
         max_grad_norm: float | None = None,
+        max_grad_value: float | None = None,
     ):
         if differentiable:
             raise RuntimeError(f"{type(self).__name__} does not support differentiable=True")
@@ -136,7 +137,7 @@ class FusedSGD(FusedOptimizer):
         if master_weights:  # a group key only when used: default state_dicts stay torch's layout
             defaults["master_weights"] = True
         self._counters: dict[torch.Tensor, torch.Tensor] = {}
-        super().__init__(params, defaults, max_grad_norm)
+        super().__init__(params, defaults, max_grad_norm, max_grad_value)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

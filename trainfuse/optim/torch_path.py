@@ -23,6 +23,7 @@ class TorchPath:
 
     def validate(self, grads: list[torch.Tensor | None], kernels: bool) -> None:
         """Raise a clear error for the first unusable param/grad, before anything is modified."""
+        self.client.check_clipping()
         if self.client.max_grad_norm is not None and not self._single and self._params:
             raise ValueError(f"{type(self.client).__name__}: max_grad_norm needs all params on one "
                              f"device, found {', '.join(map(str, self._devices))}; clip with "
@@ -77,6 +78,8 @@ class TorchPath:
                     total = torch.nn.utils.clip_grad_norm_(with_grad, client.max_grad_norm)
                     self._stats_out(device)[0].copy_(total)
                     self._norm_ready = True
+                elif client.max_grad_value is not None and all_grads:
+                    torch.nn.utils.clip_grad_value_(with_grad, client.max_grad_value)
                 for gi, (ps, gs, _) in by_group.items():
                     masters = [client.master_of(p, groups[gi]) for p in ps]
                     if any(m is not None for m in masters):  # float32 math on the masters
