@@ -97,14 +97,15 @@ def make_module(pl, optimizer: str = "adamw", scheduler: str | None = None, seed
 
 def fit(pl, module, steps: int = 4, callbacks=(), precision=None, clip=None, algorithm=None,
         val_every: int | None = None, ckpt_path=None, root=None, epochs: int = 1, data_seed: int = 0,
-        accelerator: str = ACCELERATOR, plugins=()):
+        accelerator: str = ACCELERATOR, plugins=(), log_every_n_steps: int = 1):
     """Trainer.fit: ``epochs`` passes over ``steps`` fixed batches; returns the Trainer."""
     trainer = pl.Trainer(plugins=list(plugins),
         accelerator=accelerator, devices=1, max_epochs=epochs, precision=precision, logger=False,
         enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks),
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
         gradient_clip_algorithm=algorithm, callbacks=list(callbacks), num_sanity_val_steps=0,
-        val_check_interval=val_every, limit_val_batches=2 if val_every else 0, default_root_dir=root)
+        val_check_interval=val_every, limit_val_batches=2 if val_every else 0, default_root_dir=root,
+        log_every_n_steps=log_every_n_steps)
     loader = torch.utils.data.DataLoader(data(steps, data_seed), batch_size=BATCH)
     val = torch.utils.data.DataLoader(data(2, seed=99), batch_size=BATCH) if val_every else None
     with warnings.catch_warnings():

@@ -12,9 +12,11 @@ Two workloads, each trained by ``Trainer.fit`` on one GPU, alternating stock and
 Per run: the median step time (synchronized at batch start and end, after warm-up), the optimizer
 phase alone (clip + step + EMA: from ``on_before_optimizer_step`` to the end of the batch,
 synchronized at both ends on every 5th step, which the step median leaves out), the final loss
-(mean of the last 10 steps). ``--breakdown`` adds each phase's host time (no syncs: where a
-host-bound step spends it); ``--profile`` prints torch.profiler's top ops for a few steps of each
-run and writes their Chrome traces. The plot is ``<out>/lightning.png``.
+(mean of the last 10 steps). Pair k of the ``--repeats`` stock/fused pairs starts from model and
+data seed k; the loss goal compares the final losses averaged over the seeds. ``--breakdown`` adds
+each phase's host time (no syncs: where a host-bound step spends it); ``--profile`` prints
+torch.profiler's top ops for a few steps of each run and writes their Chrome traces. The plot is
+``<out>/lightning.png``.
 """
 
 from __future__ import annotations
@@ -65,12 +67,12 @@ def _trainer(pl, steps: int, callbacks: list):
                       enable_model_summary=False, gradient_clip_val=1.0, callbacks=callbacks)
 
 
-def _data(workload: str, steps: int) -> torch.utils.data.DataLoader:
+def _data(workload: str, steps: int, seed: int = 0) -> torch.utils.data.DataLoader:
     """``steps`` batches of the workload's data, on the device."""
     if workload == "gpt":
-        tokens = bigram_corpus(steps * GPT_BATCH, T + 1).to(DEVICE)
+        tokens = bigram_corpus(steps * GPT_BATCH, T + 1, seed=seed).to(DEVICE)
         return _batches((tokens[:, :-1], tokens[:, 1:]), GPT_BATCH)
-    g = torch.Generator(device=DEVICE).manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     x = torch.randn(steps * TAB_BATCH, TAB_IN, device=DEVICE, generator=g)
     return _batches((x, (x[:, :TAB_OUT] > 0).float()), TAB_BATCH)
 
@@ -90,11 +92,11 @@ def _batches(tensors: tuple[torch.Tensor, ...], batch: int) -> torch.utils.data.
     return torch.utils.data.DataLoader(ds, sampler=sampler, batch_size=None)
 
 
-def make_gpt(pl):
+def make_gpt(pl, seed: int = 0):
     class GPT(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
+            torch.manual_seed(seed)
             self.emb = nn.Embedding(V, D)
             self.blocks = nn.ModuleList([
                 nn.TransformerEncoderLayer(D, HEADS, 4 * D, 0.0, "gelu", batch_first=True, norm_first=True)
@@ -122,11 +124,11 @@ def make_gpt(pl):
     return GPT()
 
 
-def make_tabular(pl):
+def make_tabular(pl, seed: int = 0):
     class Tabular(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
+            torch.manual_seed(seed)
             layers = []
             for k in range(4):
                 layers += [nn.Linear(TAB_IN if k == 0 else TAB_WIDTH, TAB_WIDTH), nn.GELU()]
@@ -197,13 +199,14 @@ def make_timer(pl, breakdown: bool):
     return Timer()
 
 
-def run(pl, workload: str, fused: bool, steps: int, args) -> dict:
-    """One Trainer.fit of ``workload`` (stock, or with FusedTraining); its timings and losses."""
-    module = make_gpt(pl) if workload == "gpt" else make_tabular(pl)
+def run(pl, workload: str, fused: bool, steps: int, args, seed: int = 0) -> dict:
+    """One Trainer.fit of ``workload`` (stock, or with FusedTraining) from model and data seed
+    ``seed``; its timings and losses."""
+    module = (make_gpt if workload == "gpt" else make_tabular)(pl, seed)
     timer = make_timer(pl, args.breakdown)
     callbacks = _callbacks(pl, workload, fused, args.verbose)
     trainer = _trainer(pl, steps, [*callbacks, timer])  # the timer last: its batch end follows the EMA
-    loader = _data(workload, steps)
+    loader = _data(workload, steps, seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck).*")
         trainer.fit(module, loader)
@@ -229,7 +232,7 @@ def profile(pl, workload: str, fused: bool, out_dir: str) -> None:
         def on_train_start(self, *args):
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
             self.p = torch.profiler.profile(activities=activities,
-                                            schedule=schedule(wait=1, warmup=WARMUP, active=5))
+                                            schedule=schedule(wait=1, warmup=WARMUP, active=5, repeat=1))
             self.p.start()
 
         def on_train_batch_end(self, *args):
@@ -286,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 40 steps each, one repeat")
     parser.add_argument("--gpt-steps", type=int, default=300)
     parser.add_argument("--tabular-steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=2, help="stock/fused run pairs per workload")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="stock/fused run pairs per workload, pair k from model and data seed k")
     parser.add_argument("--breakdown", action="store_true",
                         help="host ms per step phase (no syncs) instead of synchronized timings")
     parser.add_argument("--profile", action="store_true", help="torch.profiler top ops and Chrome traces")
@@ -306,9 +310,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                 profile(pl, w, fused, args.out)
     results = {w: {"stock": [], "fused": []} for w in workloads}
     for w in workloads:
-        for _ in range(repeats):
+        for seed in range(repeats):  # each pair from its own seed: the final loss is averaged over them
             for fused in (False, True):
-                results[w]["fused" if fused else "stock"].append(run(pl, w, fused, steps[w], args))
+                results[w]["fused" if fused else "stock"].append(run(pl, w, fused, steps[w], args, seed))
     report["details"] = {"steps": steps, "repeats": repeats, "lightning": f"{pl.__name__} {pl.__version__}",
                          "runs": results}
     if args.breakdown:
@@ -322,8 +326,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         return report
     rows = []
     for w in workloads:
-        med = {v: {k: statistics.median(r[k] for r in results[w][v]) for k in ("step_ms", "optimizer_ms",
-                                                                             "final_loss")}
+        # times: medians over the runs; the final loss: the mean over the seeds (one run's final loss
+        # moves by a few % with any rounding difference, stock bf16 against stock 32-true included)
+        med = {v: {"step_ms": statistics.median(r["step_ms"] for r in results[w][v]),
+                   "optimizer_ms": statistics.median(r["optimizer_ms"] for r in results[w][v]),
+                   "final_loss": statistics.fmean(r["final_loss"] for r in results[w][v]),
+                   "final_losses": [r["final_loss"] for r in results[w][v]]}
                for v in ("stock", "fused")}
         step_x = med["stock"]["step_ms"] / med["fused"]["step_ms"]
         opt_x = med["stock"]["optimizer_ms"] / med["fused"]["optimizer_ms"]
@@ -341,9 +349,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                             f">= {GOALS['optimizer']}x)")
         note(report, f"{w}: " + "; ".join(goals))
         rows += [[w, v, f"{med[v]['step_ms']:.3f}", f"{med[v]['optimizer_ms']:.3f}",
-                  f"{med[v]['final_loss']:.4f}"] for v in ("stock", "fused")]
+                  f"{med[v]['final_loss']:.4f}", " ".join(f"{x:.4f}" for x in med[v]["final_losses"])]
+                 for v in ("stock", "fused")]
     print_table(f"Lightning fit, bf16-mixed, clip 1.0 (medians over {repeats} run(s), steps {steps})",
-                ["workload", "run", "ms/step", "optimizer ms", "final loss"], rows)
+                ["workload", "run", "ms/step", "optimizer ms", "final loss (mean)", "per seed"], rows)
     png = plot(results, os.path.join(args.out, "lightning.png"))
     if png is None:
         note(report, "matplotlib not installed: no plot")

@@ -16,6 +16,16 @@ from trainfuse.lightning.precision import PRECISIONS, CastState, precision_of, r
 from trainfuse.lightning.report import OFF, ON, SKIPPED, SWAPPED, Report
 
 
+def _log_step(trainer: Any) -> bool:
+    """Whether the Trainer writes this step's logs (its ``log_every_n_steps`` cadence, as its
+    logger connector decides it, read from public attributes; automatic optimization steps one
+    optimizer a batch, so ``global_step`` after the step is the batch count it uses)."""
+    every = trainer.log_every_n_steps
+    if trainer.fast_dev_run:
+        return True
+    return bool(every) and (trainer.global_step % every == 0 or trainer.should_stop)
+
+
 def _kernels_on(device: torch.device) -> bool:
     """Whether the fused optimizers run their Triton kernels for tensors on ``device``."""
     name = trainfuse.backend()
@@ -44,7 +54,9 @@ class FusedTraining(*_compat.callback_bases()):
         mlp: swap Linear/activation ``nn.Sequential`` chains for ``trainfuse.nn.FusedMLP``.
         losses: swap ``nn.BCEWithLogitsLoss`` modules for ``trainfuse.losses.BCEWithLogitsLoss``.
         strict: raise :class:`trainfuse.lightning.SkipError` instead of skipping anything.
-        log_grad_norm: log the pre-clip gradient norm as ``grad_norm`` (a device tensor, no sync)
+        log_grad_norm: log the pre-clip gradient norm as ``grad_norm`` (a device tensor, no sync) on
+            the steps where the Trainer writes its logs (every ``log_every_n_steps``): a
+            ``self.log`` call costs more host time than the whole fused step
             when clipping by norm runs in the step.
         verbose: print the report table on rank zero at fit start.
 
@@ -290,7 +302,7 @@ class FusedTraining(*_compat.callback_bases()):
         if self._ema_steps and trainer.global_step > self._last_step:
             self._ema.update()
             self._last_step = trainer.global_step
-        if not self.log_grad_norm or self._norm_optimizer is None:
+        if not self.log_grad_norm or self._norm_optimizer is None or not _log_step(trainer):
             return
         norm = self._norm_optimizer.grad_norm
         if norm is not None:
