@@ -112,7 +112,7 @@ class Plan:
     __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
                  "launch", "ntensors", "codes", "param_dtypes", "aligned", "volatile", "keepalive",
                  "copy_back", "slots", "gstrides", "partials", "flags", "counter", "with_grad",
-                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey")
+                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey", "staging", "staged")
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -171,6 +171,7 @@ class RowBuilder:
         plan.aligned, plan.ngrad = self.aligned, self.ngrad
         plan.ntensors = ntensors = len(self.rows)
         plan.partials = plan.flags = plan.counter = plan.tkey = None
+        plan.staging = plan.staged = None
         if ntensors == 0:
             plan.nchunks = 0
             return plan
@@ -192,6 +193,32 @@ def place(plan: Plan, host: torch.Tensor, device: torch.device) -> None:
     plan.rows = buf[: plan.ntensors * ROW]
     plan.chunks = buf[plan.ntensors * ROW :]
     plan.tkey = None
+
+
+def patch_column(plan: Plan, col: int, values: list[int]) -> None:
+    """Write ``values`` into column ``col`` of the first ``len(values)`` rows, host and device
+    tables alike (new grad addresses after ``zero_grad(set_to_none=True)``): one small upload into
+    the device rows in place, no allocation.
+
+    The device write is ordered on the current stream after the launches that read the old rows,
+    as any in-place update of a tensor is. The pinned staging copy it uploads from is reused once
+    the previous upload from it has completed (an event, normally long done when the next step
+    comes: the wait is a query)."""
+    n = len(values)
+    rows = plan.host[: plan.ntensors * ROW].view(plan.ntensors, ROW)
+    rows[:n, col] = torch.tensor(values, dtype=torch.int64)
+    if plan.rows.device.type == "cpu":
+        plan.rows.view(plan.ntensors, ROW)[:n, col] = rows[:n, col]
+        return
+    if plan.staging is None:
+        plan.staging = torch.empty(plan.ntensors * ROW, dtype=torch.int64, pin_memory=True)
+    elif plan.staged is not None:
+        plan.staged.synchronize()
+    plan.staging.copy_(plan.host[: plan.ntensors * ROW])
+    plan.rows.copy_(plan.staging, non_blocking=True)
+    if plan.staged is None:
+        plan.staged = torch.cuda.Event()
+    plan.staged.record()
 
 
 def code_of(dtype: torch.dtype, master: bool = False, ema: torch.Tensor | None = None,

@@ -29,14 +29,13 @@ from trainfuse._multi_tensor.tables import (
     OP_MASTER,
     OP_PARAM,
     OP_STATE,
-    ROW,
     Plan,
     RowBuilder,
     code_of,
     conform,
     launch_stats,
     launch_update,
-    place,
+    patch_column,
     same_layout,
     upload,
 )
@@ -310,10 +309,10 @@ class MultiTensorEngine(TorchPath):
         # still differ (a user-assigned grad), and the plan assumed the param's
         if [g.stride() for g in live] != plan.gstrides:
             return False
-        addrs = torch.tensor([g.data_ptr() for g in live], dtype=torch.int64)
-        plan.aligned = plan.aligned and bool((addrs % 16 == 0).all())
-        plan.host[: plan.ntensors * ROW].view(plan.ntensors, ROW)[: len(live), OP_GRAD] = addrs
-        place(plan, plan.host, plan.rows.device)
+        addrs = [g.data_ptr() for g in live]
+        if plan.aligned and any(a & 15 for a in addrs):  # the launch's cache key changes with it
+            plan.aligned, plan.tkey = False, None
+        patch_column(plan, OP_GRAD, addrs)
         plan.gkey = gkey
         return True
 
