@@ -13,22 +13,10 @@ from typing import Any
 import torch
 
 from trainfuse.optim import MASTER_KEY
+from trainfuse.optim.portable import MASTER_GROUP_KEY, torch_state_dict
 
-MASTER_GROUP_KEY = "master_weights"  # the group option that asks for float32 masters
-
-
-def torch_optimizer_state(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A fused optimizer's ``state_dict()`` in torch.optim's layout (new dicts; the live
-    optimizer state is not touched)."""
-    state = {}
-    for idx, entry in state_dict["state"].items():
-        entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
-        step = entry.get("step")
-        if torch.is_tensor(step):
-            entry["step"] = step.detach().to(device="cpu", dtype=torch.float32).reshape(())
-        state[idx] = entry
-    groups = [{k: v for k, v in g.items() if k != MASTER_GROUP_KEY} for g in state_dict["param_groups"]]
-    return {**state_dict, "state": state, "param_groups": groups}
+# torch.optim's layout of a fused optimizer's state_dict (shared with the ultralytics trainer)
+torch_optimizer_state = torch_state_dict
 
 
 def plain_checkpoint(checkpoint: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
