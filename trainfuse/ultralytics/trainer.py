@@ -28,12 +28,16 @@ What it changes, and nothing else (ultralytics itself is not patched):
   weights and the buffers, exactly as ``ModelEMA.update`` after a skipped ``scaler.step``).
 - **GradScaler**: :class:`trainfuse.amp.GradScaler` (torch's, with the one-launch check) replaces
   torch's, state included.
+- **Casts** (AMP on CUDA): the weights become float16 (bfloat16 under ``amp="bf16"``) with float32
+  masters in the optimizer, whose update writes both: autocast then casts no weight forward and no
+  grad back (about 120 launches an iteration on yolov5n). See :mod:`trainfuse.ultralytics.casts`.
 - **Loss**: :func:`_criterion` picks the detection loss the model trains with:
   :class:`~trainfuse.ultralytics.FusedDetectionLoss` (ultralytics' ``v8DetectionLoss`` without host
   syncs), with the labels padded to a bucketed capacity on the CPU in ``preprocess_batch``, before
   ultralytics moves the batch to the GPU.
 
-Checkpoints stay stock: the optimizer state_dict has torch's layout, the EMA is a plain model, so
+Checkpoints stay stock: the optimizer state_dict has torch's layout (no masters), the EMA is a
+plain float32 model saved as ultralytics saves it, so
 ``last.pt`` / ``best.pt`` load, validate, predict and resume with stock ultralytics, and a stock
 checkpoint resumes with this trainer.
 """
@@ -50,6 +54,7 @@ from ultralytics.utils.torch_utils import ModelEMA, unwrap_model
 
 from trainfuse.amp import GradScaler
 from trainfuse.optim import FusedAdam, FusedAdamW, FusedEMA, FusedSGD
+from trainfuse.ultralytics.casts import CastWeights, TorchLayoutOptimizer, cast_dtype
 from trainfuse.ultralytics.loss import FusedDetectionLoss
 from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets
 
@@ -123,11 +128,15 @@ class FusedDetectionTrainer(DetectionTrainer):
         fused_loss: install :func:`_criterion`'s loss (a subclass may set False to train with
             ultralytics' own loss and fuse only the optimizer phase).
         fused_reason: empty when the optimizer is fused, else why it stayed stock.
+        fuse_casts: under AMP on CUDA, keep 16-bit weights with float32 masters in the fused
+            optimizer (a subclass may set False to keep float32 weights and autocast's casts).
     """
 
     fused_loss = True
     fused_reason = "the optimizer is not built yet"
+    fuse_casts = True
     _pad_targets = False
+    _casts: CastWeights | None = None
 
     # ---- optimizer -------------------------------------------------------------------------------
     def build_optimizer(self, model, name="auto", lr=0.001, momentum=0.9, decay=1e-5, iterations=1e5):
@@ -170,6 +179,27 @@ class FusedDetectionTrainer(DetectionTrainer):
             if self._pad_targets:
                 LOGGER.info(f"{_PREFIX} FusedDetectionLoss, labels padded on the CPU (no host sync in the "
                             "loss)")
+        self._apply_casts()
+
+    def _apply_casts(self) -> None:
+        """16-bit weights with float32 masters in the fused optimizer (AMP on CUDA only)."""
+        dtype = cast_dtype(self) if self.fuse_casts else None
+        if dtype is None:
+            return
+        self._casts = CastWeights(unwrap_model(self.model), self.optimizer, dtype)
+        LOGGER.info(f"{_PREFIX} {len(self._casts.params)} weights {str(dtype).replace('torch.', '')} with "
+                    "float32 masters in the optimizer: autocast casts no weight (BatchNorm stays float32)")
+
+    def save_model(self):
+        """Ultralytics' checkpoint, with the fused optimizer's state in torch.optim's layout."""
+        if not self.fused:
+            return super().save_model()
+        optimizer = self.optimizer
+        self.optimizer = TorchLayoutOptimizer(optimizer)
+        try:
+            return super().save_model()
+        finally:
+            self.optimizer = optimizer
 
     def build_dataset(self, img_path: str, mode: str = "train", batch: int | None = None):
         """Ultralytics' dataset; in training, its batches also carry the labels padded to their
@@ -187,11 +217,18 @@ class FusedDetectionTrainer(DetectionTrainer):
         return super().preprocess_batch(batch)
 
     def _load_checkpoint_state(self, ckpt):
-        # resume and NaN recovery load the EMA into a fresh ModelEMA: make it fused again
+        # resume and NaN recovery load the EMA into a fresh ModelEMA: make it fused again. NaN
+        # recovery runs mid-training, on cast weights: float32 again first (the EMA copies the
+        # model; the optimizer state loaded has no masters), cast again after
+        casts, self._casts = self._casts, None
+        if casts is not None:
+            casts.undo()
         super()._load_checkpoint_state(ckpt)
         if getattr(self, "scaler", None) is not None:
             self._install_scaler()
         self._install_ema()
+        if casts is not None:
+            self._apply_casts()
 
     def _install_scaler(self) -> None:
         """Replace torch's GradScaler by trainfuse's (same settings and state)."""
