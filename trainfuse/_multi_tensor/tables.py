@@ -112,13 +112,13 @@ class Plan:
     __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
                  "launch", "ntensors", "codes", "param_dtypes", "aligned", "volatile", "keepalive",
                  "copy_back", "slots", "gstrides", "partials", "flags", "counter", "with_grad",
-                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey", "staging", "staged")
+                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey", "staged")
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
 
 
 class RowBuilder:
@@ -171,7 +171,7 @@ class RowBuilder:
         plan.aligned, plan.ngrad = self.aligned, self.ngrad
         plan.ntensors = ntensors = len(self.rows)
         plan.partials = plan.flags = plan.counter = plan.tkey = None
-        plan.staging = plan.staged = None
+        plan.staged = None
         if ntensors == 0:
             plan.nchunks = 0
             return plan
@@ -181,6 +181,8 @@ class RowBuilder:
         first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
         plan.host = torch.cat([torch.tensor(self.rows, dtype=torch.int64).flatten(), items])
+        if device.type == "cuda":  # uploads from it run async; patch_column rewrites it in place
+            plan.host = plan.host.pin_memory()
         plan.nchunks = total
         place(plan, plan.host, device)
         plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
@@ -193,6 +195,16 @@ def place(plan: Plan, host: torch.Tensor, device: torch.device) -> None:
     plan.rows = buf[: plan.ntensors * ROW]
     plan.chunks = buf[plan.ntensors * ROW :]
     plan.tkey = None
+    _uploaded(plan, host)
+
+
+def _uploaded(plan: Plan, host: torch.Tensor) -> None:
+    """Remember when the async upload from the plan's pinned host table is done (patch_column
+    waits for it before it writes that table again)."""
+    if host is plan.host and host.is_pinned():
+        if plan.staged is None:
+            plan.staged = torch.cuda.Event()
+        plan.staged.record(torch.cuda.current_stream(plan.rows.device))
 
 
 def patch_column(plan: Plan, col: int, values: list[int]) -> None:
@@ -201,24 +213,32 @@ def patch_column(plan: Plan, col: int, values: list[int]) -> None:
     the device rows in place, no allocation.
 
     The device write is ordered on the current stream after the launches that read the old rows,
-    as any in-place update of a tensor is. The pinned staging copy it uploads from is reused once
+    as any in-place update of a tensor is. The pinned host table it uploads from is written once
     the previous upload from it has completed (an event, normally long done when the next step
     comes: the wait is a query)."""
-    n = len(values)
-    rows = plan.host[: plan.ntensors * ROW].view(plan.ntensors, ROW)
+    n, size = len(values), plan.ntensors * ROW
+    if plan.staged is not None:
+        plan.staged.synchronize()
+    rows = plan.host[:size].view(plan.ntensors, ROW)
     rows[:n, col] = torch.tensor(values, dtype=torch.int64)
     if plan.rows.device.type == "cpu":
         plan.rows.view(plan.ntensors, ROW)[:n, col] = rows[:n, col]
         return
-    if plan.staging is None:
-        plan.staging = torch.empty(plan.ntensors * ROW, dtype=torch.int64, pin_memory=True)
-    elif plan.staged is not None:
-        plan.staged.synchronize()
-    plan.staging.copy_(plan.host[: plan.ntensors * ROW])
-    plan.rows.copy_(plan.staging, non_blocking=True)
-    if plan.staged is None:
-        plan.staged = torch.cuda.Event()
-    plan.staged.record()
+    plan.rows.copy_(plan.host[:size], non_blocking=True)
+    _uploaded(plan, plan.host)
+
+
+def patch_grads(plan: Plan, grads: list[torch.Tensor], addrs: list[int]) -> bool:
+    """Point the plan's gradient rows at ``grads`` (in row order; ``addrs`` their data pointers)
+    when only their addresses moved. False, nothing written, when a layout differs from the one
+    the plan assumed: autograd and the ``.grad`` setter pin dtype, shape and device, the strides
+    are all a user-assigned grad can still change."""
+    if [g.stride() for g in grads] != plan.gstrides:
+        return False
+    if plan.aligned and any(a & 15 for a in addrs):  # the launch's cache key changes with it
+        plan.aligned, plan.tkey = False, None
+    patch_column(plan, OP_GRAD, addrs)
+    return True
 
 
 def code_of(dtype: torch.dtype, master: bool = False, ema: torch.Tensor | None = None,

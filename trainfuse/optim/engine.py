@@ -35,7 +35,7 @@ from trainfuse._multi_tensor.tables import (
     conform,
     launch_stats,
     launch_update,
-    patch_column,
+    patch_grads,
     same_layout,
     upload,
 )
@@ -105,13 +105,15 @@ class MultiTensorEngine(TorchPath):
     def _hot_plan(self, device) -> Plan | None:
         """The cached plan when params, grads and EMA tensors sit where it expects them: two
         address lists compared (the grads', then the params' and EMA tensors' together), the
-        whole check for yolov5n's 219 params and 358 EMA tensors."""
+        whole check for yolov5n's 219 params and 358 EMA tensors. When only the grads moved
+        (``zero_grad(set_to_none=True)``, then a backward that allocated elsewhere: most steps
+        of a real run) and kept their layouts, their column is patched here and the plan kept."""
         plan = self._plans.get(device)
         if plan is None or plan.volatile or plan.fixed_key is None:
             return None
         try:
-            if list(map(_data_ptr, map(_grad, plan.with_grad))) != plan.hot_gkey:
-                return None
+            grads = list(map(_grad, plan.with_grad))
+            gkey = list(map(_data_ptr, grads))
         except (TypeError, RuntimeError):  # a grad became None, or sparse
             return None
         if list(map(_data_ptr, plan.fixed)) != plan.fixed_key:
@@ -121,6 +123,13 @@ class MultiTensorEngine(TorchPath):
                 return None
         if plan.eflat is not self.client.ema_tensors():  # EMA attached, detached or re-paired
             return None
+        if gkey != plan.hot_gkey:
+            if not patch_grads(plan, grads, gkey):
+                return None
+            full = plan.gkey
+            for pos, a in zip(plan.slots, gkey):
+                full[pos] = a
+            plan.hot_gkey = gkey
         return plan
 
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
@@ -305,14 +314,8 @@ class MultiTensorEngine(TorchPath):
         if idx is not None:
             grads = [grads[i] for i in idx]
         live = [grads[i] for i in plan.slots]
-        # autograd and the .grad setter pin dtype, shape and device; the layout is all that can
-        # still differ (a user-assigned grad), and the plan assumed the param's
-        if [g.stride() for g in live] != plan.gstrides:
+        if not patch_grads(plan, live, [g.data_ptr() for g in live]):
             return False
-        addrs = [g.data_ptr() for g in live]
-        if plan.aligned and any(a & 15 for a in addrs):  # the launch's cache key changes with it
-            plan.aligned, plan.tkey = False, None
-        patch_column(plan, OP_GRAD, addrs)
         plan.gkey = gkey
         return True
 
