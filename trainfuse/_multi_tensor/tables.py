@@ -112,13 +112,13 @@ class Plan:
     __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
                  "launch", "ntensors", "codes", "param_dtypes", "aligned", "volatile", "keepalive",
                  "copy_back", "slots", "gstrides", "partials", "flags", "counter", "with_grad",
-                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey", "staged")
+                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey")
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host
-    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class RowBuilder:
@@ -171,7 +171,6 @@ class RowBuilder:
         plan.aligned, plan.ngrad = self.aligned, self.ngrad
         plan.ntensors = ntensors = len(self.rows)
         plan.partials = plan.flags = plan.counter = plan.tkey = None
-        plan.staged = None
         if ntensors == 0:
             plan.nchunks = 0
             return plan
@@ -181,8 +180,6 @@ class RowBuilder:
         first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
         plan.host = torch.cat([torch.tensor(self.rows, dtype=torch.int64).flatten(), items])
-        if device.type == "cuda":  # uploads from it run async; patch_column rewrites it in place
-            plan.host = plan.host.pin_memory()
         plan.nchunks = total
         place(plan, plan.host, device)
         plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
@@ -195,37 +192,23 @@ def place(plan: Plan, host: torch.Tensor, device: torch.device) -> None:
     plan.rows = buf[: plan.ntensors * ROW]
     plan.chunks = buf[plan.ntensors * ROW :]
     plan.tkey = None
-    _uploaded(plan, host)
-
-
-def _uploaded(plan: Plan, host: torch.Tensor) -> None:
-    """Remember when the async upload from the plan's pinned host table is done (patch_column
-    waits for it before it writes that table again)."""
-    if host is plan.host and host.is_pinned():
-        if plan.staged is None:
-            plan.staged = torch.cuda.Event()
-        plan.staged.record(torch.cuda.current_stream(plan.rows.device))
 
 
 def patch_column(plan: Plan, col: int, values: list[int]) -> None:
     """Write ``values`` into column ``col`` of the first ``len(values)`` rows, host and device
     tables alike (new grad addresses after ``zero_grad(set_to_none=True)``): one small upload into
-    the device rows in place, no allocation.
+    the device rows in place, no device allocation, no wait.
 
     The device write is ordered on the current stream after the launches that read the old rows,
-    as any in-place update of a tensor is. The pinned host table it uploads from is written once
-    the previous upload from it has completed (an event, normally long done when the next step
-    comes: the wait is a query)."""
+    as any in-place update of a tensor is. It uploads from a pinned copy of the rows that torch's
+    pinned-memory cache keeps until the copy has run."""
     n, size = len(values), plan.ntensors * ROW
-    if plan.staged is not None:
-        plan.staged.synchronize()
     rows = plan.host[:size].view(plan.ntensors, ROW)
     rows[:n, col] = torch.tensor(values, dtype=torch.int64)
     if plan.rows.device.type == "cpu":
         plan.rows.view(plan.ntensors, ROW)[:n, col] = rows[:n, col]
-        return
-    plan.rows.copy_(plan.host[:size], non_blocking=True)
-    _uploaded(plan, plan.host)
+    else:
+        plan.rows.copy_(plan.host[:size].pin_memory(), non_blocking=True)
 
 
 def patch_grads(plan: Plan, grads: list[torch.Tensor], addrs: list[int]) -> bool:
