@@ -221,7 +221,9 @@ def test_assigner_kernels_match_torch(kernels, small_blocks, garbage_empty, mode
     align, ov, cand, _, _ = tal.metric(*args)
     ref_align, ref_ov, ref_cand = tal.metric_torch(*args)
     assert torch.equal(cand.bool(), ref_cand)
-    torch.testing.assert_close(ov, ref_ov, rtol=2e-6, atol=1e-7)
+    # CIoU = IoU - (rho2 / c2 + v * alpha) cancels: a few float32 ulps of its terms (the GPU's
+    # atan and fused multiply-adds against torch's) reach ~2e-7 absolute on values ~0.05
+    torch.testing.assert_close(ov, ref_ov, rtol=1e-5, atol=5e-7)
     torch.testing.assert_close(align, ref_align, rtol=1e-5, atol=1e-9)
     got, want = tal.assign_kernels(*args), tal.assign_torch(*args)
     assert torch.equal(got.gidx, want.gidx) and torch.equal(got.label, want.label)
