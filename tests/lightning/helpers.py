@@ -15,8 +15,9 @@ PACKAGES = [name for name in ("lightning.pytorch", "pytorch_lightning")
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 8
 # the compiled kernels against torch on one GPU, 4 steps of AdamW at lr 1e-2: float32 a few ulp
 # per step (amplified for near-zero grads by Adam's normalization), 16-bit runs additionally by the
-# masters' 2-ulp division/square root and 16-bit rounding ties
-GPU_TOL = {"32-true": 1e-5, "bf16-mixed": 1e-4, "16-mixed": 1e-4}
+# masters' 2-ulp division/square root and 16-bit rounding ties; 16-mixed with value clipping (cast
+# weights, float16 grads through FusedMLP's matmuls) reached 1.3e-4 on one near-zero-grad bias
+GPU_TOL = {"32-true": 1e-5, "bf16-mixed": 1e-4, "16-mixed": 2.5e-4}
 
 
 def package(name: str = "lightning.pytorch"):
