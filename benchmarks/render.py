@@ -78,10 +78,19 @@ def compared(rows: list[dict], metric: str) -> tuple[dict | None, dict | None]:
     return (min(theirs, key=lambda r: r[metric]) if theirs else None), (ours[0] if ours else None)
 
 
+def framework(report: dict) -> str:
+    """The training framework a family measured through, with its version ("" if none)."""
+    details = report.get("details", {})
+    lightning = details.get("details", {}).get("lightning")
+    ultralytics = details.get("settings", {}).get("ultralytics")
+    return lightning or (f"ultralytics {ultralytics}" if ultralytics else "")
+
+
 def _versions(reports: dict[str, dict]) -> str:
     combos: dict[tuple[str, str, str], list[str]] = {}
     for family, r in reports.items():
-        combos.setdefault((r["torch"], r["triton"], r["date"]), []).append(family)
+        name = f"{family} with {framework(r)}" if framework(r) else family
+        combos.setdefault((r["torch"], r["triton"], r["date"]), []).append(name)
     return "; ".join(f"torch {t}, triton {tr}, measured {d} ({', '.join(fams)})"
                      for (t, tr, d), fams in combos.items())
 
@@ -144,8 +153,9 @@ def family_section(family: str, results: dict[str, dict[str, dict]], link: str) 
         if report is None:
             continue
         copy = f", copy bandwidth {report['copy_GBps']:.0f} GB/s" if report.get("copy_GBps") else ""
-        lines = [f"**{report['device']}**, torch {report['torch']}, triton {report['triton']}, trainfuse "
-                 f"{report['trainfuse']}, measured {report['date']}{copy}: `{report['command']}` "
+        frame = f", {framework(report)}" if framework(report) else ""
+        lines = [f"**{report['device']}**, torch {report['torch']}, triton {report['triton']}{frame}, "
+                 f"trainfuse {report['trainfuse']}, measured {report['date']}{copy}: `{report['command']}` "
                  f"([data]({link}/{gpu}/{family}.json)).", ""]
         lines += [f"- {n}" for n in report.get("notes", [])] + [""] * bool(report.get("notes"))
         lines.append(family_table(report))
