@@ -235,14 +235,6 @@ def test_assigner_kernels_match_torch(kernels, small_blocks, garbage_empty, mode
         assert torch.equal(a, b)
 
 
-def test_loss_kernels_are_launched_on_one_axis_grids():
-    """The cached launcher relaunches a compiled kernel on the grid's first axis alone, so a kernel
-    on a grid of two axes would skip most of its programs from its second launch on: refused, on
-    the CPU too."""
-    with pytest.raises(ValueError, match="metric_kernel: grid must have one axis"):
-        sums.launcher(tal.metric_kernel, (2, 3), torch.zeros(1), num_warps=4)
-
-
 @pytest.mark.parametrize("weighted", [False, True])
 def test_loss_kernels_match_torch_float64_reference(weighted, kernels, small_blocks, garbage_empty, model):
     """The box+DFL and BCE kernels against the dense torch terms computed in float64."""

@@ -19,20 +19,8 @@ import triton.language as tl
 
 from trainfuse._runtime.launch import CachedLauncher, sm_count, stream_workspace
 
-
-class Launcher(CachedLauncher):
-    """The runtime's cached launcher for one-axis grids only: its direct relaunch passes the grid's
-    first axis alone, so a kernel launched on ``(B, blocks)`` would run ``B`` programs from its
-    second call on (the rest of its outputs left unwritten). Refused here, on the CPU too."""
-
-    def __call__(self, fn, grid: tuple[int], *args, **kwargs) -> None:
-        if len(grid) != 1:
-            raise ValueError(f"{fn.__name__}: grid must have one axis (launches after the first pass only "
-                             f"grid[0]), got {grid}")
-        super().__call__(fn, grid, *args, **kwargs)
-
-
-launcher = Launcher()
+# the loss kernels' launches: cached launch sites (CachedLauncher relaunches grids of any rank)
+launcher = CachedLauncher()
 
 
 @dataclasses.dataclass
@@ -85,5 +73,5 @@ def fdiv(a, b):
     return tl.fdiv(a, b)
 
 
-__all__ = ["Blocks", "Launcher", "arrive", "blocks", "fdiv", "gather_sum", "launcher", "persistent_grid",
+__all__ = ["Blocks", "arrive", "blocks", "fdiv", "gather_sum", "launcher", "persistent_grid",
            "scratch"]
