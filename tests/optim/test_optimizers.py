@@ -313,6 +313,27 @@ def test_grads_at_new_addresses_patch_the_tables_in_place(cls, kernels, device):
         assert_step_matches(opt, *before, grads, torch.float32)
 
 
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_hparams_change_in_place_and_refresh_writes_them(cls, kernels, device):
+    """A new lr is written into the same device table (a replayed CUDA graph holds its address);
+    refresh_hparams writes it without a step, and the next step matches torch."""
+    params = _params(SHAPES, torch.float32, device)
+    opt = cls(params, lr=0.05)
+    _fresh_grads(params)
+    opt.step()
+    (values, table), = opt._engine._hp.values()
+    address = table.data_ptr()
+    opt.param_groups[0]["lr"] = 0.01
+    opt.refresh_hparams()
+    (values, table), = opt._engine._hp.values()
+    assert table.data_ptr() == address and 0.01 in values
+    assert float(table[values.index(0.01)]) == 0.01  # on the device
+    before = snapshot(opt)
+    grads = _fresh_grads(params)
+    opt.step()
+    assert_step_matches(opt, *before, grads, torch.float32)
+
+
 def test_multi_chunk_tensors_bump_step_exactly_once(kernels, device):
     params = _params([(kernels.chunk * 5 + 3,), (kernels.chunk,), (0,)], torch.float32, device)
     opt = trainfuse.FusedAdamW(params)

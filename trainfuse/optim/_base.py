@@ -186,6 +186,15 @@ class FusedOptimizer(Optimizer):
         ``max_grad_norm``, or no step yet)."""
         return self._engine.grad_norm()
 
+    def refresh_hparams(self) -> None:
+        """Write the groups' current hyperparameters (lr, momentum, betas, weight decay...) into
+        the device table the update kernel reads, in place (a non-blocking copy, no sync).
+
+        A step does this itself; a step replayed from a CUDA graph does not run the host code, so
+        a caller that changes ``lr`` between replays (a scheduler, a warmup) calls this before each
+        replay. The table keeps its address while the groups keep their number and layout."""
+        self._engine.refresh_hparams()
+
     def check_grads(self, grad_scale: torch.Tensor) -> dict[torch.device, torch.Tensor] | None:
         """GradScaler's inf/NaN check of the scaled grads, done by the statistics pass the step
         runs anyway (which also takes the clipping norm when ``max_grad_norm`` is set): returns

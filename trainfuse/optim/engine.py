@@ -363,13 +363,25 @@ class MultiTensorEngine(TorchPath):
         cached = self._hp.get(device)
         if cached is None or cached[0] != values:
             self.client.check_hparams()
-            hp = upload(torch.tensor(values, dtype=torch.float64), device)
+            host = torch.tensor(values, dtype=torch.float64)
+            if cached is not None and len(cached[0]) == len(values):
+                # in place, stream-ordered after the launches that read it: its address stays, so
+                # a step replayed from a CUDA graph reads the new values (refresh_hparams)
+                hp = cached[1]
+                hp.copy_(host if hp.device.type == "cpu" else host.pin_memory(), non_blocking=True)
+            else:
+                hp = upload(host, device)
             self._hp[device] = (values, hp)
         else:
             hp = cached[1]
         for k, t in tensors:  # tensor hyperparameters (e.g. a CUDA lr): device copy, no sync
             hp[k : k + 1].copy_(t.reshape(1), non_blocking=True)
         return hp
+
+    def refresh_hparams(self) -> None:
+        """Write the groups' current hyperparameters into each device's table, in place."""
+        for device in list(self._hp):
+            self._hparams(device)
 
     def _build(self, device, idx, grads) -> Plan:
         client = self.client
