@@ -37,10 +37,10 @@ from trainfuse._multi_tensor.tables import (
     launch_update,
     patch_grads,
     same_layout,
-    upload,
 )
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import CachedLauncher
+from trainfuse.optim.hparams import hparams_table
 from trainfuse.optim.torch_path import TorchPath
 from trainfuse.optim.tracked import changed, snapshot
 
@@ -348,35 +348,7 @@ class MultiTensorEngine(TorchPath):
                 g.copy_(tmp)
 
     def _hparams(self, device) -> torch.Tensor:
-        values: list[float] = []
-        tensors = []
-        width = self.client.HP_WIDTH
-        for group in self.client.param_groups:
-            row = self.client.hparams_row(group)
-            for v in row:
-                if isinstance(v, torch.Tensor):
-                    tensors.append((len(values), v))
-                    values.append(0.0)
-                else:
-                    values.append(float(v))
-            values.extend([0.0] * (width - len(row)))  # rows are HP_WIDTH wide in the kernel
-        cached = self._hp.get(device)
-        if cached is None or cached[0] != values:
-            self.client.check_hparams()
-            host = torch.tensor(values, dtype=torch.float64)
-            if cached is not None and len(cached[0]) == len(values):
-                # in place, stream-ordered after the launches that read it: its address stays, so
-                # a step replayed from a CUDA graph reads the new values (refresh_hparams)
-                hp = cached[1]
-                hp.copy_(host if hp.device.type == "cpu" else host.pin_memory(), non_blocking=True)
-            else:
-                hp = upload(host, device)
-            self._hp[device] = (values, hp)
-        else:
-            hp = cached[1]
-        for k, t in tensors:  # tensor hyperparameters (e.g. a CUDA lr): device copy, no sync
-            hp[k : k + 1].copy_(t.reshape(1), non_blocking=True)
-        return hp
+        return hparams_table(self.client, self._hp, device)
 
     def refresh_hparams(self) -> None:
         """Write the groups' current hyperparameters into each device's table, in place."""
