@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import triton
@@ -30,6 +31,7 @@ from trainfuse._multi_tensor.tables import (
     launch_update,
 )
 from trainfuse._runtime.backend import use_triton
+from trainfuse.optim.sharded import combine_stats_, global_norm
 
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
@@ -86,6 +88,8 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: Any = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` in two launches (norm, then scaling), no host sync.
 
@@ -96,6 +100,9 @@ def clip_grad_norm_(
             of other dtypes) run torch's own function.
         error_if_nonfinite: raise when the total norm is inf/NaN (this one syncs, as in torch).
         foreach: accepted for torch compatibility.
+        process_group: where the ranks of this process group each hold some of the gradients
+            (FSDP's shards), the norm is that of all of them: one all-reduce on the device, no
+            host sync (None: this process's gradients alone, as torch's function).
 
     Returns:
         The total norm of the gradients (viewed as one vector), in the dtype torch's function
@@ -114,11 +121,20 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     plan = _grads_plan(grads, norm_type) if grads else None
-    if plan is None:
+    if plan is None and process_group is None:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    if plan is None:  # torch's functions for this rank's part, then the group's norm
+        total = global_norm(grads, norm_type, process_group)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped")
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
+        return total
     out = torch.empty(4, dtype=torch.float32, device=grads[0].device)
     with torch.no_grad():
         launch_stats(_plans.launcher, plan, out, max_norm=float(max_norm), norm_type=norm_type)
+        if process_group is not None:
+            combine_stats_(out, process_group, float(max_norm), norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(out[0])):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "

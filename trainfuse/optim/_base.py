@@ -54,6 +54,10 @@ class FusedOptimizer(Optimizer):
     HP_WIDTH = 8
     # Set once the constructor has validated the first groups; later groups are checked on add.
     _hparams_checked = False
+    # The process group whose ranks each hold a shard of the params (FSDP): set it, and the
+    # clipping norm of ``max_grad_norm`` and GradScaler's inf check cover every rank's grads (one
+    # all-reduce on the device, no host sync). Not carried by copies or pickles.
+    shard_group: Any = None
 
     def __init__(self, params, defaults: dict[str, Any], max_grad_norm: float | None = None,
                  max_grad_value: float | None = None):

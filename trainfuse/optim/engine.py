@@ -41,6 +41,7 @@ from trainfuse._multi_tensor.tables import (
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import CachedLauncher
 from trainfuse.optim.hparams import hparams_table
+from trainfuse.optim.sharded import combine_client_stats_
 from trainfuse.optim.torch_path import TorchPath
 from trainfuse.optim.tracked import changed, snapshot
 
@@ -195,6 +196,7 @@ class MultiTensorEngine(TorchPath):
         clipping = self.client.max_grad_norm is not None
         launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
                      max_norm=self.client.max_grad_norm or 0.0, norm_type=2.0 if clipping else None)
+        combine_client_stats_(self.client, out, clipping)
         self._norm_ready = self._norm_ready or clipping
         self._checked[device] = (grad_scale, plan)
         self._structure = snapshot(self.client)
@@ -337,6 +339,7 @@ class MultiTensorEngine(TorchPath):
             if checked is None or checked[0] is not grad_scale:  # GradScaler did not run it for us
                 launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
                              max_norm=client.max_grad_norm, norm_type=2.0)
+                combine_client_stats_(self.client, out, True)
             self._norm_ready = True
             clip = self._clip_of(out)
         ema_w = client.ema_weight

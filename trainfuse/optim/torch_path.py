@@ -7,6 +7,7 @@ import torch
 
 from trainfuse._multi_tensor.tables import DTYPE_CODES, is_dense
 from trainfuse._runtime.backend import use_triton
+from trainfuse.optim.sharded import check_group, global_norm
 
 
 class TorchPath:
@@ -73,7 +74,13 @@ class TorchPath:
             if not skip:
                 if grad_scale is not None and all_grads:  # like torch's fused kernels, leave the
                     torch._foreach_div_(all_grads, grad_scale.to(device))  # grads unscaled
-                if client.max_grad_norm is not None and all_grads:
+                if client.max_grad_norm is not None and all_grads and client.shard_group is not None:
+                    check_group(client.shard_group, type(client).__name__)
+                    total = global_norm(all_grads, 2.0, client.shard_group)  # every rank's shards
+                    torch.nn.utils.clip_grads_with_norm_(with_grad, client.max_grad_norm, total)
+                    self._stats_out(device)[0].copy_(total)
+                    self._norm_ready = True
+                elif client.max_grad_norm is not None and all_grads:
                     # torch's function takes the params and clips their .grad
                     total = torch.nn.utils.clip_grad_norm_(with_grad, client.max_grad_norm)
                     self._stats_out(device)[0].copy_(total)
