@@ -1,0 +1,91 @@
+"""FusedTraining under Lightning's DDP: 2 processes on the CPU with the gloo backend (the fused
+optimizers take torch's path there) against 1 process with the same global batch.
+
+A DistributedSampler without shuffling (Lightning's own shuffles) gives rank r the samples r, r + 2,
+...: with a per-rank batch
+of B, step k of the two ranks covers exactly the 2B samples of step k of one process with batch 2B,
+and DDP's averaged grads are that batch's mean-loss grads. The model has no BatchNorm (its
+statistics would be per rank)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from trainfuse.lightning import FusedTraining  # noqa: E402
+
+IN, HIDDEN, OUT, BATCH, STEPS = 8, 16, 4, 4, 6
+
+
+def _data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * STEPS * BATCH, IN, generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, :OUT] > 0).float())
+
+
+class Net(pl.LightningModule):
+    """An MLP with a BCE loss; each rank writes its params and its callback's EMA at train end."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU())
+        self.head = nn.Linear(HIDDEN, OUT)
+        self.crit = nn.BCEWithLogitsLoss()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return self.crit(self.head(self.body(x)), y)
+
+    def train_dataloader(self):
+        # in order on every rank (Lightning's own DistributedSampler shuffles training data)
+        data = _data()
+        sampler = torch.utils.data.DistributedSampler(data, self.trainer.world_size, self.global_rank,
+                                                      shuffle=False)
+        batch = BATCH * 2 // self.trainer.world_size
+        return torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def on_train_end(self):
+        fused = [c for c in self.trainer.callbacks if isinstance(c, FusedTraining)]
+        state = {"params": {k: v.detach().clone() for k, v in self.named_parameters()},
+                 "ema": fused[0].state_dict() if fused else None,
+                 "report": [(r.kind, r.action) for r in fused[0].report] if fused else None}
+        name = f"rank{self.global_rank}-of-{self.trainer.world_size}.pt"
+        torch.save(state, os.path.join(self.out_dir, name))
+
+
+def _fit(out_dir, devices: int) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, gradient_clip_val=0.3, use_distributed_sampler=False,
+                         callbacks=[FusedTraining(ema_decay=0.8, verbose=False)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*(num_workers|bottleneck|does not have many workers).*")
+        trainer.fit(Net(str(out_dir)))
+
+
+def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tmp_path):
+    _fit(tmp_path, 1)
+    _fit(tmp_path, 2)
+    one = torch.load(tmp_path / "rank0-of-1.pt")
+    ranks = [torch.load(tmp_path / f"rank{r}-of-2.pt") for r in range(2)]
+    assert dict(ranks[0]["report"])["optimizer"] == "swapped"
+    assert dict(ranks[0]["report"])["clipping"] == "on"
+    for k, v in one["params"].items():
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k  # every rank the same
+        torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    ema_one = one["ema"]
+    for r in ranks:
+        for k, v in r["ema"].items():
+            if torch.is_tensor(v):
+                torch.testing.assert_close(v, ema_one[k], rtol=1e-5, atol=1e-6, msg=k)
