@@ -32,13 +32,13 @@ def _data() -> torch.utils.data.TensorDataset:
 class Net(pl.LightningModule):
     """An MLP with a BCE loss; each rank writes its params and its callback's EMA at train end."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, tag: str = ""):
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU())
         self.head = nn.Linear(HIDDEN, OUT)
         self.crit = nn.BCEWithLogitsLoss()
-        self.out_dir = out_dir
+        self.out_dir, self.tag = out_dir, tag
 
     def training_step(self, batch, i):
         x, y = batch
@@ -60,18 +60,29 @@ class Net(pl.LightningModule):
         state = {"params": {k: v.detach().clone() for k, v in self.named_parameters()},
                  "ema": fused[0].state_dict() if fused else None,
                  "report": [(r.kind, r.action) for r in fused[0].report] if fused else None}
-        name = f"rank{self.global_rank}-of-{self.trainer.world_size}.pt"
+        name = f"{self.tag}rank{self.global_rank}-of-{self.trainer.world_size}.pt"
         torch.save(state, os.path.join(self.out_dir, name))
 
 
-def _fit(out_dir, devices: int) -> None:
+def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, ckpt_path=None) -> None:
+    saver = ([pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_epochs=1, save_top_k=-1,
+                                           filename="{epoch}")] if ckpt_dir else [])
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
-                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, gradient_clip_val=0.3, use_distributed_sampler=False,
-                         callbacks=[FusedTraining(ema_decay=0.8, verbose=False)])
+                         max_epochs=epochs, logger=False, enable_checkpointing=bool(saver),
+                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.3,
+                         use_distributed_sampler=False,
+                         callbacks=[FusedTraining(ema_decay=0.8, verbose=False), *saver])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck|does not have many workers).*")
-        trainer.fit(Net(str(out_dir)))
+        trainer.fit(Net(str(out_dir), tag), ckpt_path=None if ckpt_path is None else str(ckpt_path))
+
+
+def _close(a: dict, b: dict) -> None:
+    """Params and the EMA of two runs within float32 tolerance (all-reduce orders differ)."""
+    for key in ("params", "ema"):
+        for k, v in a[key].items():
+            if torch.is_tensor(v):
+                torch.testing.assert_close(b[key][k], v, rtol=1e-5, atol=1e-6, msg=f"{key} {k}")
 
 
 def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tmp_path):
@@ -89,3 +100,18 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tmp_path):
         for k, v in r["ema"].items():
             if torch.is_tensor(v):
                 torch.testing.assert_close(v, ema_one[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_checkpoints_from_either_layout_resume_on_the_other(tmp_path):
+    """Rank zero writes the checkpoint of a 2-process run; one process resumes it, and a 2-process
+    run resumes a 1-process checkpoint: both end where the uninterrupted runs of 2 epochs do."""
+    for devices in (1, 2):
+        _fit(tmp_path, devices, epochs=2, tag=f"full{devices}-", ckpt_dir=tmp_path / f"ckpt{devices}")
+    for saved, resumed in ((2, 1), (1, 2)):
+        ckpt = tmp_path / f"ckpt{saved}" / "epoch=0.ckpt"
+        _fit(tmp_path, resumed, epochs=2, tag=f"from{saved}-", ckpt_path=ckpt)
+    full = {d: torch.load(tmp_path / f"full{d}-rank0-of-{d}.pt") for d in (1, 2)}
+    _close(full[1], full[2])
+    _close(full[1], torch.load(tmp_path / "from2-rank0-of-1.pt"))
+    for r in range(2):
+        _close(full[2], torch.load(tmp_path / f"from1-rank{r}-of-2.pt"))
