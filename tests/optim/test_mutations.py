@@ -259,11 +259,12 @@ def test_edited_param_list_is_followed_like_torch(edit, kernels, device):
             torch.testing.assert_close(p, q, **TOL)
 
 
+@pytest.mark.parametrize("clip", ["max_grad_norm", "max_grad_value"])
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_copies_keep_max_grad_norm_and_train_identically(how, kernels, device):
+def test_copies_keep_clipping_and_train_identically(how, clip, kernels, device):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3).to(device)
-    opt = trainfuse.FusedAdamW(model.parameters(), lr=0.05, max_grad_norm=0.01)
+    opt = trainfuse.FusedAdamW(model.parameters(), lr=0.05, **{clip: 0.01})
     x = torch.randn(8, 6, device=device)
     model(x).square().sum().backward()
     opt.step()
@@ -271,14 +272,18 @@ def test_copies_keep_max_grad_norm_and_train_identically(how, kernels, device):
         model2, opt2 = copy.deepcopy((model, opt))
     else:
         model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
-    assert opt2.max_grad_norm == opt.max_grad_norm
+    assert (opt2.max_grad_norm, opt2.max_grad_value) == (opt.max_grad_norm, opt.max_grad_value)
     for m, o in ((model, opt), (model2, opt2)):
         o.zero_grad()
         m(x).square().sum().backward()
         o.step()
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
-    torch.testing.assert_close(opt2.grad_norm, opt.grad_norm, rtol=0, atol=0)
+        assert torch.equal(p.grad, q.grad)
+    if clip == "max_grad_norm":
+        torch.testing.assert_close(opt2.grad_norm, opt.grad_norm, rtol=0, atol=0)
+    else:  # the clamp bit: the grads left in .grad reach the bound
+        assert all(float(p.grad.abs().max()) == pytest.approx(0.01) for p in model.parameters())
 
 
 def test_copies_keep_an_attached_ema_folded_in(kernels, device):

@@ -3,9 +3,7 @@ torch.optim (kernels through the interpreter on CPU; the torch path bit for bit)
 
 from __future__ import annotations
 
-import copy
 import math
-import pickle
 import random
 
 import pytest
@@ -224,25 +222,3 @@ def test_max_grad_norm_and_max_grad_value_are_exclusive(cls, device):
         cls([p], lr=0.1, max_grad_norm=1.0, max_grad_value=0.5)
     opt = cls([p], lr=0.1, max_grad_value=0, max_grad_norm=None)
     assert opt.max_grad_value == 0.0 and type(opt.max_grad_value) is float
-
-
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_copies_keep_max_grad_value_and_train_identically(how, kernels, device):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(6, 3).to(device)
-    opt = trainfuse.FusedAdamW(model.parameters(), lr=0.05, max_grad_value=0.01)
-    x = torch.randn(8, 6, device=device)
-    model(x).square().sum().backward()
-    opt.step()
-    if how == "deepcopy":
-        model2, opt2 = copy.deepcopy((model, opt))
-    else:
-        model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
-    assert opt2.max_grad_value == opt.max_grad_value and opt2.max_grad_norm is None
-    for m, o in ((model, opt), (model2, opt2)):
-        o.zero_grad()
-        m(x).square().sum().backward()
-        o.step()
-    for p, q in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(p, q)
-        assert torch.equal(p.grad, q.grad) and float(p.grad.abs().max()) == pytest.approx(0.01)

@@ -1,4 +1,5 @@
-"""float32 -> bfloat16 rounding to nearest even, for kernels run through the Triton interpreter.
+"""Float rounding helpers for kernels: float32 -> bfloat16 rounding to nearest even under the Triton
+interpreter, and float32 division to 2 ulp.
 
 The interpreter (triton <= 3.9) converts float32 to bfloat16 by truncation, where the GPU's
 ``cvt`` rounds to nearest even. Kernels that store bfloat16 round by hand under the interpreter,
@@ -22,4 +23,14 @@ def round_bf16_rne(x):
     return tl.where(x != x, bits | 0x400000, rounded).to(tl.float32, bitcast=True)
 
 
-__all__ = ["round_bf16_rne"]
+@triton.jit
+def fast_div(a, b):
+    """a / b to 2 ulp in float32: IEEE division costs ~10x the instructions, and the loss kernels do
+    a dozen per CIoU box pair and two per BCE element (where bf16 makes them compute-bound); exact
+    in float64."""
+    if a.dtype == tl.float64:
+        return a / b
+    return tl.fdiv(a, b)
+
+
+__all__ = ["fast_div", "round_bf16_rne"]

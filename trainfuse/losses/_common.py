@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime.launch import CachedLauncher, stream_workspace
+from trainfuse._runtime.rounding import fast_div
 
 launcher = CachedLauncher()
 
@@ -59,16 +60,6 @@ def bcast_index(offs, div, mod, BCAST: tl.constexpr):
     if BCAST:
         return (offs // div) % mod
     return offs
-
-
-@triton.jit
-def fast_div(a, b):
-    """a / b to 2 ulp in float32: IEEE division costs ~10x the instructions, and the loss kernels do
-    a dozen per CIoU box pair and two per BCE element (where bf16 makes them compute-bound); exact
-    in float64."""
-    if a.dtype == tl.float64:
-        return a / b
-    return tl.fdiv(a, b)
 
 
 def workspace(device: torch.device, nparts: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

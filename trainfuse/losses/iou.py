@@ -50,7 +50,18 @@ from trainfuse.losses._common import (
     workspace,
 )
 from trainfuse.losses.atan import atan
-from trainfuse.losses.box_math import axis_grads, corners, load_box, store_box, tmax, tmin
+from trainfuse.losses.box_math import (
+    aspect_penalty,
+    aspect_penalty_grads,
+    axis_grads,
+    centre_penalty,
+    centre_penalty_grads,
+    corners,
+    load_box,
+    store_box,
+    tmax,
+    tmin,
+)
 from trainfuse.losses.iou_torch import bbox_iou_reference, iou_loss_reference, weight_view
 
 KINDS = {"iou": 0, "giou": 1, "diou": 2, "ciou": 3}
@@ -103,19 +114,11 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
                 f = fast_div(c_area - union, c_area)
                 val = iou - f
             else:
-                c2 = cw * cw + ch * ch + eps
-                dx = b2x1 + b2x2 - b1x1 - b1x2
-                dy = b2y1 + b2y2 - b1y1 - b1y2
-                rho2 = (dx * dx + dy * dy) / 4
-                q = fast_div(rho2, c2)
+                q, c2, dx, dy = centre_penalty(b1x1, b1y1, b1x2, b1y2, b2x1, b2y1, b2x2, b2y2, cw, ch, eps)
                 val = iou - q
                 if KIND == CIOU:
-                    r1 = fast_div(w1, h1)
-                    r2 = fast_div(w2, h2)
-                    d = atan(r2) - atan(r1)
-                    v = 0.4052847345693511 * (d * d)  # 4 / pi^2
-                    alpha = fast_div(v, 1 - iou + v + eps)
-                    val = iou - (q + v * alpha)
+                    va, r1, r2, d, alpha = aspect_penalty(w1, h1, w2, h2, iou, eps)
+                    val = iou - (q + va)
 
         if HAS_W:
             wt = tl.load(w_ptr + bcast_index(offs, w_div, w_mod, W_BCAST), mask=mask, other=0.0).to(CD)
@@ -154,21 +157,13 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
                     g_cw = g_ca * ch
                     g_ch = g_ca * cw
                 else:
-                    g_q = -c  # q = rho2 / c2
-                    g_rho2 = fast_div(g_q, c2)
-                    g_c2 = -fast_div(g_q * q, c2)
-                    g_cw = g_c2 * 2 * cw
-                    g_ch = g_c2 * 2 * ch
-                    g_dx = g_rho2 / 4 * 2 * dx
-                    g_dy = g_rho2 / 4 * 2 * dy
+                    g_cw, g_ch, g_dx, g_dy = centre_penalty_grads(-c, q, c2, cw, ch, dx, dy)
                     if KIND == CIOU:
-                        g_d = -c * alpha * 0.4052847345693511 * 2 * d
-                        g_r2 = fast_div(g_d, r2 * r2 + 1)
-                        g_r1 = -fast_div(g_d, r1 * r1 + 1)
-                        g_w1 += fast_div(g_r1, h1)
-                        g_h1 -= fast_div(g_r1 * r1, h1)
-                        g_w2 += fast_div(g_r2, h2)
-                        g_h2 -= fast_div(g_r2 * r2, h2)
+                        a_w1, a_h1, a_w2, a_h2 = aspect_penalty_grads(-c, alpha, d, r1, r2, h1, h2)
+                        g_w1 += a_w1
+                        g_h1 += a_h1
+                        g_w2 += a_w2
+                        g_h2 += a_h2
             # iou = inter / union, union = w1 h1 + w2 h2 - inter + eps
             g_inter = fast_div(g_iou, union)
             g_union += -fast_div(g_iou * iou, union)

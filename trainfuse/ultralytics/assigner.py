@@ -38,8 +38,9 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime.reduce import last_to_arrive
+from trainfuse.losses.box_math import ciou_xyxy
 from trainfuse.losses.iou import bbox_iou_reference
-from trainfuse.ultralytics.box_loss import CIOU_EPS, ciou, label_box, side_softmax
+from trainfuse.ultralytics.box_loss import CIOU_EPS, label_box, side_softmax
 from trainfuse.ultralytics.sums import arrive, blocks, gather_sum, launcher, scratch
 from trainfuse.ultralytics.targets import label_pixels
 
@@ -125,7 +126,7 @@ def metric_kernel(boxes, scores, gt_ptr, anc_ptr, stride_ptr, align_ptr, ov_ptr,
         h = tl.where(valid & (h < stride_val), stride_val, h) / 2
         inb = (cx - (mx - w) > eps) & (cy - (my - h) > eps) & ((mx + w) - cx > eps) & ((my + h) - cy > eps)
         cand = inb & valid & am
-        val = ciou(x1, y1, x2, y2, px1, py1, px2, py2, ciou_eps)[0]
+        val = ciou_xyxy(x1, y1, x2, y2, px1, py1, px2, py2, ciou_eps)[0]
         ov = tl.where(cand, tl.maximum(val, 0.0), 0.0)
         x = tl.load(sc_base + label * A + offs, mask=cand, other=0.0).to(tl.float32)
         sig = 1.0 / (1.0 + tl.exp(-x))

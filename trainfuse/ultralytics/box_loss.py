@@ -15,7 +15,9 @@ score ``t = t[b, a]``, in grid units (``s`` the anchor's stride, ``R = reg_max``
 ``tss`` (``target_scores_sum``, on the device) divides in the kernel: no host sync. Background
 anchors load nothing and get a zero grad. The CIoU is ultralytics' ``bbox_iou(..., xywh=False,
 CIoU=True)`` with its subgradients (ties in min/max split the grad; ``clamp(0)`` passes none at
-exactly 0). Math in float32; the grads come back in the logits' dtype.
+exactly 0): ``trainfuse.losses.box_math.ciou_xyxy``, the IoU kernel's own terms. Math in float32;
+the grads come back in the logits' dtype. The autograd Function and the torch reference of the
+whole loss are in ``loss.py`` (``DetectionLossFunction``, ``loss_terms_torch``).
 """
 
 from __future__ import annotations
@@ -24,78 +26,10 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime.reduce import last_to_arrive
-from trainfuse.losses.iou import atan
-from trainfuse.ultralytics.sums import arrive, fdiv, gather_sum
+from trainfuse.losses.box_math import ciou_xyxy, ciou_xyxy_grad1
+from trainfuse.ultralytics.sums import arrive, gather_sum
 
-FOUR_OVER_PI2 = tl.constexpr(0.4052847345693511)
 CIOU_EPS = 1e-7  # bbox_iou's default eps, as BboxLoss and the assigner call it
-
-
-@triton.jit
-def ciou(x1, y1, x2, y2, X1, Y1, X2, Y2, eps):
-    """CIoU of box1 ``(x1, y1, x2, y2)`` and box2 (capitals), ultralytics' formula and op order;
-    returns the value and what :func:`ciou_grad1` needs."""
-    w1 = x2 - x1
-    h1 = y2 - y1 + eps
-    w2 = X2 - X1
-    h2 = Y2 - Y1 + eps
-    iw_raw = tl.minimum(x2, X2) - tl.maximum(x1, X1)
-    ih_raw = tl.minimum(y2, Y2) - tl.maximum(y1, Y1)
-    iw = tl.maximum(iw_raw, 0.0)
-    ih = tl.maximum(ih_raw, 0.0)
-    inter = iw * ih
-    union = w1 * h1 + w2 * h2 - inter + eps
-    iou = fdiv(inter, union)
-    cw = tl.maximum(x2, X2) - tl.minimum(x1, X1)
-    ch = tl.maximum(y2, Y2) - tl.minimum(y1, Y1)
-    c2 = cw * cw + ch * ch + eps
-    dx = X1 + X2 - x1 - x2
-    dy = Y1 + Y2 - y1 - y2
-    rho2 = (dx * dx + dy * dy) / 4
-    q = fdiv(rho2, c2)
-    r1 = fdiv(w1, h1)
-    r2 = fdiv(w2, h2)
-    d = atan(r2) - atan(r1)
-    v = FOUR_OVER_PI2 * (d * d)
-    alpha = fdiv(v, 1 - iou + v + eps)
-    val = iou - (q + v * alpha)
-    return val, (w1, h1, iw_raw, ih_raw, iw, ih, union, iou, cw, ch, c2, dx, dy, q, r1, d, alpha)
-
-
-@triton.jit
-def _split(a, b, g):
-    # d min(a, b) / da (ties split the grad, as torch.minimum's backward)
-    return tl.where(a == b, g * 0.5, tl.where(a < b, g, 0.0))
-
-
-@triton.jit
-def ciou_grad1(c, x1, y1, x2, y2, X1, Y1, X2, Y2, saved):
-    """Grads of ``c * CIoU`` with respect to box1's corners (alpha a constant, as in
-    ultralytics)."""
-    w1, h1, iw_raw, ih_raw, iw, ih, union, iou, cw, ch, c2, dx, dy, q, r1, d, alpha = saved
-    g_q = -c
-    g_rho2 = fdiv(g_q, c2)
-    g_c2 = -fdiv(g_q * q, c2)
-    g_cw = g_c2 * 2 * cw
-    g_ch = g_c2 * 2 * ch
-    g_dx = g_rho2 * dx / 2
-    g_dy = g_rho2 * dy / 2
-    g_r1 = fdiv(c * alpha * FOUR_OVER_PI2 * 2 * d, r1 * r1 + 1)  # -(-c alpha) dv/dd datan/dr1
-    g_w1 = fdiv(g_r1, h1)
-    g_h1 = -fdiv(g_r1 * r1, h1)
-    g_inter = fdiv(c, union)
-    g_union = -fdiv(c * iou, union)
-    g_inter -= g_union
-    g_w1 += g_union * h1
-    g_h1 += g_union * w1
-    g_iw = tl.where(iw_raw > 0, g_inter * ih, 0.0)
-    g_ih = tl.where(ih_raw > 0, g_inter * iw, 0.0)
-    # intersection min(x2, X2) - max(x1, X1); enclosing max(x2, X2) - min(x1, X1)
-    gx2 = _split(x2, X2, g_iw) + _split(X2, x2, g_cw) + g_w1 - g_dx
-    gx1 = -_split(X1, x1, g_iw) - _split(x1, X1, g_cw) - g_w1 - g_dx
-    gy2 = _split(y2, Y2, g_ih) + _split(Y2, y2, g_ch) + g_h1 - g_dy
-    gy1 = -_split(Y1, y1, g_ih) - _split(y1, Y1, g_ch) - g_h1 - g_dy
-    return gx1, gy1, gx2, gy2
 
 
 @triton.jit
@@ -169,7 +103,7 @@ def box_loss_fwd_kernel(boxes, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss
     x1, p1, lse1, d1 = side_softmax(base, 1, offs, fg, A, R)
     x2, p2, lse2, d2 = side_softmax(base, 2, offs, fg, A, R)
     x3, p3, lse3, d3 = side_softmax(base, 3, offs, fg, A, R)
-    val, _ = ciou(ax - d0, ay - d1, ax + d2, ay + d3, X1, Y1, X2, Y2, eps)
+    val, _ = ciou_xyxy(ax - d0, ay - d1, ax + d2, ay + d3, X1, Y1, X2, Y2, eps)
     iou_part = tl.sum(tl.where(fg, (1.0 - val) * t, 0.0), 0)
     lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
     lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
@@ -225,9 +159,9 @@ def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_pt
     py1 = ay - d1
     px2 = ax + d2
     py2 = ay + d3
-    _, saved = ciou(px1, py1, px2, py2, X1, Y1, X2, Y2, eps)
+    _, saved = ciou_xyxy(px1, py1, px2, py2, X1, Y1, X2, Y2, eps)
     # loss = c_box (1 - CIoU): grads of -c_box CIoU
-    gx1, gy1, gx2, gy2 = ciou_grad1(-c_box, px1, py1, px2, py2, X1, Y1, X2, Y2, saved)
+    gx1, gy1, gx2, gy2 = ciou_xyxy_grad1(-c_box, px1, py1, px2, py2, X1, Y1, X2, Y2, saved)
     lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
     lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
     lo2, wl2, wr2 = _dfl_target(X2 - ax, hi)
@@ -238,5 +172,5 @@ def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_pt
     _side_grad(g_base, 3, offs, am, fg, p3, d3, gy2, c_dfl, lo3, wl3, wr3, A, R)
 
 
-__all__ = ["CIOU_EPS", "box_loss_bwd_kernel", "box_loss_fwd_kernel", "ciou", "ciou_grad1", "label_box",
+__all__ = ["CIOU_EPS", "box_loss_bwd_kernel", "box_loss_fwd_kernel", "label_box",
            "side_softmax"]

@@ -7,7 +7,8 @@ from one label and one score per anchor (the dense ``(B, A, nc)`` target is neve
     d cls / d x = w_c (sigmoid(x) - y) / tss
 
 ``w`` are the optional class weights; ``tss`` (``target_scores_sum``) is read on the device. Math
-in float32; the grad comes back in the logits' dtype.
+in float32; the grad comes back in the logits' dtype. The autograd Function and the torch
+reference of the whole loss are in ``loss.py`` (``DetectionLossFunction``, ``loss_terms_torch``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime.reduce import last_to_arrive
+from trainfuse._runtime.rounding import fast_div
 from trainfuse.losses.bce import log1p_unit
-from trainfuse.ultralytics.sums import arrive, fdiv, gather_sum
+from trainfuse.ultralytics.sums import arrive, gather_sum
 
 
 @triton.jit
@@ -69,7 +71,7 @@ def cls_loss_bwd_kernel(x_ptr, lab_ptr, t_ptr, w_ptr, tss_ptr, go_ptr, go_stride
     scale = tl.load(go_ptr + go_stride).to(tl.float32) * (batch * gain) / tl.load(tss_ptr).to(tl.float32)
     for tile in range(pid, ntiles, tl.num_programs(0)):
         at, mask, x, y, e, w = _tile(x_ptr, lab_ptr, t_ptr, w_ptr, tile, nab, A, NC, HAS_W, BLOCK)
-        r = fdiv(tl.full(e.shape, 1.0, tl.float32), 1.0 + e)
+        r = fast_div(tl.full(e.shape, 1.0, tl.float32), 1.0 + e)
         s = tl.where(x >= 0, r, e * r)  # sigmoid(x) without cancellation on either side
         g = (s - y) * (w * scale)
         tl.store(g_ptr + at, g.to(g_ptr.dtype.element_ty), mask=mask)

@@ -67,11 +67,5 @@ def persistent_grid(device: torch.device, tiles: int, per_sm: int = 4) -> int:
     return max(1, min(tiles, most))
 
 
-@triton.jit
-def fdiv(a, b):
-    """a / b to 2 ulp: the IEEE division costs ~10x the instructions, and CIoU has a dozen."""
-    return tl.fdiv(a, b)
-
-
-__all__ = ["Blocks", "arrive", "blocks", "fdiv", "gather_sum", "launcher", "persistent_grid",
+__all__ = ["Blocks", "arrive", "blocks", "gather_sum", "launcher", "persistent_grid",
            "scratch"]
