@@ -7,6 +7,8 @@ Rows, each beside what torch users run today, in one run:
 - a 6-layer d=768 GPT-like model, forward + backward + step: autocast + torch fused AdamW against
   fuse_casts + FusedAdamW, per-step time and the loss after N steps of a fixed synthetic task.
 - clip_grad_norm_ on GPT-2 and yolov5n: torch's against trainfuse.amp.clip_grad_norm_.
+- AdamW with clipping by value on GPT-2 and yolov5n: clip_grad_value_ + torch's fused AdamW
+  against FusedAdamW(max_grad_value=...), where the update clamps the grads itself.
 - yolov5n's optimizer phase (unscale_, clip_grad_norm_(10), scaler.step(SGD nesterov),
   scaler.update, ModelEMA.update) against trainfuse's GradScaler + FusedSGD(max_grad_norm=10)
   with the FusedEMA attached (three launches).
@@ -293,8 +295,54 @@ def bench_clip(report, bw):
                 "torch wall ms", "ours kernel ms", "ours wall ms", "% floor", "speedup (wall)"], rows)
 
 
+CLIP_VALUE = 1e-4  # below most of the random grads' magnitudes: the clamp bites
+
+
+def _clip_value_times(make):
+    """(kernel ms, wall ms) of torch's clip_grad_value_ + fused AdamW and of FusedAdamW with
+    max_grad_value, each on its own copy of ``make()``'s params; and their count and size."""
+    theirs, ours = make(), make()
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-4, fused=True)
+    fused_opt = trainfuse.FusedAdamW(ours, lr=1e-4, max_grad_value=CLIP_VALUE)
+
+    def torch_step():
+        torch.nn.utils.clip_grad_value_(theirs, CLIP_VALUE)
+        torch_opt.step()
+
+    t = kernel_ms(torch_step), wall_ms(torch_step)
+    o = kernel_ms(fused_opt.step), wall_ms(fused_opt.step)
+    return t, o, len(ours), sum(p.numel() for p in ours)
+
+
+def bench_clip_value(report, bw):
+    """AdamW step with clipping by value: torch's clip_grad_value_ then fused AdamW, against
+    FusedAdamW(max_grad_value=...), whose update clamps the unscaled grads and writes them back."""
+    rows = []
+    workloads = [("GPT-2 124M", _gpt2_params)]
+    got = _yolov5n()
+    if got is not None:
+        def yolo_params():
+            ps = [nn.Parameter(p.detach().clone()) for p in got[0].parameters() if p.requires_grad]
+            for p in ps:
+                p.grad = torch.randn_like(p) * 1e-3
+            return ps
+        workloads.append(("yolov5n", yolo_params))
+    for name, make in workloads:
+        t, o, ntensors, nparam = _clip_value_times(make)
+        # param r/w 8, grad read 4 + clipped grad written back 4, exp_avg r/w 8, exp_avg_sq r/w 8
+        floor = 32 * nparam / bw * 1e3
+        workload = f"AdamW + clip by value, {name} ({ntensors} tensors)"
+        for label, (k, w) in (("torch fused + clip_grad_value_", t), ("trainfuse", o)):
+            add_row(report, workload, label, trainfuse=label == "trainfuse", do_bench_ms=k, wall_ms=w,
+                    floor_ms=floor)
+        rows.append([name, ntensors, f"{t[0]:.3f}", f"{t[1]:.3f}", f"{o[0]:.3f}", f"{o[1]:.3f}",
+                     f"{floor / o[0] * 100:.0f}%", f"{t[1] / o[1]:.2f}x"])
+    print_table("AdamW + clipping by value: torch vs trainfuse", ["workload", "tensors", "torch kernel ms",
+                "torch wall ms", "ours kernel ms", "ours wall ms", "% floor", "speedup (wall)"], rows)
+
+
 def main(argv=None):
-    parser = bench_parser(__doc__, only="casts, gpt, clip or yolo")
+    parser = bench_parser(__doc__, only="casts, gpt, clip, clip-value or yolo")
     parser.add_argument("--steps", type=int, default=200, help="training steps of the GPT-like model")
     parser.add_argument("--gpt-batches", default="8,32",
                         help="batch sizes (x 256 tokens) of the GPT-like model, comma separated")
@@ -306,6 +354,7 @@ def main(argv=None):
                    for b in args.gpt_batches.split(",")}
     for key, fn in (("casts", lambda: bench_cast_fusion(report, bw)),
                     ("clip", lambda: bench_clip(report, bw)),
+                    ("clip-value", lambda: bench_clip_value(report, bw)),
                     ("yolo", lambda: bench_yolo_phase(report, bw)), ("gpt", gpt)):
         if args.only in ("", key):
             details = fn()
