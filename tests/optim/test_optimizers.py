@@ -261,6 +261,31 @@ def test_channels_last_params_with_contiguous_grads(cls, kernels, device):
     assert params[0].is_contiguous(memory_format=torch.channels_last)
 
 
+
+@pytest.mark.parametrize("cls", [trainfuse.FusedAdamW, trainfuse.FusedSGD])
+def test_a_moved_grad_in_another_memory_order_is_not_patched_in(cls, kernels, device):
+    """The hot path patches moved grads in by address only when each keeps its param's memory
+    order (channels_last, contiguous, or a param's own strides): a grad assigned in another order
+    takes the conformed path, and every step matches torch."""
+    params = _params([(4, 3, 3, 5), (6, 2, 1, 3)], torch.float32, device, torch.channels_last)
+    params += _params([(5, 7), (3,)], torch.float32, device)
+    opt = cls(params, lr=0.05, **({"momentum": 0.9} if cls is trainfuse.FusedSGD else {}))
+    orders = ["same", "same", "contiguous", "same", "transposed", "same"]
+    for order in orders:
+        grads = []
+        for p in params:
+            g = torch.randn_like(p)  # preserve_format: the param's own order
+            if order == "contiguous":
+                g = g.contiguous()
+            elif order == "transposed" and p.dim() == 2:
+                g = torch.randn(p.shape[::-1], device=device).t()
+            p.grad = g
+            grads.append(g)
+        before = snapshot(opt)
+        opt.step()
+        assert_step_matches(opt, *before, grads, torch.float32)
+        plan = next(iter(opt._engine._plans.values()))
+        assert plan.volatile == (order != "same")  # conformed copies for the other orders
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
 def test_unaligned_param_views(cls, kernels, device):
     base = torch.randn(1000, device=device)
@@ -306,10 +331,10 @@ def test_grads_at_new_addresses_patch_the_tables_in_place(cls, kernels, device):
         _fresh_grads(params)
         before = snapshot(opt)
         grads = [p.grad for p in params]
-        old_key = list(plan.gkey)
+        old_key = list(plan.hot_gkey)
         opt.step()
         assert next(iter(opt._engine._plans.values())) is plan and plan.rows is rows
-        assert plan.gkey != old_key  # the grads did move: the column was patched
+        assert plan.hot_gkey != old_key  # the grads did move: the column was patched
         assert_step_matches(opt, *before, grads, torch.float32)
 
 

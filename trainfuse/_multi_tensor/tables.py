@@ -12,7 +12,9 @@ address, size and dtype) both keep that promise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from itertools import compress
 
 import torch
 
@@ -111,8 +113,8 @@ class Plan:
 
     __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
                  "launch", "ntensors", "codes", "param_dtypes", "aligned", "volatile", "keepalive",
-                 "copy_back", "slots", "gstrides", "partials", "flags", "counter", "with_grad",
-                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey")
+                 "copy_back", "slots", "glayout", "partials", "flags", "counter", "with_grad",
+                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey", "host_rows")
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -180,6 +182,7 @@ class RowBuilder:
         first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
         plan.host = torch.cat([torch.tensor(self.rows, dtype=torch.int64).flatten(), items])
+        plan.host_rows = plan.host[: ntensors * ROW].view(ntensors, ROW).numpy()  # writes land in host
         plan.nchunks = total
         place(plan, plan.host, device)
         plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
@@ -196,27 +199,49 @@ def place(plan: Plan, host: torch.Tensor, device: torch.device) -> None:
 
 def patch_column(plan: Plan, col: int, values: list[int]) -> None:
     """Write ``values`` into column ``col`` of the first ``len(values)`` rows, host and device
-    tables alike (new grad addresses after ``zero_grad(set_to_none=True)``): one small upload into
-    the device rows in place, no device allocation, no wait.
+    tables alike (new grad addresses after ``zero_grad(set_to_none=True)``): one small upload of
+    those rows into the device table in place, no device allocation, no wait.
 
     The device write is ordered on the current stream after the launches that read the old rows,
-    as any in-place update of a tensor is. It uploads from a pinned copy of the rows that torch's
-    pinned-memory cache keeps until the copy has run."""
-    n, size = len(values), plan.ntensors * ROW
-    rows = plan.host[:size].view(plan.ntensors, ROW)
-    rows[:n, col] = torch.tensor(values, dtype=torch.int64)
-    if plan.rows.device.type == "cpu":
-        plan.rows.view(plan.ntensors, ROW)[:n, col] = rows[:n, col]
-    else:
-        plan.rows.copy_(plan.host[:size].pin_memory(), non_blocking=True)
+    as any in-place update of a tensor is. It is a non-blocking copy from pageable memory, which
+    CUDA stages before the call returns: the host rows can change again at once, and the call
+    does not wait for the GPU to reach it (a pinned source would need an event or a fresh
+    allocation per step)."""
+    n = len(values)
+    if n == 0:
+        return
+    plan.host_rows[:n, col] = values
+    dst, src = plan.rows[: n * ROW], plan.host[: n * ROW]
+    dst.copy_(src, non_blocking=dst.device.type != "cpu")
+
+
+def grad_layouts(params: list[torch.Tensor]) -> tuple:
+    """What :func:`patch_grads` checks new grads against, ``params`` in row order: which are
+    contiguous, which channels_last, and the rest. One ``is_contiguous`` per grad costs half of
+    comparing its stride tuple."""
+    contiguous = [p.is_contiguous() for p in params]
+    channels_last = [not c and p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)
+                     for p, c in zip(params, contiguous)]
+    others = [(k, p) for k, (p, c, cl) in enumerate(zip(params, contiguous, channels_last))
+              if not (c or cl)]
+    return contiguous, channels_last if any(channels_last) else None, others
+
+
+_contiguous = torch.Tensor.is_contiguous
+_channels_last = functools.partial(torch.Tensor.is_contiguous, memory_format=torch.channels_last)
 
 
 def patch_grads(plan: Plan, grads: list[torch.Tensor], addrs: list[int]) -> bool:
     """Point the plan's gradient rows at ``grads`` (in row order; ``addrs`` their data pointers)
-    when only their addresses moved. False, nothing written, when a layout differs from the one
-    the plan assumed: autograd and the ``.grad`` setter pin dtype, shape and device, the strides
-    are all a user-assigned grad can still change."""
-    if [g.stride() for g in grads] != plan.gstrides:
+    when only their addresses moved. False, nothing written, when a grad's memory order differs
+    from its param's (:func:`grad_layouts`): autograd and the ``.grad`` setter pin dtype, shape
+    and device, the strides are all a user-assigned grad can still change."""
+    contiguous, channels_last, others = plan.glayout
+    if not all(map(_contiguous, compress(grads, contiguous))):
+        return False
+    if channels_last is not None and not all(map(_channels_last, compress(grads, channels_last))):
+        return False
+    if others and not all(same_layout(grads[k], p) for k, p in others):
         return False
     if plan.aligned and any(a & 15 for a in addrs):  # the launch's cache key changes with it
         plan.aligned, plan.tkey = False, None

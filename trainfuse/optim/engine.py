@@ -33,6 +33,7 @@ from trainfuse._multi_tensor.tables import (
     RowBuilder,
     code_of,
     conform,
+    grad_layouts,
     launch_stats,
     launch_update,
     patch_grads,
@@ -127,11 +128,19 @@ class MultiTensorEngine(TorchPath):
         if gkey != plan.hot_gkey:
             if not patch_grads(plan, grads, gkey):
                 return None
-            full = plan.gkey
-            for pos, a in zip(plan.slots, gkey):
-                full[pos] = a
-            plan.hot_gkey = gkey
+            plan.hot_gkey, plan.gkey = gkey, None  # the full key is rebuilt where it is compared
         return plan
+
+    @staticmethod
+    def _full_gkey(plan: Plan) -> list[int]:
+        """``plan.gkey`` (every param's grad address, 0 without a grad), rebuilt from the hot
+        path's ``hot_gkey`` after that patched the grad column."""
+        if plan.gkey is None:
+            full = [0] * len(plan.pkey)
+            for pos, a in zip(plan.slots, plan.hot_gkey):
+                full[pos] = a
+            plan.gkey = full
+        return plan.gkey
 
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         self._check_structure()
@@ -267,7 +276,7 @@ class MultiTensorEngine(TorchPath):
             pkey, gkey = self._keys(idx, grads)
         except RuntimeError:  # e.g. a sparse grad has no data pointer
             return False
-        return pkey == plan.pkey and gkey == plan.gkey and plan.ekey == self._ema_key()
+        return pkey == plan.pkey and gkey == self._full_gkey(plan) and plan.ekey == self._ema_key()
 
     def _plan_for(self, device, idx, grads) -> Plan | None:
         """The plan for this step: cached, grad column patched, or rebuilt. None when the params
@@ -278,6 +287,8 @@ class MultiTensorEngine(TorchPath):
         except RuntimeError:
             pkey = gkey = None
         ekey = self._ema_key()
+        if plan is not None:
+            self._full_gkey(plan)
         if plan is None or plan.volatile or pkey != plan.pkey or gkey != plan.gkey or ekey != plan.ekey:
             if ekey != getattr(plan, "ekey", None) or not self._refresh_grads(plan, pkey, gkey, idx, grads):
                 if idx is None:  # single-device path: re-check what the key cannot see
@@ -362,7 +373,7 @@ class MultiTensorEngine(TorchPath):
         client = self.client
         groups = client.param_groups
         builder = RowBuilder()
-        keepalive, copy_back, slots, gstrides = [], [], [], []
+        keepalive, copy_back, slots, row_params = [], [], [], []
         storages = []  # of every tensor a row addresses, grads aside (their addresses are checked)
         volatile = False
         with_row = set()
@@ -389,7 +400,7 @@ class MultiTensorEngine(TorchPath):
             builder.add(operands, p.numel(), code, self._group_of[i], step)
             with_row.add(p)
             slots.append(pos)
-            gstrides.append(grads[i].stride())
+            row_params.append(p)
         for ema, src in client.ema_pairs(device):
             if src not in with_row:  # buffers, frozen params, params without a grad this step
                 storages.extend((ema.untyped_storage(), src.untyped_storage()))
@@ -397,7 +408,7 @@ class MultiTensorEngine(TorchPath):
                             code_of(src.dtype, ema=ema, ema_only=True))
         plan = builder.build(device)
         plan.keepalive, plan.copy_back, plan.volatile = keepalive + storages, copy_back, volatile
-        plan.slots, plan.gstrides = slots, gstrides
+        plan.slots, plan.glayout = slots, grad_layouts(row_params)
         return plan
 
 
