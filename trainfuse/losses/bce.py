@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.function import applier
 from trainfuse._runtime.launch import sm_count
 from trainfuse._runtime.reduce import reduce_partials
 from trainfuse.losses._common import (
@@ -245,6 +246,9 @@ class BCEWithLogitsFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+_apply_bce = applier(BCEWithLogitsFunction)
+
+
 def _check(input, target, weight, pos_weight, reduction) -> None:
     fn = "bce_with_logits"
     check_float("input", fn, input)
@@ -298,7 +302,7 @@ def bce_with_logits(input: torch.Tensor, target: torch.Tensor, weight: torch.Ten
     if not use_triton(input.device) or input.numel() == 0 or extra_grads:
         return torch.nn.functional.binary_cross_entropy_with_logits(
             input, target, weight, pos_weight=pos_weight, reduction=reduction)
-    return BCEWithLogitsFunction.apply(input, target, weight, pos_weight, reduction)
+    return _apply_bce(input, target, weight, pos_weight, reduction)
 
 
 __all__ = ["BCEWithLogitsFunction", "bce_with_logits", "log1p_unit"]

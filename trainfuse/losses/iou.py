@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.function import applier
 from trainfuse._runtime.reduce import reduce_partials
 from trainfuse.losses._common import (
     REDUCTIONS,
@@ -306,6 +307,10 @@ class IoULossFunction(torch.autograd.Function):
 
 
 # ---- public functions ---------------------------------------------------------------------------
+_apply_box_iou = applier(BoxIoUFunction)
+_apply_iou_loss = applier(IoULossFunction)
+
+
 def _check_boxes(fn: str, box1, box2) -> tuple[int, ...]:
     check_float("box1", fn, box1)
     check_float("box2", fn, box2)
@@ -347,7 +352,7 @@ def bbox_iou(box1: torch.Tensor, box2: torch.Tensor, xywh: bool = True, GIoU: bo
     rows = _check_boxes("bbox_iou", box1, box2)
     if not use_triton(box1.device) or math.prod(rows) == 0:
         return bbox_iou_reference(box1, box2, xywh, GIoU, DIoU, CIoU, eps)
-    return BoxIoUFunction.apply(box1, box2, rows, bool(xywh), _kind(GIoU, DIoU, CIoU), float(eps))
+    return _apply_box_iou(box1, box2, rows, bool(xywh), _kind(GIoU, DIoU, CIoU), float(eps))
 
 
 def iou_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
@@ -388,7 +393,7 @@ def iou_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | No
     if (not use_triton(pred.device) or math.prod(rows) == 0
             or (weight is not None and weight.requires_grad and torch.is_grad_enabled())):
         return iou_loss_reference(pred, target, weight, kind, xywh, reduction, eps)
-    return IoULossFunction.apply(pred, target, weight, rows, KINDS[kind], bool(xywh), reduction, float(eps))
+    return _apply_iou_loss(pred, target, weight, rows, KINDS[kind], bool(xywh), reduction, float(eps))
 
 
 __all__ = ["BoxIoUFunction", "IoULossFunction", "atan", "bbox_iou", "bbox_iou_reference", "iou_loss",

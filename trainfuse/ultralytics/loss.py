@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.function import applier
 from trainfuse.losses.iou import bbox_iou_reference
 from trainfuse.ultralytics.assigner import AssignConfig, Assignment, assign_kernels, assign_torch, decode
 from trainfuse.ultralytics.box_loss import CIOU_EPS, box_loss_bwd_kernel, box_loss_fwd_kernel
@@ -108,6 +109,9 @@ class DetectionLossFunction(torch.autograd.Function):
                      go, go.stride(0), g_scores, tiles, nab, A, nc, k.gains[1], k.batch, HAS_W=ctx.has_w,
                      BLOCK=blocks.cls, num_warps=4)
         return g_boxes, g_scores, None, None, None, None, None, None
+
+
+_apply_detection_loss = applier(DetectionLossFunction)
 
 
 def loss_terms_torch(boxes, scores, asg: Assignment, gt, imgsz, anchors, strides, class_weights
@@ -227,7 +231,7 @@ class FusedDetectionLoss:
                 asg = assign_torch(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, cfg)
             if fused:
                 k = LossConstants(float(imgsz[0]), float(imgsz[1]), gains, float(B), self.reg_max - 1 - 0.01)
-                out, items = DetectionLossFunction.apply(boxes, scores, asg, gt, anchors, strides,
+                out, items = _apply_detection_loss(boxes, scores, asg, gt, anchors, strides,
                                                          self.class_weights, k)
             else:
                 items = loss_terms_torch(boxes, scores, asg, gt, imgsz, anchors, strides, self.class_weights)

@@ -12,8 +12,11 @@ import torch
 from torch import nn
 
 from trainfuse._runtime.backend import backend, use_triton
+from trainfuse._runtime.function import applier
 from trainfuse.nn.mlp.activations import ACTIVATIONS, Layer
 from trainfuse.nn.mlp.function import FusedMLPFunction
+
+_apply_mlp = applier(FusedMLPFunction)
 
 _STREAMS = (1, 2, "auto")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -230,7 +233,7 @@ class FusedMLP(nn.Sequential):
             streams = 2 if x.device.type == "cuda" and self._narrow else 1
         # no autocast context needed around it: a custom Function's forward casts nothing unless
         # asked to, and ours runs no autocast-eligible op
-        out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]), layers, cd, seed, streams,
+        out = _apply_mlp(x.reshape(-1, x.shape[-1]), layers, cd, seed, streams,
                                      self.fuse_grad_accumulation, *weights, *biases)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
