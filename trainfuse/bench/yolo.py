@@ -10,7 +10,8 @@ both trainers. Measures:
   the data wait, epoch time and images per second;
 - the launches (kernels, copies, fills) per iteration over one accumulation cycle (torch.profiler);
 - the optimizer phase (``trainer.optimizer_step()``: unscale, clip, step, EMA, zero_grad) on its
-  own: median wall time of a call and its launches;
+  own, after both runs, the two trainers in alternating rounds (GC off inside each timed call, as
+  timeit does): median wall time of a call and its launches;
 - quality: mAP50 / mAP50-95 of each run's final validation, and a PNG of both runs' loss curves and
   per-iteration times (``<out>/yolo.png``).
 
@@ -20,6 +21,7 @@ stock mAP50 >= 0.5 with ours within +-1 point. ``--quick`` is a smoke run (1 epo
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -48,7 +50,7 @@ def _run(kind: str, args, data: str, project: Path, device: int | str = 0) -> di
     from ultralytics import YOLO
 
     from trainfuse.ultralytics import FusedDetectionTrainer
-    from trainfuse.ultralytics.report import LaunchCounter, LoopTimer, final_map, optimizer_phase
+    from trainfuse.ultralytics.report import LaunchCounter, LoopTimer, final_map
 
     model = YOLO(args.model)
     timer = LoopTimer().attach(model)
@@ -67,9 +69,23 @@ def _run(kind: str, args, data: str, project: Path, device: int | str = 0) -> di
     summary["launches_per_iteration"] = counter.per_iteration
     summary["profiled_iterations"] = counter.iterations
     summary["optimizer"] = type(trainer.optimizer).__name__
-    summary["phase_ms"], summary["phase_launches"] = optimizer_phase(trainer)
     summary["losses"], summary["iter_ms_all"] = timer.losses, timer.iter_ms()
-    return summary
+    return summary, trainer
+
+
+def _phases(trainers: dict, rounds: int = 4, calls: int = 25) -> dict[str, tuple[float, int | None]]:
+    """Each trainer's optimizer phase (median ms, launches), timed after both runs in alternating
+    rounds: what is still winding down after a run (its data-loader workers, for one) then slows
+    both alike instead of whichever was timed first."""
+    from trainfuse.ultralytics.report import optimizer_phase
+
+    times = {kind: [] for kind in trainers}
+    launches = {}
+    for _ in range(rounds):
+        for kind, trainer in trainers.items():
+            t, launches[kind] = optimizer_phase(trainer, calls=calls, warmup=3)
+            times[kind] += t
+    return {kind: (statistics.median(times[kind]), launches[kind]) for kind in trainers}
 
 
 def _ratio(a, b):
@@ -151,7 +167,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     folder = Path(args.data_dir) / f"{args.imgsz}px-{args.images}-seed{args.seed}"
     data = str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
                                    seed=args.seed))
-    runs = {kind: _run(kind, args, data, out / "yolo-runs") for kind in ("stock", "trainfuse")}
+    runs, trainers = {}, {}
+    for kind in ("stock", "trainfuse"):
+        runs[kind], trainers[kind] = _run(kind, args, data, out / "yolo-runs")
+    for kind, (ms, launches) in _phases(trainers).items():
+        runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)
     save_report(report, args.out, "yolo")
     return report

@@ -9,6 +9,7 @@ synchronized at both, and the data wait is the gap from one iteration's end to t
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -162,13 +163,13 @@ class LaunchCounter:
             self.done = True
 
 
-def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[float, int | None]:
+def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[list[float], int | None]:
     """Time ``trainer.optimizer_step()`` (unscale, clip, step, EMA, zero_grad) on its own: the
-    median wall time of one call, the GPU synchronized before and after, on gradients of
+    wall time of each call in ms, the GPU synchronized before and after, on gradients of
     realistic size re-attached between calls; and the launches of one call (CUDA only).
 
     Returns:
-        ``(ms, launches)``.
+        ``(times, launches)``.
     """
     model = trainer.model
     device = next(model.parameters()).device
@@ -177,15 +178,27 @@ def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[float, i
     # small gradients (norm well below the clip at 10), scaled as the backward leaves them
     grads = [torch.randn_like(p) * 1e-4 * scale for p in params]
     times = []
-    for k in range(warmup + calls):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        _sync(trainer)
-        t0 = time.perf_counter()
-        trainer.optimizer_step()
-        _sync(trainer)
-        if k >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+    # as timeit does, the cyclic garbage collector is off inside each timed call: a collection
+    # set off there by this loop's own fresh grad tensors would otherwise land on whichever call
+    # happens to cross the threshold (a few hundred us: the size of a whole fused phase)
+    enabled = gc.isenabled()
+    try:
+        for k in range(warmup + calls):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            _sync(trainer)
+            gc.disable()
+            t0 = time.perf_counter()
+            trainer.optimizer_step()
+            _sync(trainer)
+            t1 = time.perf_counter()
+            if enabled:
+                gc.enable()
+            if k >= warmup:
+                times.append((t1 - t0) * 1e3)
+    finally:
+        if enabled:
+            gc.enable()
     launches = None
     if device.type == "cuda":
         for p, g in zip(params, grads):
@@ -195,7 +208,7 @@ def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[float, i
             trainer.optimizer_step()
             _sync(trainer)
         launches = device_launches(prof)
-    return statistics.median(times), launches
+    return times, launches
 
 
 def final_map(trainer) -> tuple[float | None, float | None]:
