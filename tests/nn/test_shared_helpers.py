@@ -104,8 +104,10 @@ def _sum_kernel(x_ptr, partials, counter, out, denom):
 @pytest.mark.parametrize("programs", [1, 7, 1100], ids=lambda n: f"{n}_programs")
 def test_reduce_partials_sums_every_program_once_and_rearms(device, programs, out_dtype):
     """One partial per program, summed by the last to arrive (1100 programs: past one 1024-wide
-    pass) and divided by ``denom``: integer partials make the float64 sum exact, so the result
-    equals torch's bit for bit; the counter is back at zero, and a second launch agrees."""
+    pass) and divided by ``denom``: integer partials make the float64 sum exact, so a float32
+    result equals torch's bit for bit and a float64 one is within one ulp (Triton's float64
+    division on an H200 is not always correctly rounded); the counter is back at zero, and a
+    second launch agrees."""
     x = torch.randint(-1000, 1000, (programs,), device=device).float()
     partials = torch.full((programs,), float("nan"), device=device)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
@@ -113,7 +115,11 @@ def test_reduce_partials_sums_every_program_once_and_rearms(device, programs, ou
     for _ in range(2):
         out = torch.full((), float("nan"), dtype=out_dtype, device=device)
         _sum_kernel[(programs,)](x, partials, counter, out, 3.0)
-        assert torch.equal(out, want) and int(counter) == 0
+        if out_dtype == torch.float64:
+            torch.testing.assert_close(out, want, rtol=2.3e-16, atol=0)
+        else:
+            assert torch.equal(out, want)
+        assert int(counter) == 0
 
 
 def test_the_helpers_are_defined_once():

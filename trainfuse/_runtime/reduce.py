@@ -25,7 +25,8 @@ def last_to_arrive(counter, nparts):
 def reduce_partials(partials, counter, out, part, nparts, denom):
     """Program ``pid``'s share of a one-launch sum: store ``part``; the last program to arrive
     writes ``out = sum(partials) / denom`` (added in float64 in a fixed order; a float64 ``out``
-    gets that float64 value, with float64 partials for float64 inputs) and re-arms the counter."""
+    gets that float64 value, within one ulp of the division on a GPU, with float64 partials for
+    float64 inputs) and re-arms the counter."""
     tl.store(partials + tl.program_id(0), part)
     if last_to_arrive(counter, nparts):
         RB: tl.constexpr = 1024
