@@ -1,6 +1,33 @@
 """Markers and helpers shared by the test packages (import them: ``from tests._helpers import cuda``)."""
 
+import math
+
 import pytest
 import torch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+INF_STEPS = {1: math.inf, 3: math.nan}  # steps of a scaled run whose grads hold a non-finite value
+
+
+def twin_scalers(scaler_cls, device: torch.device):
+    """The scaler under test and torch's GradScaler, with the same settings (a 2**10 scale that
+    grows every 2 clean steps, so a 5-step run backs off and grows)."""
+    return (scaler_cls(device.type, init_scale=2.0**10, growth_interval=2),
+            torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2))
+
+
+def set_scaled_twin_grads(ours, theirs, sa, sb, step: int, gain: float = 1.0) -> None:
+    """Step ``step``'s grads for two runs of the same params: random (times ``gain``), with an inf
+    or NaN in one element on :data:`INF_STEPS`, each run's multiplied by its own scaler's scale as
+    the backward of ``scaler.scale(loss)`` leaves them."""
+    device = ours[0].device
+    sa.scale(torch.ones((), device=device))  # what scaler.scale(loss) does first: make _scale
+    sb.scale(torch.ones((), device=device))
+    grads = [torch.randn_like(p) * gain for p in ours]
+    if step in INF_STEPS:
+        grads[2].view(-1)[5] = INF_STEPS[step]
+    for p, q, g in zip(ours, theirs, grads):
+        p.grad = g * sa.get_scale()
+        q.grad = g * sb.get_scale()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import trainfuse
+from tests._helpers import INF_STEPS, set_scaled_twin_grads, twin_scalers
 from trainfuse.amp import GradScaler, clip, clip_grad_norm_
 
 SHAPES = [(0,), (1,), (7, 13), (300,), (3, 5, 7), (130, 3)]
@@ -186,17 +187,9 @@ def test_grad_scaler_with_clipping_and_injected_inf(scaler_cls, unscale_first, k
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     a = trainfuse.FusedSGD(ours, max_grad_norm=1.0, **hp)
     b = torch.optim.SGD(theirs, **hp)
-    sa = scaler_cls(device.type, init_scale=2.0**10, growth_interval=2)
-    sb = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    sa, sb = twin_scalers(scaler_cls, device)
     for it in range(5):
-        sa.scale(torch.ones((), device=device))  # what scaler.scale(loss) does first: make _scale
-        sb.scale(torch.ones((), device=device))
-        grads = [torch.randn_like(p) * 4 for p in ours]
-        if it in (1, 3):
-            grads[2].view(-1)[5] = math.inf if it == 1 else math.nan
-        for p, q, g in zip(ours, theirs, grads):
-            p.grad = g * sa.get_scale()
-            q.grad = g * sb.get_scale()
+        set_scaled_twin_grads(ours, theirs, sa, sb, it, gain=4.0)
         before = [p.detach().clone() for p in ours]
         if unscale_first:
             sa.unscale_(a)
@@ -208,7 +201,7 @@ def test_grad_scaler_with_clipping_and_injected_inf(scaler_cls, unscale_first, k
         sb.update()
         assert sa.get_scale() == sb.get_scale(), f"iteration {it}"
         for p, q, p0 in zip(ours, theirs, before):
-            if it in (1, 3):
+            if it in INF_STEPS:
                 assert torch.equal(p.detach(), p0)
             torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)
     assert sa.state_dict() == sb.state_dict()

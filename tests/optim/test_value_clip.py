@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trainfuse
+from tests._helpers import INF_STEPS, set_scaled_twin_grads, twin_scalers
 from tests.optim.reference import SHAPES, TORCH_CLASS, random_hparams
 from trainfuse.amp import GradScaler
 
@@ -144,17 +145,9 @@ def test_grad_scaler_skips_on_inf_and_clamps_the_unscaled_grads(scaler_cls, cls,
     the step clamps the unscaled ones: torch.optim + unscale_ + clip_grad_value_ step for step."""
     hp = dict(lr=0.01, weight_decay=1e-2)
     ours, theirs, a, b = _pair(cls, torch.float32, device, **hp)
-    sa = scaler_cls(device.type, init_scale=2.0**10, growth_interval=2)
-    sb = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    sa, sb = twin_scalers(scaler_cls, device)
     for it in range(5):
-        sa.scale(torch.ones((), device=device))  # what scaler.scale(loss) does first: make _scale
-        sb.scale(torch.ones((), device=device))
-        grads = [torch.randn_like(p) for p in ours]
-        if it in (1, 3):
-            grads[2].view(-1)[5] = math.inf if it == 1 else math.nan
-        for p, q, g in zip(ours, theirs, grads):
-            p.grad = g * sa.get_scale()
-            q.grad = g * sb.get_scale()
+        set_scaled_twin_grads(ours, theirs, sa, sb, it)
         before = [p.detach().clone() for p in ours]
         sa.step(a)
         sa.update()
@@ -164,7 +157,7 @@ def test_grad_scaler_skips_on_inf_and_clamps_the_unscaled_grads(scaler_cls, cls,
         sb.update()
         assert sa.get_scale() == sb.get_scale(), f"iteration {it}"
         for p, q, p0 in zip(ours, theirs, before):
-            if it in (1, 3):
+            if it in INF_STEPS:
                 assert torch.equal(p.detach(), p0)
             else:
                 assert torch.equal(p.grad, q.grad)

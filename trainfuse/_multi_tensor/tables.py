@@ -215,6 +215,17 @@ def patch_column(plan: Plan, col: int, values: list[int]) -> None:
     dst.copy_(src, non_blocking=dst.device.type != "cpu")
 
 
+def full_grad_key(plan: Plan) -> list[int]:
+    """``plan.gkey`` (every param's grad address, 0 without a grad), rebuilt from ``hot_gkey``
+    where a patch of the grad column on the hot path left it None."""
+    if plan.gkey is None:
+        full = [0] * len(plan.pkey)
+        for pos, a in zip(plan.slots, plan.hot_gkey):
+            full[pos] = a
+        plan.gkey = full
+    return plan.gkey
+
+
 def grad_layouts(params: list[torch.Tensor]) -> tuple:
     """What :func:`patch_grads` checks new grads against, ``params`` in row order: which are
     contiguous, which channels_last, and the rest. One ``is_contiguous`` per grad costs half of

@@ -127,6 +127,20 @@ def aspect_penalty_grads(g_va, alpha, d, r1, r2, h1, h2):
 
 
 @triton.jit
+def overlap(x1, y1, x2, y2, X1, Y1, X2, Y2, w1, h1, w2, h2, eps):
+    """Intersection over union of corner boxes with widths and heights ``w1, h1, w2, h2`` (heights
+    with ``eps`` added, as ultralytics does); returns the IoU and what its grad needs:
+    ``iou, union, iw_raw, ih_raw, iw, ih`` (``*_raw``: the overlap before clamping at zero)."""
+    iw_raw = tmin(x2, X2) - tmax(x1, X1)
+    ih_raw = tmin(y2, Y2) - tmax(y1, Y1)
+    iw = tmax(iw_raw, 0.0)
+    ih = tmax(ih_raw, 0.0)
+    inter = iw * ih
+    union = w1 * h1 + w2 * h2 - inter + eps
+    return fast_div(inter, union), union, iw_raw, ih_raw, iw, ih
+
+
+@triton.jit
 def ciou_xyxy(x1, y1, x2, y2, X1, Y1, X2, Y2, eps):
     """CIoU of corner boxes (ultralytics' ``bbox_iou(xywh=False, CIoU=True)``); returns the value
     and what :func:`ciou_xyxy_grad1` needs."""
@@ -134,13 +148,7 @@ def ciou_xyxy(x1, y1, x2, y2, X1, Y1, X2, Y2, eps):
     h1 = y2 - y1 + eps
     w2 = X2 - X1
     h2 = Y2 - Y1 + eps
-    iw_raw = tmin(x2, X2) - tmax(x1, X1)
-    ih_raw = tmin(y2, Y2) - tmax(y1, Y1)
-    iw = tmax(iw_raw, 0.0)
-    ih = tmax(ih_raw, 0.0)
-    inter = iw * ih
-    union = w1 * h1 + w2 * h2 - inter + eps
-    iou = fast_div(inter, union)
+    iou, union, iw_raw, ih_raw, iw, ih = overlap(x1, y1, x2, y2, X1, Y1, X2, Y2, w1, h1, w2, h2, eps)
     cw = tmax(x2, X2) - tmin(x1, X1)
     ch = tmax(y2, Y2) - tmin(y1, Y1)
     q, c2, dx, dy = centre_penalty(x1, y1, x2, y2, X1, Y1, X2, Y2, cw, ch, eps)

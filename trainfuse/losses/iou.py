@@ -59,6 +59,7 @@ from trainfuse.losses.box_math import (
     centre_penalty_grads,
     corners,
     load_box,
+    overlap,
     store_box,
     tmax,
     tmin,
@@ -99,13 +100,8 @@ def _iou_kernel(b1_ptr, b2_ptr, w_ptr, go_ptr, out_ptr, g1_ptr, g2_ptr, partials
         b1x1, b1y1, b1x2, b1y2, w1, h1 = corners(a0, a1, a2, a3, eps, XYWH)
         b2x1, b2y1, b2x2, b2y2, w2, h2 = corners(c0, c1, c2_, c3, eps, XYWH)
 
-        iw_raw = tmin(b1x2, b2x2) - tmax(b1x1, b2x1)
-        ih_raw = tmin(b1y2, b2y2) - tmax(b1y1, b2y1)
-        iw = tmax(iw_raw, 0.0)
-        ih = tmax(ih_raw, 0.0)
-        inter = iw * ih
-        union = w1 * h1 + w2 * h2 - inter + eps
-        iou = fast_div(inter, union)
+        iou, union, iw_raw, ih_raw, iw, ih = overlap(b1x1, b1y1, b1x2, b1y2, b2x1, b2y1, b2x2, b2y2,
+                                                     w1, h1, w2, h2, eps)
         val = iou
         if KIND != IOU:
             cw = tmax(b1x2, b2x2) - tmin(b1x1, b2x1)

@@ -33,6 +33,7 @@ from trainfuse._multi_tensor.tables import (
     RowBuilder,
     code_of,
     conform,
+    full_grad_key,
     grad_layouts,
     launch_stats,
     launch_update,
@@ -131,16 +132,6 @@ class MultiTensorEngine(TorchPath):
             plan.hot_gkey, plan.gkey = gkey, None  # the full key is rebuilt where it is compared
         return plan
 
-    @staticmethod
-    def _full_gkey(plan: Plan) -> list[int]:
-        """``plan.gkey`` (every param's grad address, 0 without a grad), rebuilt from the hot
-        path's ``hot_gkey`` after that patched the grad column."""
-        if plan.gkey is None:
-            full = [0] * len(plan.pkey)
-            for pos, a in zip(plan.slots, plan.hot_gkey):
-                full[pos] = a
-            plan.gkey = full
-        return plan.gkey
 
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         self._check_structure()
@@ -276,7 +267,7 @@ class MultiTensorEngine(TorchPath):
             pkey, gkey = self._keys(idx, grads)
         except RuntimeError:  # e.g. a sparse grad has no data pointer
             return False
-        return pkey == plan.pkey and gkey == self._full_gkey(plan) and plan.ekey == self._ema_key()
+        return pkey == plan.pkey and gkey == full_grad_key(plan) and plan.ekey == self._ema_key()
 
     def _plan_for(self, device, idx, grads) -> Plan | None:
         """The plan for this step: cached, grad column patched, or rebuilt. None when the params
@@ -288,7 +279,7 @@ class MultiTensorEngine(TorchPath):
             pkey = gkey = None
         ekey = self._ema_key()
         if plan is not None:
-            self._full_gkey(plan)
+            full_grad_key(plan)
         if plan is None or plan.volatile or pkey != plan.pkey or gkey != plan.gkey or ekey != plan.ekey:
             if ekey != getattr(plan, "ekey", None) or not self._refresh_grads(plan, pkey, gkey, idx, grads):
                 if idx is None:  # single-device path: re-check what the key cannot see
