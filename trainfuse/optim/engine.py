@@ -23,25 +23,10 @@ import operator
 
 import torch
 
-from trainfuse._multi_tensor.tables import (
-    OP_EMA,
-    OP_GRAD,
-    OP_MASTER,
-    OP_PARAM,
-    OP_STATE,
-    Plan,
-    RowBuilder,
-    code_of,
-    conform,
-    full_grad_key,
-    grad_layouts,
-    launch_stats,
-    launch_update,
-    patch_grads,
-    same_layout,
-)
+from trainfuse._multi_tensor.tables import Plan, full_grad_key, launch_stats, launch_update, patch_grads
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import CachedLauncher
+from trainfuse.optim.build import build_plan
 from trainfuse.optim.hparams import hparams_table
 from trainfuse.optim.sharded import combine_client_stats_
 from trainfuse.optim.torch_path import TorchPath
@@ -287,7 +272,7 @@ class MultiTensorEngine(TorchPath):
                     self.validate(grads, kernels=True)
                     if not self._single or device not in self._devices:  # params moved devices
                         return None
-                plan = self._build(device, idx, grads)
+                plan = build_plan(self.client, self._params, self._group_of, device, idx, grads)
                 plan.pkey, plan.gkey = self._keys(idx, grads)
                 plan.ekey = self._ema_key()  # after the build, which may re-lay-out EMA tensors
                 self._plans[device] = plan
@@ -359,48 +344,6 @@ class MultiTensorEngine(TorchPath):
         """Write the groups' current hyperparameters into each device's table, in place."""
         for device in list(self._hp):
             self._hparams(device)
-
-    def _build(self, device, idx, grads) -> Plan:
-        client = self.client
-        groups = client.param_groups
-        builder = RowBuilder()
-        keepalive, copy_back, slots, row_params = [], [], [], []
-        storages = []  # of every tensor a row addresses, grads aside (their addresses are checked)
-        volatile = False
-        with_row = set()
-        for pos, i in enumerate(idx if idx is not None else range(len(self._params))):
-            g = grads[i]
-            if g is None:
-                continue
-            p = self._params[i]
-            group = groups[self._group_of[i]]
-            states, step, master = client.prepare_state(p, group, kernels=True)
-            storages.extend(t.untyped_storage() for t in (p, master, step, *states) if t is not None)
-            if not same_layout(g, p):  # e.g. a contiguous grad for a channels_last weight
-                tmp = conform(g, p)
-                keepalive.append(tmp)
-                copy_back.append((g, tmp))
-                volatile = True
-                g = tmp
-            ema = client.ema_target(p)
-            if ema is not None:
-                storages.append(ema.untyped_storage())
-            operands = {OP_PARAM: p, OP_GRAD: g, OP_MASTER: master, OP_EMA: ema}
-            operands.update({OP_STATE + k: t for k, t in enumerate(states)})
-            code = code_of(p.dtype, master is not None, ema)
-            builder.add(operands, p.numel(), code, self._group_of[i], step)
-            with_row.add(p)
-            slots.append(pos)
-            row_params.append(p)
-        for ema, src in client.ema_pairs(device):
-            if src not in with_row:  # buffers, frozen params, params without a grad this step
-                storages.extend((ema.untyped_storage(), src.untyped_storage()))
-                builder.add({OP_PARAM: src, OP_EMA: ema}, src.numel(),
-                            code_of(src.dtype, ema=ema, ema_only=True))
-        plan = builder.build(device)
-        plan.keepalive, plan.copy_back, plan.volatile = keepalive + storages, copy_back, volatile
-        plan.slots, plan.glayout = slots, grad_layouts(row_params)
-        return plan
 
 
 __all__ = ["MultiTensorEngine"]
