@@ -1,7 +1,9 @@
 """The gradient-statistics pass: the global gradient norm, the clip coefficient and the inf/NaN
 check of every gradient of a multi-tensor table, in one launch (per-chunk partials reduced by the
 last program to arrive, in a fixed order, so the result is deterministic). Clipping, GradScaler's
-check and the optimizers' ``max_grad_norm`` all run it."""
+check and the optimizers' ``max_grad_norm`` all run it. With ``UPDATE_SCALE`` it also does
+GradScaler's ``update()`` (torch's ``_amp_update_scale_``) once every program has read the scale,
+leaving the scale it read in ``out[3]`` for the update launch that follows."""
 
 import triton
 import triton.language as tl
@@ -49,14 +51,33 @@ def _stats_chunk(row, start, n, scale, PARAM_DT: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
+def _update_scale(scale_ptr, tracker_ptr, found, growth_factor, backoff_factor, growth_interval):
+    """torch's ``_amp_update_scale_``: back off on inf/NaN, else grow every ``growth_interval``
+    clean steps (unless growing overflows float32). The factors are float32-exact (the caller
+    checks), so the products round as torch's float64 ones do."""
+    scale = tl.load(scale_ptr)
+    successful = tl.load(tracker_ptr) + 1
+    grown = scale * growth_factor
+    grow = successful == growth_interval
+    keep = tl.where(grow & (tl.abs(grown) != float("inf")) & (grown == grown), grown, scale)
+    tl.store(scale_ptr, tl.where(found, scale * backoff_factor, keep))
+    tl.store(tracker_ptr, tl.where(found | grow, 0, successful))
+
+
+@triton.jit
 def grad_stats_kernel(rows, chunks, scale_ptr, partials, flags, counter, out, max_norm,
+                      tracker_ptr, growth_factor, backoff_factor, growth_interval,
                       BLOCK: tl.constexpr, NB: tl.constexpr, PARAM_DTYPES: tl.constexpr,
-                      ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr):
+                      ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
+                      UPDATE_SCALE: tl.constexpr):
     """Global gradient norm (of the unscaled grads) and inf/NaN check over the first ``nparts =
     counter[1]`` work items (the grid). Each program writes its partial and bumps ``counter[0]``;
     the last to arrive reduces the partials in a fixed order
     (float64, deterministic: no float atomics) and writes ``out = [norm, clip coefficient, found
-    inf]`` with torch's ``clip_coef = min(max_norm / (norm + 1e-6), 1)``.
+    inf]`` with torch's ``clip_coef = min(max_norm / (norm + 1e-6), 1)``. With ``UPDATE_SCALE``
+    (and ``HAS_SCALE``), that program then stores the scale every program divided by in ``out[3]``
+    and updates the float32 scale and the int32 ``tracker_ptr`` as ``GradScaler.update()`` would:
+    every other program has read the scale before it arrived.
     """
     pid = tl.program_id(0)
     r, row, start, n = mt.work_item(chunks, rows, BLOCK * NB)
@@ -106,4 +127,8 @@ def grad_stats_kernel(rows, chunks, scale_ptr, partials, flags, counter, out, ma
         tl.store(out, norm)
         tl.store(out + 1, coef)
         tl.store(out + 2, tl.where(allbad != 0, 1.0, 0.0))
+        if UPDATE_SCALE:
+            tl.store(out + 3, scale)
+            _update_scale(scale_ptr, tracker_ptr, allbad != 0, growth_factor, backoff_factor,
+                          growth_interval)
         tl.store(counter, 0)

@@ -325,10 +325,17 @@ def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tens
 
 def launch_stats(launcher: CachedLauncher, plan: Plan, out: torch.Tensor, *,
                  grad_scale: torch.Tensor | None = None, max_norm: float = 0.0,
-                 norm_type: float | None = None) -> None:
+                 norm_type: float | None = None, scale_update: tuple | None = None) -> None:
     """One launch of the gradient-statistics pass: ``out[0:3] = [norm of grad / grad_scale,
-    clip coefficient for max_norm, 1.0 if any grad is inf/NaN]`` (norm_type None: the check only)."""
+    clip coefficient for max_norm, 1.0 if any grad is inf/NaN]`` (norm_type None: the check only).
+
+    ``scale_update``: ``(growth_tracker, growth_factor, backoff_factor, growth_interval)`` of the
+    GradScaler whose float32 ``grad_scale`` this is (int32 tracker, float32-exact factors): the
+    launch then also stores the scale it divided by in ``out[3]`` and updates scale and tracker
+    as ``GradScaler.update()`` does. Needs a plan with gradients."""
     if plan.ngrad == 0:  # no gradient this step: norm 0, nothing to clip, nothing non-finite
+        if scale_update is not None:
+            raise ValueError("launch_stats: scale_update needs a plan with gradients")
         out[:3].copy_(torch.tensor([0.0, 1.0, 0.0]), non_blocking=True)
         return
     if plan.partials is None:
@@ -338,13 +345,20 @@ def launch_stats(launcher: CachedLauncher, plan: Plan, out: torch.Tensor, *,
         plan.counter = torch.tensor([0, plan.ngrad], dtype=torch.int32).to(device)
     norm = stats.NORM_NONE.value if norm_type is None else NORM_KINDS[float(norm_type)]
     launch = plan.launch
-    key = ("stats", _tables_key(plan), plan.param_dtypes, _ptr_class(grad_scale), _ptr_class(out), norm)
+    if scale_update is None:
+        tracker, growth, backoff, interval = plan.rows, 1.0, 1.0, 0
+    else:
+        tracker, growth, backoff, interval = scale_update
+    key = ("stats", _tables_key(plan), plan.param_dtypes, _ptr_class(grad_scale), _ptr_class(out), norm,
+           scale_update is not None and (_ptr_class(tracker), interval == 1, interval % 16 == 0,
+                                          interval < 2**31))
     launcher(
         stats.grad_stats_kernel, (plan.ngrad,), plan.rows, plan.chunks,
         plan.rows if grad_scale is None else grad_scale, plan.partials, plan.flags, plan.counter,
-        out, float(max_norm),
+        out, float(max_norm), tracker, float(growth), float(backoff), int(interval),
         BLOCK=launch.block, NB=launch.unroll, PARAM_DTYPES=plan.param_dtypes, ALIGNED=plan.aligned,
-        HAS_SCALE=grad_scale is not None, NORM=norm, num_warps=launch.num_warps, key=key,
+        HAS_SCALE=grad_scale is not None, NORM=norm, UPDATE_SCALE=scale_update is not None,
+        num_warps=launch.num_warps, key=key,
     )
 
 

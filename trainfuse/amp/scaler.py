@@ -5,7 +5,7 @@
 a foreach unscale-and-check over every gradient, a sum and a multiply — five or more launches
 before the optimizer's. This subclass asks a fused optimizer for the check instead: one launch
 that also takes the clipping norm when ``max_grad_norm`` is set. With it, ultralytics' optimizer
-phase (unscale, clip, step, update, zero_grad, EMA) is three launches::
+phase (unscale, clip, step, update, zero_grad, EMA) is three launches, or two::
 
     scaler = trainfuse.amp.GradScaler("cuda")
     opt = FusedSGD(params, lr, momentum=0.937, nesterov=True, max_grad_norm=10.0)
@@ -15,15 +15,19 @@ phase (unscale, clip, step, update, zero_grad, EMA) is three launches::
     scaler.update()                # 3: torch's scale update
     opt.zero_grad()                # set_to_none: no launch
 
-Every other optimizer, and ``unscale_`` called by hand, take torch's path unchanged.
+``scaler.step_and_update(opt)`` does both calls in two launches: the first one also updates the
+scale, once every program has read it. Every other optimizer, and ``unscale_`` called by hand,
+take torch's path unchanged.
 """
 
 from __future__ import annotations
 
+import struct
+from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from trainfuse.optim._base import FusedOptimizer
 
@@ -61,6 +65,37 @@ class GradScaler(torch.amp.GradScaler):
             optimizer.discard_grad_check()
         state["stage"] = OptState.STEPPED
         return retval
+
+    def step_and_update(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``step(optimizer)`` then ``update()``, with the same results and state. For a trainfuse
+        fused optimizer on one device, right after the backward (no ``unscale_`` and no other
+        optimizer stepped since the last update), both run in the optimizer's two launches: the
+        statistics pass also does ``update()``'s scale arithmetic, after every one of its
+        programs has read the scale the step divides by. Elsewhere (and for growth or backoff
+        factors that are not exact in float32, which torch multiplies in float64) it calls the
+        two methods. ``update(new_scale)`` has no counterpart here: call the two methods."""
+        if (self._enabled and not args and not kwargs and isinstance(optimizer, FusedOptimizer)
+                and _float32_exact(self._growth_factor) and _float32_exact(self._backoff_factor)
+                and self._scale is not None):
+            states = self._per_optimizer_states
+            if not states or (len(states) == 1 and id(optimizer) in states
+                              and states[id(optimizer)]["stage"] is OptState.READY):
+                update = (self._growth_tracker, self._growth_factor, self._backoff_factor,
+                          self._growth_interval)
+                if (self._scale.dtype == torch.float32 and self._growth_tracker.dtype == torch.int32
+                        and optimizer.scaled_step(self._scale, update)):
+                    self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+                    return None
+        retval = self.step(optimizer, *args, **kwargs)
+        self.update()
+        return retval
+
+
+def _float32_exact(x: float) -> bool:
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0] == x
+    except OverflowError:
+        return False
 
 
 __all__ = ["GradScaler"]

@@ -11,7 +11,7 @@ Rows, each beside what torch users run today, in one run:
   against FusedAdamW(max_grad_value=...), where the update clamps the grads itself.
 - yolov5n's optimizer phase (unscale_, clip_grad_norm_(10), scaler.step(SGD nesterov),
   scaler.update, ModelEMA.update) against trainfuse's GradScaler + FusedSGD(max_grad_norm=10)
-  with the FusedEMA attached (three launches).
+  with the FusedEMA attached (two launches: scaler.step_and_update).
 
 Models and shapes come from trainfuse.bench.workloads.
 """
@@ -225,8 +225,7 @@ def bench_yolo_phase(report, bw):
     opt.attach_ema(ema)
 
     def ours():
-        scaler.step(opt)
-        scaler.update()
+        scaler.step_and_update(opt)
         opt.zero_grad()
         set_grads()
 

@@ -292,12 +292,45 @@ class FusedOptimizer(Optimizer):
             self.ema_weight = 1.0 - self._ema.decay(self._ema.updates)
         else:
             self.ema_weight = None
-        if (closure is None and not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
-                and not self._optimizer_step_pre_hooks and not self._optimizer_step_post_hooks
-                and not torch.autograd._profiler_enabled()):
+        if closure is None and not self._hooked():
             self._engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
             return None
         return self._step_with_hooks(closure)
+
+    def scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
+        """A GradScaler's ``step(self)`` then ``update()`` in this optimizer's two launches (what
+        :meth:`trainfuse.amp.GradScaler.step_and_update` runs): the statistics pass checks the
+        grads scaled by ``scale``, takes the norm and updates the scale once it has read it
+        (``update``: the scaler's ``(growth_tracker, growth_factor, backoff_factor,
+        growth_interval)``); the update launch divides by the scale read. The profiler sees it as
+        a step. True when done; False, nothing done, where it cannot (step hooks, which torch's
+        step path runs, params on several devices or on the torch path, sharded params, no
+        gradient)."""
+        if self._step_hooks():
+            return False
+        if not torch.autograd._profiler_enabled():
+            return self._scaled_step(scale, update)
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            done = self._scaled_step(scale, update)
+            self._optimizer_step_code()
+            return done
+
+    def _scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
+        ema = self._ema if self._ema is not None and self._ema.enabled else None
+        self.ema_weight = None if ema is None else 1.0 - ema.decay(ema.updates + 1)
+        if not self._engine.scaled_step(scale, update):
+            return False
+        if ema is not None:
+            ema.updates += 1
+        return True
+
+    def _step_hooks(self) -> bool:
+        return bool(_global_optimizer_pre_hooks or _global_optimizer_post_hooks
+                    or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
+
+    def _hooked(self) -> bool:
+        """Whether a step must go through torch's wrapper: step hooks set, or the profiler on."""
+        return self._step_hooks() or torch.autograd._profiler_enabled()
 
     def _step_with_hooks(self, closure):
         args, kwargs = (self,), {"closure": closure}

@@ -58,7 +58,7 @@ class MultiTensorEngine(TorchPath):
         self._plans: dict[torch.device, Plan] = {}
         self._hp: dict[torch.device, tuple[list[float], torch.Tensor]] = {}
         self._stats: dict[torch.device, torch.Tensor] = {}
-        self._clip_view: torch.Tensor | None = None
+        self._views: tuple | None = None  # (out, clip, found_inf, scale) views of a stats output
         # device -> (grad_scale, plan) of a statistics pass GradScaler ran just before the step
         self._checked: dict[torch.device, tuple[torch.Tensor, Plan]] = {}
         self._ekey_flat = None  # the EMA pair list _ekey_tensors was made from
@@ -187,17 +187,50 @@ class MultiTensorEngine(TorchPath):
         self._structure = snapshot(self.client)
         return {device: out[2]}
 
+    def scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
+        """GradScaler's ``step`` then ``update`` in two launches: the statistics pass (inf/NaN
+        check, norm, and the scale update once every program has read the scale) and the update,
+        which divides by the scale the first one read. ``update``: ``(growth_tracker,
+        growth_factor, backoff_factor, growth_interval)``. False, with nothing launched, where
+        this engine cannot (params on several devices or on the torch path, sharded params, no
+        gradient at all): the caller then steps and updates as torch does."""
+        self._check_structure()
+        client = self.client
+        if not self._single or client.shard_group is not None:
+            return False
+        (device,) = self._devices
+        if not use_triton(device) or scale.device != device:
+            return False
+        plan = hot = self._hot_plan(device)
+        if plan is None:
+            plan = self._plan_for(device, None, [p.grad for p in self._params])
+        if plan is None or plan.ngrad == 0:
+            return False
+        hp = self._hparams(device)  # validated before anything launches: a bad lr leaves the scale as is
+        out = self._stats_out(device)
+        clipping = client.max_grad_norm is not None
+        launch_stats(self._launcher, plan, out, grad_scale=scale, max_norm=client.max_grad_norm or 0.0,
+                     norm_type=2.0 if clipping else None, scale_update=update)
+        self._norm_ready = self._norm_ready or clipping
+        _, _, found_inf, read_scale = self._views_of(out)
+        self._checked[device] = (read_scale, plan)
+        self._launch(device, plan, read_scale, found_inf, hp)
+        if hot is None or self._structure is None:  # a build may have changed state
+            self._structure = snapshot(client)
+        return True
+
     def forget_check(self) -> None:
         """Drop a :meth:`check_grads` result the step did not consume (the step raised): the next
         step must validate its grads again."""
         self._checked.clear()
 
-    def _clip_of(self, out: torch.Tensor) -> torch.Tensor:
-        """``out[1:2]``, the clip coefficient the update reads, made once (a view costs ~2 us)."""
-        clip = self._clip_view
-        if clip is None or clip._base is not out:
-            clip = self._clip_view = out[1:2]
-        return clip
+    def _views_of(self, out: torch.Tensor) -> tuple:
+        """``(out, clip coefficient, found_inf, scale read)``: ``out[1:2]``, ``out[2:3]`` and
+        ``out[3:4]``, made once (a view costs ~2 us)."""
+        views = self._views
+        if views is None or views[0] is not out:
+            views = self._views = (out, out[1:2], out[2:3], out[3:4])
+        return views
 
     def _stats_out(self, device) -> torch.Tensor:
         out = self._stats.get(device)
@@ -308,12 +341,13 @@ class MultiTensorEngine(TorchPath):
         plan.gkey = gkey
         return True
 
-    def _launch(self, device, plan, grad_scale, found_inf) -> None:
+    def _launch(self, device, plan, grad_scale, found_inf, hp=None) -> None:
         client = self.client
         checked = self._checked.pop(device, None)
         if plan.nchunks == 0:
             return
-        hp = self._hparams(device)
+        if hp is None:
+            hp = self._hparams(device)
         if grad_scale is not None and grad_scale.device != device:
             grad_scale = grad_scale.to(device, non_blocking=True)
         if found_inf is not None and found_inf.device != device:
@@ -328,7 +362,7 @@ class MultiTensorEngine(TorchPath):
                              max_norm=client.max_grad_norm, norm_type=2.0)
                 combine_client_stats_(self.client, out, True)
             self._norm_ready = True
-            clip = self._clip_of(out)
+            clip = self._views_of(out)[1]
         ema_w = client.ema_weight
         launch_update(self._launcher, client.chunk_fn, plan, hp, wide16=client.wide16,
                       grad_scale=grad_scale, clip=clip, clip_value=clip_value, found_inf=found_inf,

@@ -18,10 +18,10 @@ What it changes, and nothing else (ultralytics itself is not patched):
 - **Warmup**: ultralytics' per-iteration warmup writes ``lr`` and ``momentum`` into the groups as
   floats; the fused kernels read them from a small device table refreshed by a non-blocking copy
   when they change: no recompile, no host sync.
-- **optimizer_step**: ``scaler.step`` runs one statistics launch (the inf/NaN check and the
-  gradient norm) and one update launch (unscale, clip, step, EMA of every param and buffer);
-  ``scaler.update`` is torch's one launch; ``zero_grad`` sets grads to None. Three launches in
-  all, where the stock phase runs several hundred (yolov5n) — see ``python -m trainfuse.bench yolo``.
+- **optimizer_step**: ``scaler.step_and_update`` runs one statistics launch (the inf/NaN check,
+  the gradient norm and GradScaler's scale update) and one update launch (unscale, clip, step,
+  EMA of every param and buffer); ``zero_grad`` sets grads to None. Two launches in all, where
+  the stock phase runs several hundred (yolov5n) — see ``python -m trainfuse.bench yolo``.
 - **EMA**: :class:`~trainfuse.optim.FusedEMA` replaces ``ModelEMA``, attached to the fused
   optimizer. Its semantics are ultralytics': one EMA update per ``optimizer_step``, also when
   GradScaler skips the step for an inf/NaN gradient (the EMA then moves toward the unchanged
@@ -157,12 +157,16 @@ class FusedDetectionTrainer(DetectionTrainer):
         return isinstance(getattr(self, "optimizer", None), _FUSED)
 
     def optimizer_step(self):
-        """Unscale, clip at 10, step, EMA update and zero_grad: three launches when fused
-        (statistics, update with the EMA folded in, GradScaler's scale update), else stock."""
+        """Unscale, clip at 10, step, EMA update, scale update and zero_grad: two launches when
+        fused (statistics with GradScaler's update, then the update with the EMA folded in), else
+        stock."""
         if not self.fused:
             return super().optimizer_step()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        if isinstance(self.scaler, GradScaler):
+            self.scaler.step_and_update(self.optimizer)
+        else:  # a scaler of another kind (NPU) keeps its own two calls
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.optimizer.zero_grad()
         if self.ema:
             self.ema.update(self.model)  # counts nothing while attached: the step did this update
