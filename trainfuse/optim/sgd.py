@@ -42,26 +42,23 @@ def _sgd_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl.
     g_ptr = mt.operand(row, mt.OP_GRAD, start, PARAM_DT, ALIGNED)
     e_ptr = mt.operand(row, mt.OP_EMA, start, EMA_DT, ALIGNED)
     b_ptr = mt.operand(row, mt.OP_STATE, start, STATE_DT, ALIGNED)
-    # the buffer is read (when the row has one: its address is non-zero) with the other operands,
-    # before the step counter's atomic and without waiting for the count: a load issued after
-    # the acq_rel atomic, or masked on the count, waits for it (yolov5n's small tensors ran at a
-    # third of AdamW's speed that way). On its first step the value read (zeros) is not used.
-    has_state = tl.load(row + mt.COL_OPERAND0 + mt.OP_STATE) != 0
     p = mt.load(w_ptr, offs, n, MASKED)
     g = mt.load(g_ptr, offs, n, MASKED)
     e = mt.load_opt(e_ptr, offs, n, EMA, MASKED)
-    buf = mt.load_if(b_ptr, offs, n, has_state, MASKED)
 
-    # the first step sets the buffer to the gradient (torch clones it)
+    # the first step writes the buffer without reading it (torch clones the gradient)
     first = mt.advance_step(row, r, arrivals) == 1.0
     has_buf = momentum != 0.0
+    read_buf = has_buf & (first == 0)
+    buf = mt.load_if(b_ptr, offs, n, read_buf, MASKED)
     lr = tl.load(hp_row + _LR).to(tl.float32)
     dampening = tl.load(hp_row + _DAMP)
     wd = tl.load(hp_row + _WD).to(tl.float32)
     nesterov = tl.load(hp_row + _NEST) != 0.0
     maximize = tl.load(hp_row + _MAX) != 0.0
     mu = momentum.to(tl.float32)
-    damp = (1.0 - dampening).to(tl.float32)
+    damp = tl.where(first, 1.0, 1.0 - dampening).to(tl.float32)
+    mu_buf = tl.where(first, 0.0, mu)
 
     for b in tl.static_range(NB):
         o = offs + b * BLOCK
@@ -69,11 +66,11 @@ def _sgd_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl.
             o_next = o + BLOCK
             p_next = mt.load(w_ptr, o_next, n, MASKED)
             g_next = mt.load(g_ptr, o_next, n, MASKED)
-            buf_next = mt.load_if(b_ptr, o_next, n, has_state, MASKED)
+            buf_next = mt.load_if(b_ptr, o_next, n, read_buf, MASKED)
             e_next = mt.load_opt(e_ptr, o_next, n, EMA, MASKED)
         g = mt.grad_in(g_ptr, o, n, g, scale, clip, maximize, HAS_SCALE, HAS_CLIP, MASKED)
         g = tl.where(wd != 0.0, g + wd * p, g)
-        buf = tl.where(first, g, buf * mu + damp * g)
+        buf = buf * mu_buf + damp * g  # first step: 0 * 0 + 1 * g, exactly g
         mt.store_if(b_ptr, o, n, buf, has_buf, MASKED)
         g = tl.where(has_buf, tl.where(nesterov, g + mu * buf, buf), g)
         p = p - lr * g
