@@ -66,6 +66,29 @@ def test_step_and_update_matches_step_then_update(cls, torch_cls, hp, clip, kern
     sa.update()
 
 
+@pytest.mark.parametrize("settings", [
+    dict(init_scale=2.0**127, growth_interval=1),  # growing would overflow float32: the scale stays
+    dict(init_scale=2.0**10, growth_interval=1, growth_factor=4.0, backoff_factor=0.25),
+], ids=["no-growth-past-float32", "interval-1-other-factors"])
+def test_step_and_update_scale_arithmetic_matches_torch(settings, kernels, device):
+    """The scale update in the statistics launch against torch's update(): a scale that growing
+    would overflow stays where it is (the tracker resets), other factors and a growth interval of
+    one; clean, inf and NaN steps."""
+    ours, theirs, a, b = _twins(device, trainfuse.FusedSGD, torch.optim.SGD, None, lr=1e-3, momentum=0.9)
+    sa = CountingScaler(device.type, **settings)
+    sb = torch.amp.GradScaler(device.type, **settings)
+    for it in range(5):
+        set_scaled_twin_grads(ours, theirs, sa, sb, it, gain=1e-30)  # scaled grads stay finite
+        sa.step_and_update(a)
+        _torch_step(sb, b, theirs, None)
+        assert sa.state_dict() == sb.state_dict(), f"iteration {it}"
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)
+    assert sa.updates == 0
+    if settings["init_scale"] == 2.0**127:
+        assert sa.get_scale() <= 2.0**127  # it backed off on inf/NaN steps and never grew past float32
+
+
 def test_step_and_update_counts_the_ema_once_per_step_as_ultralytics(kernels, device):
     """An attached FusedEMA moves once per step_and_update, skipped steps included, as after
     step() then update()."""

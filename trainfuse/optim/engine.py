@@ -163,26 +163,13 @@ class MultiTensorEngine(TorchPath):
         """GradScaler's inf/NaN check, run by the statistics pass the step needs anyway (it also
         takes the clipping norm): returns ``{device: found_inf}``, or None where this engine cannot
         (params on several devices or on the torch path: the caller then checks as torch does)."""
-        self._check_structure()
-        if not self._single:
+        found = self._kernel_plan()
+        if found is None:
             return None
-        (device,) = self._devices
-        if not use_triton(device):
-            return None
-        plan = self._hot_plan(device)
-        if plan is None:
-            grads = [p.grad for p in self._params]
-            plan = self._plan_for(device, None, grads)
-            if plan is None:
-                return None
+        device, plan, _ = found
         if grad_scale.device != device:
             grad_scale = grad_scale.to(device, non_blocking=True)
-        out = self._stats_out(device)
-        clipping = self.client.max_grad_norm is not None
-        launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
-                     max_norm=self.client.max_grad_norm or 0.0, norm_type=2.0 if clipping else None)
-        combine_client_stats_(self.client, out, clipping)
-        self._norm_ready = self._norm_ready or clipping
+        out = self._run_stats(device, plan, grad_scale)
         self._checked[device] = (grad_scale, plan)
         self._structure = snapshot(self.client)
         return {device: out[2]}
@@ -194,30 +181,51 @@ class MultiTensorEngine(TorchPath):
         growth_factor, backoff_factor, growth_interval)``. False, with nothing launched, where
         this engine cannot (params on several devices or on the torch path, sharded params, no
         gradient at all): the caller then steps and updates as torch does."""
-        self._check_structure()
-        client = self.client
-        if not self._single or client.shard_group is not None:
+        if self.client.shard_group is not None:  # found_inf must be combined over the group first
             return False
-        (device,) = self._devices
-        if not use_triton(device) or scale.device != device:
+        found = self._kernel_plan()
+        if found is None:
             return False
-        plan = hot = self._hot_plan(device)
-        if plan is None:
-            plan = self._plan_for(device, None, [p.grad for p in self._params])
-        if plan is None or plan.ngrad == 0:
+        device, plan, hot = found
+        if scale.device != device or plan.ngrad == 0:
             return False
         hp = self._hparams(device)  # validated before anything launches: a bad lr leaves the scale as is
-        out = self._stats_out(device)
-        clipping = client.max_grad_norm is not None
-        launch_stats(self._launcher, plan, out, grad_scale=scale, max_norm=client.max_grad_norm or 0.0,
-                     norm_type=2.0 if clipping else None, scale_update=update)
-        self._norm_ready = self._norm_ready or clipping
-        _, _, found_inf, read_scale = self._views_of(out)
+        _, _, found_inf, read_scale = self._views_of(self._run_stats(device, plan, scale, update))
         self._checked[device] = (read_scale, plan)
         self._launch(device, plan, read_scale, found_inf, hp)
-        if hot is None or self._structure is None:  # a build may have changed state
-            self._structure = snapshot(client)
+        if not hot or self._structure is None:  # a build may have changed state
+            self._structure = snapshot(self.client)
         return True
+
+    def _kernel_plan(self) -> tuple[torch.device, Plan, bool] | None:
+        """``(device, plan, hot)`` for a statistics pass and the step right after it: the params'
+        one device, its plan (cached and checked on the hot path, else patched or built), and
+        whether the hot path gave it. None where the kernels do not run (params on several
+        devices, the torch path) or the params moved to other devices."""
+        self._check_structure()
+        if not self._single:
+            return None
+        (device,) = self._devices
+        if not use_triton(device):
+            return None
+        plan = self._hot_plan(device)
+        if plan is not None:
+            return device, plan, True
+        plan = self._plan_for(device, None, [p.grad for p in self._params])
+        return None if plan is None else (device, plan, False)
+
+    def _run_stats(self, device, plan: Plan, grad_scale: torch.Tensor, scale_update: tuple | None = None
+               ) -> torch.Tensor:
+        """The statistics launch over ``plan`` (inf/NaN check, and the norm when the client clips
+        by norm), combined over the client's shard group: the device's ``out`` it wrote."""
+        out = self._stats_out(device)
+        clipping = self.client.max_grad_norm is not None
+        launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
+                     max_norm=self.client.max_grad_norm or 0.0, norm_type=2.0 if clipping else None,
+                     scale_update=scale_update)
+        combine_client_stats_(self.client, out, clipping)
+        self._norm_ready = self._norm_ready or clipping
+        return out
 
     def forget_check(self) -> None:
         """Drop a :meth:`check_grads` result the step did not consume (the step raised): the next
