@@ -57,6 +57,26 @@ def _step_both(a, b, ours, theirs, grads, bound, scaled):
     return clipped
 
 
+def _conditioned_grads(theirs, dtype, hp) -> list[torch.Tensor]:
+    """Random grads for the kernels' test: where an L2 weight decay (Adam's, SGD's) adds to the
+    clipped grad, elements whose sum cancels to below 1e-4 of the grad are drawn again. There a
+    one-ulp difference in ``weight_decay * param`` (torch's CPU add is fused, the kernel's is not)
+    is the whole sum, and Adam's normalization turns it into a different update. AdamW's decay
+    scales the param instead: pass no ``weight_decay`` for it."""
+    wd = hp.get("weight_decay", 0.0)
+    grads = []
+    for q in theirs:
+        g = (torch.randn(q.shape, device=q.device) * 2 * BOUND).to(dtype)
+        for _ in range(100):
+            c = g.float().clamp(-BOUND, BOUND)
+            bad = (c + wd * q.detach()).abs() < 1e-4 * c.abs()
+            if wd == 0.0 or not bad.any():
+                break
+            g = torch.where(bad, (torch.randn(q.shape, device=q.device) * 2 * BOUND).to(dtype), g)
+        grads.append(g)
+    return grads
+
+
 def _weights(opt, ours):
     return [opt.state[p].get("master_param", p) for p in ours]
 
@@ -68,7 +88,7 @@ def test_value_clipping_is_clip_grad_value_then_step(cls, dtype, scaled, kernels
     hp = random_hparams(cls, random.Random(torch.initial_seed()))
     ours, theirs, a, b = _pair(cls, dtype, device, **hp)
     for _ in range(3):
-        grads = [(torch.randn(p.shape, device=device) * 2 * BOUND).to(dtype) for p in ours]
+        grads = _conditioned_grads(theirs, dtype, hp if cls is not trainfuse.FusedAdamW else {})
         clipped = _step_both(a, b, ours, theirs, grads, BOUND, scaled)
         assert sum(int((g.float().abs() > BOUND).sum()) for g in grads) > 50  # the bound bites
         for p, q, w, c in zip(ours, theirs, _weights(a, ours), clipped):
