@@ -7,6 +7,7 @@ import trainfuse
 from tests._helpers import INF_STEPS, set_scaled_twin_grads
 from trainfuse.amp import GradScaler
 from trainfuse.optim import FusedEMA
+from trainfuse.optim.direct import DirectStep
 
 SHAPES = [(1,), (7, 13), (300,), (3, 5, 7), (130, 3)]
 STEPS = 7  # with growth_interval=2 and INF_STEPS: backs off twice, grows twice
@@ -164,3 +165,41 @@ def test_a_bad_lr_raises_before_the_scale_moves(kernels, device):
         torch.cuda.synchronize()
     assert scaler.state_dict() == state
     assert all(torch.equal(p.detach(), p0) for p, p0 in zip(ps, before))
+
+
+def test_step_and_update_follows_what_changes_between_steps(kernels, device, monkeypatch):
+    """Steps after the first launch again with the arguments they resolved (``DirectStep``, on a
+    GPU): an lr and momentum change, clipping switched on and its bound moved, a new growth
+    interval and grads at an address that is not 16-byte aligned must each reach the kernels.
+    Against torch's step() then update(), with the same changes."""
+    launches = []
+    launch = DirectStep.launch
+    monkeypatch.setattr(DirectStep, "launch", lambda self, ema_w: launches.append(1) or launch(self, ema_w))
+    ours, theirs, a, b = _twins(device, trainfuse.FusedSGD, torch.optim.SGD, None, lr=0.1, momentum=0.9)
+    sa = CountingScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    sb = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    clip = None
+    for it in range(12):
+        if it == 4:
+            for opt in (a, b):
+                opt.param_groups[0].update(lr=0.03, momentum=0.5)
+        if it == 6:
+            a.max_grad_norm = clip = 0.5
+        if it == 8:
+            a.max_grad_norm = clip = 2.0
+            sa.set_growth_interval(1)
+            sb.set_growth_interval(1)
+        set_scaled_twin_grads(ours, theirs, sa, sb, it, gain=4.0)
+        if it >= 10:  # the same values, 4 bytes past an aligned address
+            for p in ours:
+                buf = torch.empty(p.numel() + 1, device=device)
+                buf[1:].copy_(p.grad.flatten())
+                p.grad = buf[1:].view_as(p)
+        sa.step_and_update(a)
+        _torch_step(sb, b, theirs, clip)
+        assert sa.state_dict() == sb.state_dict(), f"iteration {it}"
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, it=it: f"iteration {it}: {m}")
+    assert sa.updates == 0
+    assert (len(launches) >= 6) == (device.type == "cuda"), launches

@@ -114,7 +114,7 @@ class Plan:
     __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
                  "launch", "ntensors", "codes", "param_dtypes", "aligned", "volatile", "keepalive",
                  "copy_back", "slots", "glayout", "partials", "flags", "counter", "with_grad",
-                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey", "host_rows")
+                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey", "host_rows", "direct")
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -172,7 +172,7 @@ class RowBuilder:
         plan.codes, plan.param_dtypes = self.codes, self.param_dtypes
         plan.aligned, plan.ngrad = self.aligned, self.ngrad
         plan.ntensors = ntensors = len(self.rows)
-        plan.partials = plan.flags = plan.counter = plan.tkey = None
+        plan.partials = plan.flags = plan.counter = plan.tkey = plan.direct = None
         if ntensors == 0:
             plan.nchunks = 0
             return plan
@@ -194,7 +194,7 @@ def place(plan: Plan, host: torch.Tensor, device: torch.device) -> None:
     buf = upload(host, device) if device.type != "cpu" else host.clone()
     plan.rows = buf[: plan.ntensors * ROW]
     plan.chunks = buf[plan.ntensors * ROW :]
-    plan.tkey = None
+    plan.tkey = plan.direct = None  # both hold the old buffers' addresses
 
 
 def patch_column(plan: Plan, col: int, values: list[int]) -> None:
@@ -323,6 +323,9 @@ def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tens
     )
 
 
+UPDATE_EMA_W_ARG = 7  # where launch_update passes ema_w among the kernel's arguments
+
+
 def launch_stats(launcher: CachedLauncher, plan: Plan, out: torch.Tensor, *,
                  grad_scale: torch.Tensor | None = None, max_norm: float = 0.0,
                  norm_type: float | None = None, scale_update: tuple | None = None) -> None:
@@ -383,6 +386,6 @@ class TensorListPlans:
         return plan
 
 
-__all__ = ["DTYPE_CODES", "LaunchConfig", "Plan", "RowBuilder", "TensorListPlans", "code_of", "config",
-           "conform", "is_dense", "launch_stats", "launch_update", "master_config", "place", "same_layout",
-           "upload"]
+__all__ = ["DTYPE_CODES", "UPDATE_EMA_W_ARG", "LaunchConfig", "Plan", "RowBuilder", "TensorListPlans",
+           "code_of", "config", "conform", "is_dense", "launch_stats", "launch_update", "master_config",
+           "place", "same_layout", "upload"]

@@ -69,10 +69,14 @@ class CachedLauncher:
     def __init__(self) -> None:
         self._kernels: dict[tuple, Any] = {}
         self._usable = True
+        # (compiled kernel, args) of the latest launch where it went through a cached kernel, else
+        # None: a caller that repeats that exact launch many times may keep it (DirectStep)
+        self.last: tuple[Compiled, tuple] | None = None
 
     def __call__(self, fn, grid: tuple[int], *args: torch.Tensor | float, num_warps: int,
                  key: Any = None, stream: int | None = None, **constexprs) -> None:
         device = args[0].device
+        self.last = None
         if not self._usable or device.type != "cuda" or len(grid) != 1:
             # the cached launch takes a 1-d grid: a grid of more axes goes through Triton each time
             fn[grid](*args, num_warps=num_warps, **constexprs)
@@ -96,13 +100,17 @@ class CachedLauncher:
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
-                self._kernels[key] = Compiled(kernel, [constexprs[n] for n in fn.arg_names[len(args):]])
+                consts = [constexprs[n] for n in fn.arg_names[len(args):]]
+                self._kernels[key] = compiled = Compiled(kernel, consts)
+                if not _hooked(hooks.launch_enter_hook) and not _hooked(hooks.launch_exit_hook):
+                    self.last = compiled, args
             else:
                 self._usable = False
             return
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         kernel(grid[0], stream, *args)
+        self.last = kernel, args
 
     def direct(self) -> bool:
         """Whether a caller may launch kernels it got from :meth:`compiled` itself, straight

@@ -27,6 +27,7 @@ from trainfuse._multi_tensor.tables import Plan, full_grad_key, launch_stats, la
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import CachedLauncher
 from trainfuse.optim.build import build_plan
+from trainfuse.optim.direct import DirectStep, step_key
 from trainfuse.optim.hparams import hparams_table
 from trainfuse.optim.sharded import combine_client_stats_
 from trainfuse.optim.torch_path import TorchPath
@@ -190,9 +191,25 @@ class MultiTensorEngine(TorchPath):
         if scale.device != device or plan.ngrad == 0:
             return False
         hp = self._hparams(device)  # validated before anything launches: a bad lr leaves the scale as is
-        _, _, found_inf, read_scale = self._views_of(self._run_stats(device, plan, scale, update))
+        client = self.client
+        direct = plan.direct
+        if (hot and direct is not None and self._launcher.direct()
+                and direct.key == step_key(client, scale, update, hp, plan.tkey, self._stats.get(device))):
+            direct.launch(0.0 if client.ema_weight is None else client.ema_weight)
+            for g, tmp in plan.copy_back:
+                g.copy_(tmp)
+            self._norm_ready = self._norm_ready or client.max_grad_norm is not None
+            return True
+        out, _, found_inf, read_scale = self._views_of(self._run_stats(device, plan, scale, update))
+        stats, self._launcher.last = self._launcher.last, None
         self._checked[device] = (read_scale, plan)
         self._launch(device, plan, read_scale, found_inf, hp)
+        launched = self._launcher.last
+        plan.direct = None
+        if hot and stats is not None and launched is not None and client.max_grad_value is None:
+            key = step_key(client, scale, update, hp, plan.tkey, out)
+            plan.direct = DirectStep(key, scale, update[0], hp, out, device.index, stats, plan.ngrad,
+                                     launched, plan.nchunks)
         if not hot or self._structure is None:  # a build may have changed state
             self._structure = snapshot(self.client)
         return True
