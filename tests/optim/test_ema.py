@@ -217,3 +217,26 @@ def test_attached_ema_follows_tensors_whose_storage_moved(kernels, device):
         if v.dtype.is_floating_point:
             torch.testing.assert_close(v.double(), expected[k], rtol=1e-6, atol=1e-6, msg=k)
     assert torch.equal(old_ema_w, stale)  # nothing was written to the old storage
+
+
+def test_standalone_ema_follows_tensors_whose_storage_moved(kernels, device):
+    """FusedEMA.update repeats its last launch while every address is where it was (on a GPU,
+    with its arguments resolved): an EMA tensor or a model buffer given new storage must be read
+    and written at the new address, with the ramp's new weight, and the old storage left alone."""
+    model = _model(device)
+    ema = FusedEMA(model, updates=100)
+    for _ in range(3):  # the last two repeat the first's launch
+        _perturb(model)
+        ema.update(model)
+    old_ema_w = ema.ema[0].weight.data
+    ema.ema[0].weight.data = old_ema_w.clone()
+    stale = old_ema_w.clone()
+    model[1].running_var.data = model[1].running_var.data.clone() + 1.0
+    for _ in range(2):
+        _perturb(model)
+        expected = _reference(ema.ema.state_dict(), model.state_dict(), 1 - ema.decay(ema.updates + 1))
+        ema.update(model)
+        for k, v in ema.ema.state_dict().items():
+            if v.dtype.is_floating_point:
+                torch.testing.assert_close(v.double(), expected[k], rtol=1e-6, atol=1e-6, msg=k)
+    assert torch.equal(old_ema_w, stale)

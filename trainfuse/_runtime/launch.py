@@ -127,6 +127,28 @@ class CachedLauncher:
         return self._kernels.get((fn, device_index, key))
 
 
+class DirectLaunch:
+    """A launch :class:`CachedLauncher` just made through a cached kernel (its ``last``), to make
+    again with the same arguments: every tensor but those in ``keep`` (compared by identity) as its
+    raw address, so whoever keeps this must keep those tensors alive and where they are; the
+    argument at position ``var``, if given, is replaced by each call's ``value`` (a float)."""
+
+    __slots__ = ("kernel", "grid", "args", "index", "var")
+
+    def __init__(self, last: tuple[Compiled, tuple], grid: int, index: int, var: int | None = None,
+                 keep: tuple = ()) -> None:
+        self.kernel, self.grid, self.index, self.var = last[0], grid, index, var
+        self.args = [a.data_ptr() if isinstance(a, torch.Tensor) and not any(a is k for k in keep) else a
+                     for a in last[1]]
+
+    def __call__(self, value: float = 0.0) -> None:
+        """Launch on the current stream of the kernel's device."""
+        args = self.args
+        if self.var is not None:
+            args[self.var] = value
+        self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.index), *args)
+
+
 @functools.cache
 def sm_count(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (persistent grids, split-K choices)."""
@@ -317,6 +339,6 @@ def stream_workspace_fits(device: torch.device, stream: int, dtype: torch.dtype,
     return ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters
 
 
-__all__ = ["CachedLauncher", "Compiled", "Replays", "drop_recording", "ensure_allocator", "finish_recording",
-           "interrupt_recording", "recording", "sm_count", "start_recording", "stream_workspace",
-           "stream_workspace_fits"]
+__all__ = ["CachedLauncher", "Compiled", "DirectLaunch", "Replays", "drop_recording", "ensure_allocator",
+           "finish_recording", "interrupt_recording", "recording", "sm_count", "start_recording",
+           "stream_workspace", "stream_workspace_fits"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from trainfuse._multi_tensor.tables import UPDATE_EMA_W_ARG
-from trainfuse._runtime.launch import Compiled
+from trainfuse._runtime.launch import Compiled, DirectLaunch
 
 
 class DirectStep:
@@ -31,25 +31,19 @@ class DirectStep:
     GradScaler tensors ``scale`` and ``tracker`` (kept as tensors) and the engine's ``hp`` and
     ``out`` (kept alive with the entry, as the ids in ``key`` require)."""
 
-    __slots__ = ("key", "refs", "index", "stats", "stats_grid", "stats_args", "update", "update_grid",
-                 "update_args")
+    __slots__ = ("key", "refs", "stats", "update")
 
     def __init__(self, key: tuple, scale: torch.Tensor, tracker: torch.Tensor, hp: torch.Tensor,
                  out: torch.Tensor, index: int, stats: tuple[Compiled, tuple], stats_grid: int,
                  update: tuple[Compiled, tuple], update_grid: int) -> None:
-        self.key, self.refs, self.index = key, (scale, tracker, hp, out), index
-        self.stats, self.stats_grid = stats[0], stats_grid
-        self.stats_args = _resolve(stats[1], (scale, tracker))
-        self.update, self.update_grid = update[0], update_grid
-        self.update_args = list(_resolve(update[1], (scale, tracker)))
+        self.key, self.refs = key, (scale, tracker, hp, out)
+        self.stats = DirectLaunch(stats, stats_grid, index, keep=(scale, tracker))
+        self.update = DirectLaunch(update, update_grid, index, var=UPDATE_EMA_W_ARG, keep=(scale, tracker))
 
     def launch(self, ema_w: float) -> None:
         """Both launches on the current stream, the update with EMA weight ``ema_w``."""
-        stream = torch._C._cuda_getCurrentRawStream(self.index)
-        self.stats(self.stats_grid, stream, *self.stats_args)
-        args = self.update_args
-        args[UPDATE_EMA_W_ARG] = ema_w
-        self.update(self.update_grid, stream, *args)
+        self.stats()
+        self.update(ema_w)
 
 
 def step_key(client, scale: torch.Tensor, update: tuple, hp: torch.Tensor, tkey: tuple | None,
@@ -58,12 +52,6 @@ def step_key(client, scale: torch.Tensor, update: tuple, hp: torch.Tensor, tkey:
     equal launches (tensors by identity: an entry keeps the ones its key names alive)."""
     return (id(scale), id(update[0]), *update[1:], client.max_grad_norm, client.max_grad_value,
             client.wide16, id(hp), tkey, id(out))
-
-
-def _resolve(args: tuple, keep: tuple) -> tuple:
-    """``args`` with every tensor but those in ``keep`` (compared by identity) as its address."""
-    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) and not any(a is k for k in keep) else a
-                 for a in args)
 
 
 __all__ = ["DirectStep", "step_key"]

@@ -29,6 +29,7 @@ from trainfuse._multi_tensor.tables import (
     DTYPE_CODES,
     OP_EMA,
     OP_PARAM,
+    UPDATE_EMA_W_ARG,
     Plan,
     RowBuilder,
     TensorListPlans,
@@ -38,6 +39,7 @@ from trainfuse._multi_tensor.tables import (
     same_layout,
 )
 from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.launch import DirectLaunch
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -161,15 +163,19 @@ class FusedEMA:
             return
         self.updates += 1
         w = 1.0 - self.decay(self.updates)
-        model = _unwrap(model)
-        if self._model() is not model:  # another model (or a copy of this EMA): pair with it
-            self._pairs, self._last, self._model = None, None, weakref.ref(model)
-        self._ensure_pairs(model)
+        if model is not self._model():  # a wrapper of it, or another model (or a copy of this EMA)
+            model = _unwrap(model)
+            if self._model() is not model:  # another model: pair with it
+                self._pairs, self._last, self._model = None, None, weakref.ref(model)
         if self._last is not None:  # the hot path: one device, tensors where the plan has them
-            key, plan = self._last
-            if list(map(_data_ptr, self._flat)) == key and use_triton(plan.rows.device):
-                launch_update(self._plans.launcher, kernels.ema_chunk, plan, ema_w=w)
+            key, plan, direct, device = self._last
+            if list(map(_data_ptr, self._flat)) == key and use_triton(device):
+                if direct is not None and self._plans.launcher.direct():
+                    direct(w)  # the last launch again, arguments resolved: a few us less host time
+                else:
+                    launch_update(self._plans.launcher, kernels.ema_chunk, plan, ema_w=w)
                 return
+        self._ensure_pairs(model)
         self._last = None
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for e, src in self._pairs:
@@ -177,9 +183,13 @@ class FusedEMA:
         with torch.no_grad():
             for device, pairs in by_device.items():
                 if self._kernel_ok(device, pairs):
+                    self._plans.launcher.last = None
                     plan = self._launch(device, pairs, w)
                     if len(by_device) == 1:
-                        self._last = (list(map(_data_ptr, self._flat)), plan)
+                        last = self._plans.launcher.last  # arguments: the plan's own buffers and w
+                        direct = None if last is None else DirectLaunch(last, plan.nchunks, device.index,
+                                                                        var=UPDATE_EMA_W_ARG)
+                        self._last = (list(map(_data_ptr, self._flat)), plan, direct, device)
                 else:
                     torch._foreach_lerp_([e for e, _ in pairs], [s.to(e.dtype) for e, s in pairs], w)
 

@@ -200,6 +200,7 @@ class MultiTensorEngine(TorchPath):
                 g.copy_(tmp)
             self._norm_ready = self._norm_ready or client.max_grad_norm is not None
             return True
+        self._launcher.last = None
         out, _, found_inf, read_scale = self._views_of(self._run_stats(device, plan, scale, update))
         stats, self._launcher.last = self._launcher.last, None
         self._checked[device] = (read_scale, plan)
