@@ -1,0 +1,339 @@
+"""A whole step (forward, loss, backward, optimizer update) captured in CUDA graphs, one per input shape.
+
+A small model's step is hundreds of short kernels whose launches, not their math, set its time; a
+CUDA graph launches them all at once. :class:`CapturedStep` wraps a step ``fn(*tensors)`` and, per
+key (the inputs' shapes, strides, dtypes and device, plus the caller's ``bucket``), follows
+:class:`~trainfuse.graphs.cache.ShapeCache`'s policy:
+
+1. first sighting: ``fn`` runs eagerly, on the side stream captures use. This is the warm-up a
+   capture needs: lazily made state (optimizer state, ``.grad``, that stream's library workspaces)
+   exists before the capture, so the graph updates it in place;
+2. second sighting: the inputs are copied into static buffers (same shape, dtype, strides), one call
+   of ``fn`` on them is captured (kernels recorded, not run) into a graph sharing a memory pool with
+   this step's other graphs, and the graph is replayed once to do this call's work: each call does
+   the step's work once. ``warmup`` adds eager calls before the capture; it defaults to 0 because
+   for a training step each one is an extra optimizer step on this batch;
+3. later sightings: the inputs are copied into the static buffers (on the GPU, no host sync) and the
+   graph is replayed.
+
+Python runs only at capture, so a replay repeats what ``fn`` decided then: Python numbers are baked
+in (a learning rate that changes must be a CUDA tensor updated in place, e.g. torch's
+``Adam(lr=torch.tensor(..., device="cuda"), capturable=True)``), and state that picks the kernels
+(grad mode, autocast, ``module.train()``) must go in ``bucket=`` to get a graph per value. Tensors
+``fn`` keeps across calls must exist before the capture and be updated in place
+(``zero_grad(set_to_none=False)``): one made during a capture lives in the shared pool, where
+another key's replay may overwrite it.
+
+A capture that fails (a host sync such as ``.item()`` in ``fn``: "operation not permitted when stream
+is capturing"; any exception) is ended and dropped, its key runs eagerly from then on, the step's
+first failure warns once (:class:`RuntimeWarning`), and the call runs ``fn`` eagerly. No kernel of the
+failed attempt ran, but its Python side effects (counters ``fn`` increments, attributes it set) did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from trainfuse.graphs.cache import Action, ShapeCache
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What a :class:`CapturedStep` did with its calls: ``eager + replays`` is the number of calls."""
+
+    eager: int = 0  # calls that ran fn eagerly: first sightings, keys whose capture failed
+    replays: int = 0  # calls answered by a graph replay, the capturing ones included
+    captures: int = 0  # graphs captured
+    fallbacks: int = 0  # captures that failed (those calls ran eagerly)
+    evictions: int = 0  # graphs dropped to keep at most max_graphs
+
+
+@dataclasses.dataclass
+class _Graph:
+    """One key's captured graph, the static buffers it reads its inputs from, and what it returns."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    outputs: Any
+
+
+# what torch's sync debug mode warns on a host synchronization, and what it warns once about itself
+_SYNC_WARNING = "called a synchronizing CUDA operation"
+_PROTOTYPE_WARNING = "Synchronization debug mode is a prototype feature"
+
+# one side stream per device for first sightings and captures, shared by every CapturedStep: graphs
+# sharing a memory pool reuse its memory best when captured on the same stream
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _side_streams.get(device.index)
+    if stream is None:
+        stream = _side_streams[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+def _detached(out: Any, where: str) -> Any:
+    """``fn``'s return value with every tensor detached; TypeError naming the first value a replay
+    could not reproduce (anything but tensors, None, and tuples, lists and dicts of them)."""
+    if out is None:
+        return None
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, dict):
+        return {k: _detached(v, f"{where}[{k!r}]") for k, v in out.items()}
+    if isinstance(out, (list, tuple)):
+        items = [_detached(v, f"{where}[{i}]") for i, v in enumerate(out)]
+        if isinstance(out, list):
+            return items
+        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
+    raise TypeError(f"{where} is a Python {type(out).__name__}; a replayed graph returns only tensors, None, "
+                    f"and tuples, lists and dicts of them (return a tensor instead)")
+
+
+def _rebuild(out: Any) -> Any:
+    """Fresh containers around the same static tensors, so that a caller's edits to what one replay
+    returned do not reach the next."""
+    if out is None or isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        return {k: _rebuild(v) for k, v in out.items()}
+    if isinstance(out, list):
+        return [_rebuild(v) for v in out]
+    return type(out)(*map(_rebuild, out)) if hasattr(out, "_fields") else tuple(map(_rebuild, out))
+
+
+class CapturedStep:
+    """``fn(*inputs)``, captured in a CUDA graph per input shape from its second call on, else eager.
+
+    Args:
+        fn: the step; takes CUDA tensors (the batch) and returns None, a tensor, or a tuple, list or
+            dict of tensors. Everything else it uses (model, optimizer, loss) comes from its closure.
+        max_graphs: graphs kept at once; the least recently used is dropped beyond it.
+        warmup: extra eager calls of ``fn`` on the static inputs right before a capture. Each is a
+            full call (a training step: one more update on this batch); the eager first sighting
+            already warms up, so 0 unless ``fn`` needs more (torch's docs ask 11 for
+            DistributedDataParallel).
+        pool: a memory pool (``torch.cuda.graph_pool_handle()``) to capture into; None: one of this
+            step's own, made at its first capture and shared by all its graphs.
+        name: how warnings and errors call this step.
+
+    A call returns what ``fn`` returns. On a replay, those are the graph's static tensors, detached:
+    the next replay overwrites them (and, the pool being shared, so may another key's). Clone what
+    must outlive the next call.
+
+    Inputs must be CUDA tensors on one device, not requiring grad (they are copied into the graph's
+    buffers, so no gradient could reach them); else :class:`TypeError` (not a tensor) or
+    :class:`ValueError` (a CPU tensor, the rest) before ``fn`` runs. CPU tensors raise rather than
+    run eagerly so that a step meant to be captured never runs uncaptured unnoticed; a caller with
+    a CPU path calls ``fn`` itself there. Call from one thread and one current stream: replays of
+    a graph on two streams at once would race on its buffers.
+
+    Example::
+
+        def train_step(x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = CapturedStep(train_step)
+        for x, y in loader:
+            loss = step(x.cuda(), y.cuda())   # eager, then captured + replayed, then replayed
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, max_graphs: int = 8, warmup: int = 0,
+                 pool: Any = None, name: str = "step") -> None:
+        if not callable(fn):
+            raise TypeError(f"CapturedStep: fn must be callable, got {type(fn).__name__}")
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(f"CapturedStep: warmup must be an int >= 0, got {warmup!r}")
+        self.fn = fn
+        self.warmup = warmup
+        self.name = name
+        self._cache: ShapeCache[_Graph] = ShapeCache(max_graphs)
+        self._pool = pool
+        self._stats = StepStats()
+        self._warned = False
+        self._device: torch.device | None = None
+        self._peak_before_capture: int | None = None
+
+    def __call__(self, *inputs: torch.Tensor, bucket: Hashable = None) -> Any:
+        """Run the step on ``inputs``: eagerly, by capturing then replaying, or by replaying.
+
+        Args:
+            inputs: the CUDA tensors ``fn`` takes.
+            bucket: Python-side state that changes what ``fn`` launches for inputs of equal
+                shapes (the last micro-batch of an accumulation, eval vs train): each value gets
+                its own graph.
+
+        Returns:
+            What ``fn`` returns; on a replay, the graph's static output tensors (see the class).
+        """
+        key, device = self._key(inputs, bucket)
+        action, entry = self._cache.lookup(key)
+        if action is Action.REPLAY:
+            for static, x in zip(entry.inputs, inputs):
+                static.copy_(x, non_blocking=True)
+        elif action is Action.CAPTURE:
+            entry = self._capture(key, inputs, device)  # its static inputs hold this call's
+        if entry is not None:
+            entry.graph.replay()
+            self._stats.replays += 1
+            return _rebuild(entry.outputs)
+        self._stats.eager += 1
+        if action is not Action.EAGER:  # the key's capture failed, now or before
+            return self.fn(*inputs)
+        try:
+            out, sync = self._eager_watching_syncs(device, inputs)
+        except BaseException:
+            self._cache.forget(key)  # a call that raised is no sighting
+            raise
+        if sync is not None:  # capture would fail, and a failed capture can leave torch's CUDA
+            self._fail(key, RuntimeError(f"fn synchronizes with the host: {sync}"))  # RNG capturing
+        return out
+
+    def _eager_watching_syncs(self, device: torch.device, inputs: tuple) -> tuple[Any, str | None]:
+        """The first sighting's eager call under torch's sync debug mode: its result, and the first
+        host synchronization it made (None if none). Other warnings are passed on."""
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = self._on_side_stream(device, inputs)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        sync = None
+        for w in caught:
+            message = str(w.message)
+            if _SYNC_WARNING in message:
+                sync = sync or message.strip().splitlines()[0]
+            elif _PROTOTYPE_WARNING not in message:  # torch's note on the debug mode itself: ours to drop
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out, sync
+
+    @property
+    def stats(self) -> StepStats:
+        """A snapshot of the counts of eager calls, replays, captures, failed captures, evictions."""
+        return dataclasses.replace(self._stats, evictions=self._cache.evictions)
+
+    @property
+    def reasons(self) -> dict[Hashable, str]:
+        """The keys that run eagerly because their capture failed, each with the first line of why."""
+        return self._cache.reasons
+
+    def memory_report(self) -> dict[str, int | None]:
+        """Peak memory before and after capturing, for comparing a captured run with an eager one.
+
+        Returns:
+            ``peak_before_capture``: ``torch.cuda.max_memory_allocated`` on the step's device right
+            before its first capture (None until then); ``peak_now``: the same now (None before
+            the first call). Both count everything since the last ``reset_peak_memory_stats``.
+        """
+        now = None if self._device is None else torch.cuda.max_memory_allocated(self._device)
+        return {"peak_before_capture": self._peak_before_capture, "peak_now": now}
+
+    def _key(self, inputs: tuple, bucket: Hashable) -> tuple[tuple, torch.device]:
+        """The cache key of a call, after checking its inputs (nothing has run yet if this raises)."""
+        who = f"CapturedStep {self.name!r}"
+        if not inputs:
+            raise ValueError(f"{who}: no inputs; fn must take the batch as CUDA tensors "
+                             f"(a replay reads only the tensors passed in)")
+        parts: list[Hashable] = [bucket]
+        device = None
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{who}: input {i} is a {type(x).__name__}; inputs must be CUDA "
+                                f"tensors (pass other values through fn's closure or bucket=)")
+            if not x.is_cuda:
+                raise ValueError(f"{who}: input {i} is on {x.device}; CapturedStep needs CUDA "
+                                 f"tensors (call fn directly off CUDA)")
+            if x.requires_grad:
+                raise ValueError(f"{who}: input {i} requires grad; inputs are copied into the "
+                                 f"graph's buffers, so no gradient would reach them (pass x.detach())")
+            if device is None:
+                device = x.device
+            elif x.device != device:
+                raise ValueError(f"{who}: input {i} is on {x.device}, input 0 on {device}; "
+                                 f"a graph runs on one device")
+            parts.append((x.shape, x.stride(), x.dtype))
+        parts.append(device)
+        self._device = device
+        return tuple(parts), device
+
+    def _on_side_stream(self, device: torch.device, inputs: tuple) -> Any:
+        """``fn(*inputs)`` eagerly on the capture stream, ordered after and before the current stream."""
+        side, current = _side_stream(device), torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = self.fn(*inputs)
+        current.wait_stream(side)
+        return out
+
+    def _capture(self, key: tuple, inputs: tuple, device: torch.device) -> _Graph | None:
+        """Capture ``fn`` on static copies of ``inputs`` and store the graph (not yet replayed); on
+        failure, mark ``key`` eager for good and return None, with nothing of ``fn`` run on the GPU."""
+        if self._peak_before_capture is None:
+            self._peak_before_capture = torch.cuda.max_memory_allocated(device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        static = tuple(torch.empty_like(x, memory_format=torch.preserve_format) for x in inputs)
+        for s, x in zip(static, inputs):
+            s.copy_(x)
+        for _ in range(self.warmup):
+            self._on_side_stream(device, static)
+        side, current = _side_stream(device), torch.cuda.current_stream(device)
+        graph, error, out = torch.cuda.CUDAGraph(), None, None
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            try:
+                # thread_local: a pinned-memory or other thread of the process stays free to call CUDA
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            except Exception as e:  # e.g. called inside a capture of the caller's own
+                error = e
+            else:
+                try:
+                    out = self.fn(*static)
+                except Exception as e:
+                    error = e
+                finally:
+                    # always end the capture, so the stream and the allocator leave capture mode
+                    try:
+                        graph.capture_end()
+                    except Exception as e:
+                        error = error or e
+        current.wait_stream(side)
+        if error is None:
+            try:
+                outputs = _detached(out, "fn's output")
+            except TypeError as e:
+                error = e
+        del out
+        if error is not None:
+            self._fail(key, error)
+            return None
+        entry = _Graph(graph, static, outputs)
+        self._cache.store(key, entry)
+        self._stats.captures += 1
+        return entry
+
+    def _fail(self, key: tuple, error: BaseException) -> None:
+        lines = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
+        self._cache.fail(key, reason)
+        self._stats.fallbacks += 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"CapturedStep {self.name!r}: could not capture a CUDA graph, so inputs of this "
+                          f"shape run eagerly from now on ({reason}); later failures are listed in .reasons",
+                          RuntimeWarning, stacklevel=4)
+
+
+__all__ = ["CapturedStep", "StepStats"]
