@@ -106,10 +106,8 @@ class ShapeCache(Generic[Entry]):
         """
         if entry is None:
             raise ValueError("ShapeCache.store: entry must not be None (None means 'not captured')")
-        self._seen.pop(key, None)
-        self._failed.pop(key, None)
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
+        self.forget(key)
+        self._entries[key] = entry  # newest last
         while len(self._entries) > self.max_graphs:
             self._entries.popitem(last=False)
             self.evictions += 1
@@ -121,10 +119,8 @@ class ShapeCache(Generic[Entry]):
             key: the key whose capture failed.
             reason: one line saying why, kept in :attr:`reasons`.
         """
-        self._seen.pop(key, None)
-        self._entries.pop(key, None)
-        self._failed[key] = reason
-        self._failed.move_to_end(key)
+        self.forget(key)
+        self._failed[key] = reason  # newest last
         if len(self._failed) > self.max_eager:
             self._failed.popitem(last=False)
 
