@@ -7,7 +7,8 @@ Input: ``benchmarks/results/<gpu>/<family>.json``, as ``python -m trainfuse.benc
 benchmarks/results/<gpu>`` writes it (schema: trainfuse/bench/_common.py). Output:
 
 - in README.md, between ``<!-- results:begin -->`` and ``<!-- results:end -->``: one table per GPU,
-  each workload's first trainfuse row against its fastest torch row, on the report's headline metric;
+  each workload's first trainfuse row against its fastest torch row, on the report's headline metric
+  (less the workloads a report lists under ``details.summary_skip``, a sweep's points);
 - in docs/performance.md, between ``<!-- results:<family>:begin -->`` and
   ``<!-- results:<family>:end -->``: every row of that family, per GPU;
 - ``benchmarks/results/<gpu>/<family>.png``: the headline metric per workload and implementation
@@ -108,7 +109,11 @@ def summary(results: dict[str, dict[str, dict]], link: str) -> str:
                  "", "| workload | metric | torch's fastest | trainfuse | speedup |", "|---|---|---|---|---|"]
         for report in reports.values():
             metric = report.get("headline")
+            # a sweep's points (``details.summary_skip``) are for the docs' table, not the summary
+            skip = set(report.get("details", {}).get("summary_skip", ()))
             for workload, rows in by_workload(report).items():
+                if workload in skip:
+                    continue
                 best, ours = compared(rows, metric) if metric else (None, None)
                 if best is None or ours is None:
                     continue

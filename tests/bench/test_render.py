@@ -60,6 +60,21 @@ def test_summary_compares_trainfuse_with_torchs_fastest(tmp_path):
     assert "`python -m trainfuse.bench optim --no-compile`" in table
 
 
+def test_summary_leaves_out_the_workloads_a_report_lists_as_sweep_points(tmp_path):
+    report = harness.new_report("NVIDIA H200", 4200.0)
+    report["_argv"] = []
+    for workload in ("EMA update, model", "EMA update, 4 tensors"):
+        harness.add_row(report, workload, "_foreach_lerp_", trainfuse=False, wall_ms=2.0)
+        harness.add_row(report, workload, "trainfuse", trainfuse=True, wall_ms=1.0)
+    report["summary_skip"] = ["EMA update, 4 tensors"]
+    harness.save_report(report, str(tmp_path / "h200"), "ema")
+    results = render.load_results(tmp_path)
+    table = render.summary(results, "benchmarks/results")
+    assert "| EMA update, model |" in table
+    assert "EMA update, 4 tensors" not in table
+    assert "| EMA update, 4 tensors |" in render.family_table(results["h200"]["ema"])
+
+
 def test_family_table_has_every_row_with_floor_and_ratio(tmp_path):
     _report(tmp_path)
     table = render.family_table(render.load_results(tmp_path)["h200"]["optim"])
