@@ -106,7 +106,8 @@ def label_pixels(padded: torch.Tensor, imgsz: tuple[float, float]) -> torch.Tens
     """The ``(B, M, 4)`` pixel ``xyxy`` boxes of padded labels (ultralytics' ``preprocess``
     scaling and ``xywh2xyxy``, op for op) for an image of ``imgsz = (h, w)`` pixels."""
     h, w = imgsz
-    scale = padded.new_tensor([w, h])
+    scale = padded.new_empty(2)  # filled on the device: no copy from the host, so no sync
+    scale[0], scale[1] = w, h
     xy = padded[..., 1:3] * scale
     half = padded[..., 3:5] * scale / 2
     return torch.cat((xy - half, xy + half), -1)
@@ -125,11 +126,12 @@ def anchor_grid(sizes: tuple[tuple[int, int], ...], strides: tuple[float, ...], 
     if hit is None:
         points, stride = [], []
         for (h, w), s in zip(sizes, strides):
-            sy, sx = torch.meshgrid(torch.arange(h, dtype=torch.float32) + 0.5,
-                                    torch.arange(w, dtype=torch.float32) + 0.5, indexing="ij")
+            # made on the device (a copy from the host would sync, and stop a CUDA-graph capture)
+            sy, sx = torch.meshgrid(torch.arange(h, dtype=torch.float32, device=device) + 0.5,
+                                    torch.arange(w, dtype=torch.float32, device=device) + 0.5, indexing="ij")
             points.append(torch.stack((sx, sy), -1).view(-1, 2))
-            stride.append(torch.full((h * w, 1), float(s)))
-        hit = _anchor_cache[key] = (torch.cat(points).to(device), torch.cat(stride).to(device))
+            stride.append(torch.full((h * w, 1), float(s), device=device))
+        hit = _anchor_cache[key] = (torch.cat(points), torch.cat(stride))
     return hit
 
 
