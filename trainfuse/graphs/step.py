@@ -213,8 +213,8 @@ class CapturedStep:
         sync = None
         for w in caught:
             message = str(w.message)
-            if _SYNC_WARNING in message:
-                sync = sync or message.strip().splitlines()[0]
+            if _SYNC_WARNING in message:  # where in Python: the line that made it
+                sync = sync or f"{message.strip().splitlines()[0]} (from {w.filename}:{w.lineno})"
             elif _PROTOTYPE_WARNING not in message:  # torch's note on the debug mode itself: ours to drop
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return out, sync
