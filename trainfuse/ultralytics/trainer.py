@@ -35,6 +35,13 @@ What it changes, and nothing else (ultralytics itself is not patched):
   :class:`~trainfuse.ultralytics.FusedDetectionLoss` (ultralytics' ``v8DetectionLoss`` without host
   syncs), with the labels padded to a bucketed capacity on the CPU in ``preprocess_batch``, before
   ultralytics moves the batch to the GPU.
+- **CUDA graphs** (``cuda_graphs=True``, the default where it is safe): the forward, the loss and
+  the backward run from a CUDA graph per image shape and label capacity
+  (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`); the optimizer phase stays its two eager
+  launches. The progress bar's losses are read back without a host sync (a few iterations late);
+  each epoch's logged means are exact. Off, with the reason logged, on CPU, under DDP, with
+  ``compile``, or without the fused optimizer and loss. Choose with
+  ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)``.
 
 Checkpoints stay stock: the optimizer state_dict has torch's layout (no masters), the EMA is a
 plain float32 model saved as ultralytics saves it, so
@@ -55,6 +62,7 @@ from ultralytics.utils.torch_utils import ModelEMA, unwrap_model
 from trainfuse.amp import GradScaler
 from trainfuse.optim import FusedAdam, FusedAdamW, FusedEMA, FusedSGD
 from trainfuse.ultralytics.casts import CastWeights, TorchLayoutOptimizer, cast_dtype
+from trainfuse.ultralytics.graphed import GraphedLoss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
 from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets
 
@@ -130,13 +138,36 @@ class FusedDetectionTrainer(DetectionTrainer):
         fused_reason: empty when the optimizer is fused, else why it stayed stock.
         fuse_casts: under AMP on CUDA, keep 16-bit weights with float32 masters in the fused
             optimizer (a subclass may set False to keep float32 weights and autocast's casts).
+        cuda_graphs: run forward, loss and backward from CUDA graphs where safe (the default);
+            also a keyword of the constructor.
+        graphs_reason: empty when the step runs from CUDA graphs, else why it runs eagerly.
+        graph_stats, graph_memory: after a graphed run, the step's
+            :attr:`~trainfuse.graphs.CapturedStep.stats` and
+            :meth:`~trainfuse.graphs.CapturedStep.memory_report` (None before).
     """
 
     fused_loss = True
     fused_reason = "the optimizer is not built yet"
     fuse_casts = True
+    cuda_graphs = True
+    graphs_reason = "training has not started"
     _pad_targets = False
     _casts: CastWeights | None = None
+    _graphed: GraphedLoss | None = None
+    graph_stats = graph_memory = None
+
+    def __init__(self, *args, cuda_graphs: bool | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if cuda_graphs is not None:
+            if not isinstance(cuda_graphs, bool):
+                raise TypeError(f"FusedDetectionTrainer: cuda_graphs must be True or False, "
+                                f"got {cuda_graphs!r}")
+            self.cuda_graphs = cuda_graphs
+        # first in line, so that every other epoch-end callback sees the exact loss means; the
+        # dict may be the YOLO object's, shared with its later trainers: once only
+        for event, callback in _GRAPH_CALLBACKS.items():
+            if callback not in self.callbacks[event]:
+                self.callbacks[event].insert(0, callback)
 
     # ---- optimizer -------------------------------------------------------------------------------
     def build_optimizer(self, model, name="auto", lr=0.001, momentum=0.9, decay=1e-5, iterations=1e5):
@@ -167,7 +198,8 @@ class FusedDetectionTrainer(DetectionTrainer):
         else:  # a scaler of another kind (NPU) keeps its own two calls
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        self.optimizer.zero_grad()
+        # the graphs accumulate into the grads they captured: zero those in place
+        self.optimizer.zero_grad(set_to_none=self._graphed is None)
         if self.ema:
             self.ema.update(self.model)  # counts nothing while attached: the step did this update
 
@@ -184,6 +216,35 @@ class FusedDetectionTrainer(DetectionTrainer):
                 LOGGER.info(f"{_PREFIX} FusedDetectionLoss, labels padded on the CPU (no host sync in the "
                             "loss)")
         self._apply_casts()
+        self._setup_graphs()
+
+    def _graphs_unsafe(self) -> str:
+        """Why the step cannot run from CUDA graphs here ("" when it can)."""
+        if not self.cuda_graphs:
+            return "cuda_graphs=False"
+        if self.device.type != "cuda":
+            return f"the device is {self.device.type}, not CUDA"
+        if self.world_size > 1:
+            return "DDP (the graphs would need the gradient all-reduce captured)"
+        if self.args.compile:
+            return "compile is on"
+        if not self.fused or not isinstance(self.scaler, GradScaler):
+            return f"the optimizer stays stock ({self.fused_reason})"
+        if not self._pad_targets:
+            return "the model trains with ultralytics' own loss, which syncs with the host"
+        return ""
+
+    def _setup_graphs(self) -> None:
+        if self._graphed is not None:
+            self._graphed.detach()
+            self._graphed = None
+        self.graphs_reason = self._graphs_unsafe()
+        if self.graphs_reason:
+            LOGGER.info(f"{_PREFIX} no CUDA graphs: {self.graphs_reason}")
+            return
+        self._graphed = GraphedLoss(unwrap_model(self.model), self.scaler).attach()
+        LOGGER.info(f"{_PREFIX} forward, loss and backward replayed from CUDA graphs (one per image shape "
+                    "and label capacity; each shape's first batch runs eagerly)")
 
     def _apply_casts(self) -> None:
         """16-bit weights with float32 masters in the fused optimizer (AMP on CUDA only)."""
@@ -224,6 +285,11 @@ class FusedDetectionTrainer(DetectionTrainer):
         # resume and NaN recovery load the EMA into a fresh ModelEMA: make it fused again. NaN
         # recovery runs mid-training, on cast weights: float32 again first (the EMA copies the
         # model; the optimizer state loaded has no masters), cast again after
+        # the weights may change storage: the graphs are dropped and made anew (and the EMA's
+        # copy of the model must not carry them)
+        graphed, self._graphed = self._graphed, None
+        if graphed is not None:
+            graphed.detach()
         casts, self._casts = self._casts, None
         if casts is not None:
             casts.undo()
@@ -233,6 +299,8 @@ class FusedDetectionTrainer(DetectionTrainer):
         self._install_ema()
         if casts is not None:
             self._apply_casts()
+        if graphed is not None:
+            self._setup_graphs()
 
     def _install_scaler(self) -> None:
         """Replace torch's GradScaler by trainfuse's (same settings and state)."""
@@ -257,6 +325,38 @@ class FusedDetectionTrainer(DetectionTrainer):
         self.ema = ema
         if self.fused:
             self.optimizer.attach_ema(ema)
+
+
+def _graphed(trainer) -> GraphedLoss | None:
+    return trainer._graphed if isinstance(trainer, FusedDetectionTrainer) else None
+
+
+def _on_train_epoch_start(trainer) -> None:
+    """Restart the graphed step's per-epoch loss sums."""
+    if (graphed := _graphed(trainer)) is not None:
+        graphed.readout.start_epoch()
+
+
+def _on_train_epoch_end(trainer) -> None:
+    """Put the exact per-epoch loss means in ``trainer.tloss`` (what the epoch logs), and the last
+    iteration's loss items, on the GPU as ultralytics' validator expects them, in
+    ``trainer.loss_items``."""
+    if (graphed := _graphed(trainer)) is not None and (means := graphed.epoch_means()) is not None:
+        trainer.tloss = means
+        trainer.loss_items = graphed.last_items()
+
+
+def _on_train_end(trainer) -> None:
+    """Keep what the graphed step did (``graph_stats``, ``graph_memory``), give the model its own
+    ``loss`` back and drop the graphs."""
+    if (graphed := _graphed(trainer)) is not None:
+        trainer.graph_stats, trainer.graph_memory = graphed.step.stats, graphed.step.memory_report()
+        graphed.detach()
+        trainer._graphed = None
+
+
+_GRAPH_CALLBACKS = {"on_train_epoch_start": _on_train_epoch_start, "on_train_epoch_end": _on_train_epoch_end,
+                    "on_train_end": _on_train_end}
 
 
 __all__ = ["CLIP_NORM", "FUSED_OPTIMIZERS", "FusedDetectionTrainer", "PadTargets", "fused_optimizer"]

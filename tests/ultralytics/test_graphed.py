@@ -1,0 +1,131 @@
+"""FusedDetectionTrainer's CUDA-graph step: against the same trainer run eagerly (GPU), and the parts
+that are host logic (CPU).
+
+The GPU run trains YOLOv5n for 200 iterations on 40 synthetic 64-pixel images (batch 4, nbs 16:
+warmup ramps the accumulation from 1 to 4 over the first 100 iterations), AMP on, mosaic on, with
+``deterministic=True`` and one data order for both runs. The kernels are deterministic (cuDNN in
+deterministic mode; the fused loss sums without float atomics), and a replay launches the kernels
+the eager step launches, so everything is compared bit for bit: every iteration's loss,
+GradScaler's scale after every iteration (so the skipped steps), the weights, BatchNorm's running
+statistics and ``num_batches_tracked``, the EMA, and the epoch's logged loss means.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainfuse.ultralytics.offline import offline_env
+
+offline_env(Path(tempfile.gettempdir()) / "trainfuse-tests-yolo-config")
+pytest.importorskip("ultralytics")
+
+from ultralytics import YOLO  # noqa: E402
+
+from tests._helpers import cuda  # noqa: E402
+from trainfuse.ultralytics import FusedDetectionTrainer  # noqa: E402
+from trainfuse.ultralytics.graphed import replayed_loss  # noqa: E402
+from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
+
+
+def test_replayed_loss_backward_reaches_no_parameter():
+    w = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    (w * w).sum().backward()
+    before = w.grad.clone()
+    loss = (w * 4).detach()
+    anchor = torch.zeros((), requires_grad=True)
+    out = replayed_loss(loss, anchor)
+    assert out.requires_grad and torch.equal(out, loss)
+    (out.sum() * 1024.0).backward()  # what the loop runs: scaler.scale(loss.sum()).backward()
+    assert torch.equal(w.grad, before)
+    assert anchor.grad is None
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("shapes")
+    return str(make_shapes_dataset(root, n_train=8, n_val=4, imgsz=64, seed=0))
+
+
+def test_cuda_graphs_takes_a_bool_and_its_callbacks_are_added_once(data, tmp_path):
+    overrides = dict(model="yolov5n.yaml", data=data, device="cpu", project=str(tmp_path), name="t",
+                     exist_ok=True, plots=False, verbose=False)
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        FusedDetectionTrainer(overrides=overrides, cuda_graphs="yes")
+    first = FusedDetectionTrainer(overrides=overrides)
+    assert first.cuda_graphs is True
+    second = FusedDetectionTrainer(overrides=overrides, _callbacks=first.callbacks, cuda_graphs=False)
+    assert second.cuda_graphs is False and first.cuda_graphs is True
+    for event in ("on_train_epoch_start", "on_train_epoch_end", "on_train_end"):
+        names = [getattr(c, "__name__", "") for c in second.callbacks[event]]
+        assert names.count(f"_{event}") == 1, names
+
+
+def test_cpu_run_says_why_it_is_eager_and_leaves_the_model_as_it_was(data, tmp_path):
+    model = YOLO("yolov5n.yaml")
+    model.train(data=data, epochs=1, imgsz=64, batch=4, workers=0, device="cpu", plots=False, val=False,
+                seed=0, verbose=False, project=str(tmp_path), name="cpu", exist_ok=True,
+                trainer=FusedDetectionTrainer)
+    trainer = model.trainer
+    assert "not CUDA" in trainer.graphs_reason
+    assert "loss" not in vars(trainer.model)
+
+
+# ---- GPU: 200 iterations, graphs against eager -------------------------------------------------------
+class Record:
+    """Per iteration: the loss and GradScaler's scale (host syncs are fine in a test)."""
+
+    def __init__(self, model: YOLO):
+        self.losses: list[torch.Tensor] = []
+        self.scales: list[float] = []
+        model.add_callback("on_train_batch_end", self.on_train_batch_end)
+
+    def on_train_batch_end(self, trainer) -> None:
+        self.losses.append(trainer.loss.detach().clone())
+        self.scales.append(trainer.scaler.get_scale())
+
+
+def _gpu_run(data: str, project: Path, graphs: bool) -> tuple[YOLO, Record, dict]:
+    model = YOLO("yolov5n.yaml")
+    record = Record(model)
+    metrics: dict = {}
+    model.add_callback("on_fit_epoch_end", lambda t: metrics.update({t.epoch: t.label_loss_items(t.tloss)}))
+    model.train(data=data, epochs=20, imgsz=64, batch=4, nbs=16, workers=0, device=0, plots=False, val=False,
+                seed=0, deterministic=True, verbose=False, project=str(project), name=f"graphs-{graphs}",
+                exist_ok=True, trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=graphs))
+    return model, record, metrics
+
+
+@cuda
+def test_graph_replay_trains_exactly_like_eager(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes200")
+    data = str(make_shapes_dataset(root, n_train=40, n_val=8, imgsz=64, seed=1))
+    project = tmp_path_factory.mktemp("runs")
+    eager, eager_rec, eager_metrics = _gpu_run(data, project, graphs=False)
+    graphed, graphed_rec, graphed_metrics = _gpu_run(data, project, graphs=True)
+    te, tg = eager.trainer, graphed.trainer
+    assert te.graphs_reason == "cuda_graphs=False" and tg.graphs_reason == ""
+    stats = tg.graph_stats
+    assert stats.fallbacks == 0 and stats.captures >= 1
+    assert stats.replays >= 150, stats  # each shape's first batch eager, the rest replayed
+    assert stats.eager + stats.replays == len(graphed_rec.losses) == 200
+    assert "loss" not in vars(tg.model)  # the model's own loss is back
+
+    assert torch.equal(torch.stack(graphed_rec.losses), torch.stack(eager_rec.losses))
+    assert graphed_rec.scales == eager_rec.scales
+    assert min(eager_rec.scales) < eager_rec.scales[0]  # the run did skip steps
+    assert tg.ema.updates == te.ema.updates
+    for name, a, b in ((("model", tg.model, te.model)), ("ema", tg.ema.ema, te.ema.ema)):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        for k in sa:  # weights, BatchNorm running statistics and num_batches_tracked
+            assert torch.equal(sa[k], sb[k]), f"{name}.{k}"
+    # the epoch means logged are exact (summed on the GPU, where ultralytics keeps a running mean):
+    # not the lagged values the progress bar showed
+    assert graphed_metrics.keys() == eager_metrics.keys()
+    for epoch, items in eager_metrics.items():
+        assert graphed_metrics[epoch] == pytest.approx(items, rel=1e-4, abs=1e-5), epoch

@@ -1,0 +1,208 @@
+"""The detection model's forward, loss and backward replayed from CUDA graphs inside ultralytics' loop.
+
+Ultralytics' training loop calls ``loss, loss_items = model(batch)`` under autocast, then
+``scaler.scale(loss.sum()).backward()``, and every ``accumulate`` iterations ``optimizer_step()``.
+:class:`GraphedLoss` takes the place of the model's ``loss`` method for the training loop (an
+attribute of the trainer's model instance, set by :class:`~trainfuse.ultralytics.FusedDetectionTrainer`
+after its setup and removed when training ends; ultralytics' classes are not touched). Each call
+runs, through :class:`~trainfuse.graphs.CapturedStep`:
+
+    forward (autocast as the loop set it, weight cache off) -> FusedDetectionLoss
+    -> scaler.scale(loss.sum()).backward(), accumulating into the params' grads
+
+eagerly on an input shape's first sighting, captured on its second, replayed after that. The key
+is the image batch's shape and the padded labels' capacity bucket. What it returns to the loop is
+the graph's loss as the output of an op whose backward does nothing, so the loop's own
+``backward()`` (four small launches) finds the grads already there.
+
+What stays eager, on purpose: the optimizer phase (``scaler.step_and_update``: two launches that
+read lr, momentum, the scale and the EMA weight as they are at each step) and ``zero_grad``, which
+zeroes the grads in place, since the graphs accumulate into those very tensors.
+
+Loss items come back without a host sync: each replay's items are copied to pinned memory
+asynchronously, and the loop gets the newest ones the GPU has finished (a few iterations old while
+the host runs ahead). The running means the progress bar shows lag the same way; at each epoch's
+end :meth:`GraphedLoss.epoch_means` gives the exact means, summed on the GPU over every iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainfuse.graphs import CapturedStep
+from trainfuse.ultralytics.targets import PADDED_KEY
+
+# loss-item copies in flight at once: the host runs at most this many iterations ahead of the GPU
+RING = 4
+
+
+class _Replayed(torch.autograd.Function):
+    """The graph's loss, differentiable in form only: the replay already ran the backward, so the
+    loop's ``backward()`` must reach no parameter (``anchor`` gives the result a grad_fn)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def replayed_loss(loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """``loss`` (already backpropagated) as a tensor whose ``backward()`` runs and changes nothing.
+
+    Args:
+        loss: the loss the captured step computed and backpropagated.
+        anchor: a leaf with ``requires_grad=True`` (its ``.grad`` stays None).
+    """
+    return _Replayed.apply(loss, anchor)
+
+
+class LossReadout:
+    """Loss items read back without a host sync, and exact per-epoch means.
+
+    Args:
+        names: the loss items' names, in the order of the items vector.
+        device: the CUDA device the items are computed on.
+    """
+
+    def __init__(self, names: Sequence[str], device: torch.device) -> None:
+        self.names = tuple(names)
+        self._slots = torch.zeros((RING, len(self.names)), dtype=torch.float32, pin_memory=True)
+        self._events: list[torch.cuda.Event | None] = [None] * RING
+        self._next = 0
+        self._sum = torch.zeros(len(self.names), dtype=torch.float32, device=device)
+        self._count = 0
+
+    def start_epoch(self) -> None:
+        """Restart the per-epoch sums (one fill on the GPU)."""
+        self._sum.zero_()
+        self._count = 0
+
+    def push(self, items: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Add one iteration's ``items`` (a CUDA vector) to the epoch's sums and queue their copy.
+
+        Returns:
+            The newest items whose copy has finished, as 0-d CPU tensors by name: this call's
+            when the GPU has caught up, else a few iterations older. It waits for the GPU only
+            when no copy has finished yet, or ``RING`` copies are in flight.
+        """
+        self._sum += items
+        self._count += 1
+        k = self._next
+        pending = self._events[k]
+        if pending is not None:
+            pending.synchronize()  # the ring is full: the oldest copy must land before its slot is reused
+        self._slots[k].copy_(items, non_blocking=True)
+        event = self._events[k] = torch.cuda.Event()
+        event.record()
+        self._next = (k + 1) % RING
+        newest = None
+        for back in range(RING):
+            j = (k - back) % RING
+            e = self._events[j]
+            if e is not None and e.query():
+                newest = j
+                break
+        if newest is None:  # nothing has landed yet (the first iterations): wait for the oldest
+            newest = next(j for j in ((k + 1 + i) % RING for i in range(RING)) if self._events[j] is not None)
+            self._events[newest].synchronize()
+        return dict(zip(self.names, self._slots[newest].clone().unbind()))
+
+    def epoch_means(self) -> dict[str, torch.Tensor] | None:
+        """The exact mean of every item over this epoch's iterations (one host sync), or None
+        before the epoch's first iteration."""
+        if self._count == 0:
+            return None
+        return dict(zip(self.names, (self._sum / self._count).cpu().unbind()))
+
+
+class GraphedLoss:
+    """The model's training ``loss(batch)`` with forward, loss and backward run by a CapturedStep.
+
+    Args:
+        model: the trainer's DetectionModel, its criterion a FusedDetectionLoss.
+        scaler: the trainer's GradScaler (its scale tensor is read by the graphs, updated in place).
+        max_graphs: graphs kept at once (one per image shape and label capacity).
+    """
+
+    def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, *, max_graphs: int = 8) -> None:
+        self.model = model
+        self.scaler = scaler
+        self.step = CapturedStep(self._forward_backward, max_graphs=max_graphs, name="yolo forward+backward")
+        self.device = next(model.parameters()).device
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self.readout = LossReadout(model.criterion.loss_names, self.device)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._grads: list[torch.Tensor] | None = None
+        self._items: torch.Tensor | None = None  # the last call's items, on the GPU
+
+    # ---- what the loop calls -------------------------------------------------------------------
+    def __call__(self, batch: dict, preds=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss * batch_size, loss items)`` as the model's ``loss`` returns them; the backward
+        has already run (see the module docstring). Outside training (preds given, eval mode, grad
+        off) it is the model's own ``loss``."""
+        model = self.model
+        if preds is not None or not model.training or not torch.is_grad_enabled() or PADDED_KEY not in batch:
+            return type(model).loss(model, batch, preds)
+        self._restore_grads()
+        img, padded = batch["img"], batch[PADDED_KEY]
+        autocast = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
+        loss, items = self.step(img, padded, bucket=autocast)
+        if self._grads is None:  # the first call made the grads: the graphs accumulate into these
+            self._grads = [p.grad for p in self._params]
+        self._items = items
+        return replayed_loss(loss, self._anchor), self.readout.push(items)
+
+    def _forward_backward(self, img: torch.Tensor, padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = torch.get_autocast_dtype(self.device.type)
+        enabled = torch.is_autocast_enabled(self.device.type)
+        # the weight-cast cache off: a cast cached during a capture would live in the graphs' pool
+        with torch.autocast(self.device.type, dtype=dtype, enabled=enabled, cache_enabled=False):
+            preds = self.model(img)
+            loss, items = self.model.criterion(preds, {"img": img, PADDED_KEY: padded})
+        self.scaler.scale(loss.sum()).backward()
+        return loss.detach(), torch.stack(tuple(items.values()))
+
+    def _restore_grads(self) -> None:
+        """Put the grads the graphs accumulate into back on the params, zeroed, after a
+        ``zero_grad(set_to_none=True)`` (ultralytics calls one at the start of training and after
+        NaN recovery)."""
+        grads = self._grads
+        if grads is None or all(p.grad is g for p, g in zip(self._params, grads)):
+            return
+        moved = [(p, g) for p, g in zip(self._params, grads) if p.grad is not g]
+        if emptied := [g for p, g in moved if p.grad is None]:
+            torch._foreach_zero_(emptied)
+        for p, g in moved:
+            if p.grad is not None:
+                g.copy_(p.grad)
+            p.grad = g
+
+    # ---- installation --------------------------------------------------------------------------
+    def attach(self) -> GraphedLoss:
+        """Make the model's ``loss`` this object (an instance attribute; the class is untouched)."""
+        self.model.loss = self
+        return self
+
+    def detach(self) -> None:
+        """Give the model its own ``loss`` back."""
+        if self.model.__dict__.get("loss") is self:
+            del self.model.loss
+
+    def epoch_means(self) -> dict[str, torch.Tensor] | None:
+        """The exact per-epoch means of the loss items (see :class:`LossReadout`)."""
+        return self.readout.epoch_means()
+
+    def last_items(self) -> dict[str, torch.Tensor] | None:
+        """The last call's loss items as the model's ``loss`` returns them: 0-d tensors on the GPU
+        (copies: the next replay overwrites the graph's), or None before the first call."""
+        if self._items is None:
+            return None
+        return dict(zip(self.readout.names, self._items.clone().unbind()))
+
+
+__all__ = ["RING", "GraphedLoss", "LossReadout", "replayed_loss"]
