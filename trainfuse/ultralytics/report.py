@@ -60,8 +60,10 @@ class LoopTimer:
     def on_train_batch_end(self, trainer) -> None:
         _sync(trainer)
         self.ends.append(time.perf_counter())
-        # the GPU is idle here: reading the loss costs no stall
-        self.losses.append(sum(float(v) for v in trainer.loss_items.values()))
+        # the GPU is idle here: reading the loss costs no stall. The loss of this iteration per
+        # image of a full batch (box + cls + dfl): trainer.loss_items may lag behind it in a
+        # trainer that reads them back asynchronously
+        self.losses.append(float(trainer.loss.detach()) / trainer.batch_size)
 
     def on_train_epoch_end(self, trainer) -> None:
         _sync(trainer)
@@ -96,8 +98,22 @@ class LoopTimer:
 
 
 def device_launches(prof) -> int:
-    """Kernels, copies and fills a ``torch.profiler`` run saw on the GPU."""
+    """Kernels, copies and fills a ``torch.profiler`` run saw on the GPU (a CUDA graph's kernels
+    each count)."""
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+# the CUDA runtime and driver calls that put work on a stream
+_LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch", "Memcpy", "Memset")
+
+
+def host_launches(prof) -> int | None:
+    """Launch calls the host made in a ``torch.profiler`` run (kernel launches, graph launches,
+    copies, fills: a replayed CUDA graph counts one), or None when the profiler recorded no CUDA
+    runtime calls."""
+    calls = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
+             and e.name.startswith(("cuda", "cu")) and any(c in e.name for c in _LAUNCH_CALLS)]
+    return len(calls) or None
 
 
 class LaunchCounter:
@@ -116,6 +132,7 @@ class LaunchCounter:
         self.seen = 0
         self.iterations = 0
         self.launches = 0
+        self.host_launches: int | None = None
         self._updates = None
         self._stepped = False
         self._prof = None
@@ -131,6 +148,10 @@ class LaunchCounter:
     @property
     def per_iteration(self) -> float | None:
         return self.launches / self.iterations if self.iterations else None
+
+    @property
+    def host_per_iteration(self) -> float | None:
+        return self.host_launches / self.iterations if self.iterations and self.host_launches else None
 
     def on_train_batch_start(self, trainer) -> None:
         if trainer.epoch != self._epoch:
@@ -159,6 +180,7 @@ class LaunchCounter:
             _sync(trainer)
             self._prof.stop()
             self.launches = device_launches(self._prof)
+            self.host_launches = host_launches(self._prof)
             self._prof = None
             self.done = True
 
