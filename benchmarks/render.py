@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = [ROOT / "README.md", ROOT / "docs" / "performance.md"]
 SCHEMA = 1
-FAMILY_ORDER = ["optim", "amp", "ema", "losses", "mlp", "lightning", "yolo", "yolo-loss"]
+FAMILY_ORDER = ["optim", "amp", "ema", "losses", "mlp", "lightning", "yolo", "yolo-yolov5s", "yolo-loss"]
 LABELS = {"do_bench_ms": "do_bench ms", "wall_ms": "wall ms", "host_ms": "host ms",
           "graph_ms": "GPU ms (graph)", "phase_ms": "phase ms", "floor_ms": "floor ms", "tflops": "TFLOP/s"}
 MARKER = re.compile(r"<!-- results((?::[\w-]+)?):begin -->\n.*?<!-- results\1:end -->", re.S)

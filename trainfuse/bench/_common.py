@@ -183,7 +183,8 @@ def save_report(report: dict, out: str, name: str) -> None:
     report = dict(report)
     report.setdefault("rows", [])
     report["family"] = name
-    report["command"] = " ".join(["python -m trainfuse.bench", name, *_without_out(report.pop("_argv", []))])
+    bench = report.pop("_bench", name)  # the family on the command line, where it differs from name
+    report["command"] = " ".join(["python -m trainfuse.bench", bench, *_without_out(report.pop("_argv", []))])
     used = {k for row in report["rows"] for k in row} & set(METRICS)
     report["metrics"] = {k: v for k, v in METRICS.items() if k in used}
     doc = {k: report[k] for k in _TOP if k in report}

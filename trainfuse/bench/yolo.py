@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         import ultralytics
     except ImportError:
         note(report, "ultralytics is not installed (pip install ultralytics): nothing measured")
+        report["_bench"] = "yolo"
         save_report(report, args.out, family(args.model))
         return report
     from trainfuse.ultralytics.shapes import make_shapes_dataset
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     for kind, (ms, launches) in _phases(trainers).items():
         runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)
+    report["_bench"] = "yolo"
     save_report(report, args.out, family(args.model))
     return report
 
