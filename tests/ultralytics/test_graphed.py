@@ -129,3 +129,35 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory):
     assert graphed_metrics.keys() == eager_metrics.keys()
     for epoch, items in eager_metrics.items():
         assert graphed_metrics[epoch] == pytest.approx(items, rel=1e-4, abs=1e-5), epoch
+
+
+@cuda
+def test_nan_recovery_mid_run_makes_the_graphs_anew(data, tmp_path):
+    """ultralytics' own NaN recovery (a non-finite loss at an epoch's end) loads last.pt into the
+    model, which changes the cast weights' storage: the graphs must be dropped and made again."""
+    model = YOLO("yolov5n.yaml")
+    seen: dict = {"before": None, "after": set(), "losses": []}
+
+    def poison(trainer):
+        if trainer.epoch == 1 and seen["before"] is None:
+            seen["before"] = trainer._graphed
+            trainer.loss = torch.tensor(float("nan"), device=trainer.device)
+
+    def batch_end(trainer):
+        seen["losses"].append(float(trainer.loss.detach()))
+        if seen["before"] is not None:
+            seen["after"].add(trainer._graphed)
+
+    model.add_callback("on_train_epoch_end", poison)
+    model.add_callback("on_train_batch_end", batch_end)
+    model.train(data=data, epochs=3, imgsz=64, batch=2, workers=0, device=0, plots=False, val=False,
+                seed=0, verbose=False, project=str(tmp_path), name="nan", exist_ok=True,
+                trainer=FusedDetectionTrainer)
+    trainer = model.trainer
+    assert trainer.nan_recovery_attempts == 0 and seen["before"] is not None
+    assert len(seen["after"]) == 1 and seen["before"] not in seen["after"]  # one new GraphedLoss
+    assert len(seen["losses"]) == 4 * 4  # epochs 0, 1, 1 again, 2 of 4 batches
+    assert all(torch.isfinite(torch.tensor(seen["losses"])))
+    stats = trainer.graph_stats  # of the graphs made after the recovery
+    assert stats.captures >= 1 and stats.fallbacks == 0 and stats.eager + stats.replays == 8
+    assert "loss" not in vars(trainer.model)

@@ -282,14 +282,14 @@ class FusedDetectionTrainer(DetectionTrainer):
         return super().preprocess_batch(batch)
 
     def _load_checkpoint_state(self, ckpt):
-        # resume and NaN recovery load the EMA into a fresh ModelEMA: make it fused again. NaN
-        # recovery runs mid-training, on cast weights: float32 again first (the EMA copies the
-        # model; the optimizer state loaded has no masters), cast again after
-        # the weights may change storage: the graphs are dropped and made anew (and the EMA's
-        # copy of the model must not carry them)
+        # the weights may change storage: the graphs are dropped and made anew after (and the
+        # EMA's copy of the model must not carry them)
         graphed, self._graphed = self._graphed, None
         if graphed is not None:
             graphed.detach()
+        # resume and NaN recovery load the EMA into a fresh ModelEMA: make it fused again. NaN
+        # recovery runs mid-training, on cast weights: float32 again first (the EMA copies the
+        # model; the optimizer state loaded has no masters), cast again after
         casts, self._casts = self._casts, None
         if casts is not None:
             casts.undo()
