@@ -7,7 +7,9 @@ warmup ramps the accumulation from 1 to 4 over the first 100 iterations), AMP on
 deterministic mode; the fused loss sums without float atomics), and a replay launches the kernels
 the eager step launches, so everything is compared bit for bit: every iteration's loss,
 GradScaler's scale after every iteration (so the skipped steps), the weights, BatchNorm's running
-statistics and ``num_batches_tracked``, the EMA, and the epoch's logged loss means.
+statistics and ``num_batches_tracked``, the EMA, and the epoch's logged loss means. The graphed
+run keeps its grads and zeroes them inside the first replay after each optimizer step; the eager
+run frees them: 0 + g is g, so the sums agree.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory):
     assert stats.replays >= 150, stats  # each shape's first batch eager, the rest replayed
     assert stats.eager + stats.replays == len(graphed_rec.losses) == 200
     assert "loss" not in vars(tg.model)  # the model's own loss is back
+    assert tg.keeps_grads and not te.keeps_grads
+    assert all(p.grad is None for p in tg.model.parameters())  # the kept grads are freed at the end
 
     assert torch.equal(torch.stack(graphed_rec.losses), torch.stack(eager_rec.losses))
     assert graphed_rec.scales == eager_rec.scales

@@ -16,8 +16,10 @@ the graph's loss as the output of an op whose backward does nothing, so the loop
 ``backward()`` (four small launches) finds the grads already there.
 
 What stays eager, on purpose: the optimizer phase (``scaler.step_and_update``: two launches that
-read lr, momentum, the scale and the EMA weight as they are at each step) and ``zero_grad``, which
-zeroes the grads in place, since the graphs accumulate into those very tensors.
+read lr, momentum, the scale and the EMA weight as they are at each step). The graphs accumulate
+into the grads they captured, so those are not freed after a step: the trainer sets
+:attr:`GraphedLoss.zero_first`, and the next call zeroes them inside its graph (a graph of its own
+per shape) before the backward accumulates.
 
 Loss items come back without a host sync: each replay's items are copied to pinned memory
 asynchronously, and the loop gets the newest ones the GPU has finished (a few iterations old while
@@ -132,12 +134,16 @@ class GraphedLoss:
     def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, *, max_graphs: int = 8) -> None:
         self.model = model
         self.scaler = scaler
+        self._max_graphs = max_graphs
         self.step = CapturedStep(self._forward_backward, max_graphs=max_graphs, name="yolo forward+backward")
         self.device = next(model.parameters()).device
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.readout = LossReadout(model.criterion.loss_names, self.device)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._grads: list[torch.Tensor] | None = None
+        # set by the trainer after an optimizer step: the next call zeroes the grads inside its
+        # graph before the backward accumulates (zero_grad folded into the replay: no launch)
+        self.zero_first = False
         self._items: torch.Tensor | None = None  # the last call's items, on the GPU
 
     # ---- what the loop calls -------------------------------------------------------------------
@@ -150,14 +156,18 @@ class GraphedLoss:
             return type(model).loss(model, batch, preds)
         self._restore_grads()
         img, padded = batch["img"], batch[PADDED_KEY]
-        autocast = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
-        loss, items = self.step(img, padded, bucket=autocast)
+        bucket = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type),
+                  self.zero_first and self._grads is not None)
+        loss, items = self.step(img, padded, bucket=bucket)
+        self.zero_first = False
         if self._grads is None:  # the first call made the grads: the graphs accumulate into these
             self._grads = [p.grad for p in self._params]
         self._items = items
         return replayed_loss(loss, self._anchor), self.readout.push(items)
 
     def _forward_backward(self, img: torch.Tensor, padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.zero_first and self._grads is not None:
+            torch._foreach_zero_(self._grads)
         dtype = torch.get_autocast_dtype(self.device.type)
         enabled = torch.is_autocast_enabled(self.device.type)
         # the weight-cast cache off: a cast cached during a capture would live in the graphs' pool
@@ -189,9 +199,16 @@ class GraphedLoss:
         return self
 
     def detach(self) -> None:
-        """Give the model its own ``loss`` back."""
+        """Give the model its own ``loss`` back; drop the graphs (their memory pool with them) and
+        the grads they wrote (set to None, as a stock ``zero_grad`` leaves them)."""
         if self.model.__dict__.get("loss") is self:
             del self.model.loss
+        self.step = CapturedStep(self._forward_backward, max_graphs=self._max_graphs, name=self.step.name)
+        if self._grads is not None:
+            for p, g in zip(self._params, self._grads):
+                if p.grad is g:
+                    p.grad = None
+            self._grads = None
 
     def epoch_means(self) -> dict[str, torch.Tensor] | None:
         """The exact per-epoch means of the loss items (see :class:`LossReadout`)."""

@@ -190,6 +190,11 @@ def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[list[flo
     wall time of each call in ms, the GPU synchronized before and after, on gradients of
     realistic size re-attached between calls; and the launches of one call (CUDA only).
 
+    The grads reach each call as the trainer's backward leaves them: fresh tensors (stock, and
+    eager trainers, whose ``zero_grad`` frees them), or the same tensors refilled in place for a
+    trainer whose CUDA graphs accumulate into kept grads (``trainer.keeps_grads``: its
+    ``optimizer_step`` leaves them for the next replay to zero).
+
     Returns:
         ``(times, launches)``.
     """
@@ -199,6 +204,17 @@ def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[list[flo
     scale = trainer.scaler.scale(torch.ones((), device=device)) if trainer.scaler.is_enabled() else 1.0
     # small gradients (norm well below the clip at 10), scaled as the backward leaves them
     grads = [torch.randn_like(p) * 1e-4 * scale for p in params]
+    kept = [g.clone() for g in grads] if getattr(trainer, "keeps_grads", False) else None
+
+    def attach() -> None:
+        if kept is None:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        else:
+            torch._foreach_copy_(kept, grads)
+            for p, g in zip(params, kept):
+                p.grad = g
+
     times = []
     # as timeit does, the cyclic garbage collector is off inside each timed call: a collection
     # set off there by this loop's own fresh grad tensors would otherwise land on whichever call
@@ -206,8 +222,7 @@ def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[list[flo
     enabled = gc.isenabled()
     try:
         for k in range(warmup + calls):
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
+            attach()
             _sync(trainer)
             gc.disable()
             t0 = time.perf_counter()
@@ -223,8 +238,7 @@ def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[list[flo
             gc.enable()
     launches = None
     if device.type == "cuda":
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
+        attach()
         _sync(trainer)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             trainer.optimizer_step()

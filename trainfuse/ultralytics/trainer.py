@@ -141,6 +141,8 @@ class FusedDetectionTrainer(DetectionTrainer):
         cuda_graphs: run forward, loss and backward from CUDA graphs where safe (the default);
             also a keyword of the constructor.
         graphs_reason: empty when the step runs from CUDA graphs, else why it runs eagerly.
+        keeps_grads: True once the step runs from CUDA graphs: ``optimizer_step`` then leaves the
+            grads in place for the next replay to zero (inside its graph) instead of freeing them.
         graph_stats, graph_memory: after a graphed run, the step's
             :attr:`~trainfuse.graphs.CapturedStep.stats` and
             :meth:`~trainfuse.graphs.CapturedStep.memory_report` (None before).
@@ -154,6 +156,7 @@ class FusedDetectionTrainer(DetectionTrainer):
     _pad_targets = False
     _casts: CastWeights | None = None
     _graphed: GraphedLoss | None = None
+    keeps_grads = False
     graph_stats = graph_memory = None
 
     def __init__(self, *args, cuda_graphs: bool | None = None, **kwargs):
@@ -198,8 +201,10 @@ class FusedDetectionTrainer(DetectionTrainer):
         else:  # a scaler of another kind (NPU) keeps its own two calls
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        # the graphs accumulate into the grads they captured: zero those in place
-        self.optimizer.zero_grad(set_to_none=self._graphed is None)
+        if not self.keeps_grads:
+            self.optimizer.zero_grad()
+        elif self._graphed is not None:  # the graphs accumulate into the grads they captured:
+            self._graphed.zero_first = True  # the next replay zeroes them
         if self.ema:
             self.ema.update(self.model)  # counts nothing while attached: the step did this update
 
@@ -243,6 +248,7 @@ class FusedDetectionTrainer(DetectionTrainer):
             LOGGER.info(f"{_PREFIX} no CUDA graphs: {self.graphs_reason}")
             return
         self._graphed = GraphedLoss(unwrap_model(self.model), self.scaler).attach()
+        self.keeps_grads = True
         LOGGER.info(f"{_PREFIX} forward, loss and backward replayed from CUDA graphs (one per image shape "
                     "and label capacity; each shape's first batch runs eagerly)")
 
