@@ -13,6 +13,7 @@ from torch import nn
 
 import trainfuse
 from trainfuse import FusedEMA
+from trainfuse._runtime.launch import DirectLaunch
 
 
 def _model(device, dtype=torch.float32):
@@ -219,10 +220,13 @@ def test_attached_ema_follows_tensors_whose_storage_moved(kernels, device):
     assert torch.equal(old_ema_w, stale)  # nothing was written to the old storage
 
 
-def test_standalone_ema_follows_tensors_whose_storage_moved(kernels, device):
+def test_standalone_ema_follows_tensors_whose_storage_moved(kernels, device, monkeypatch):
     """FusedEMA.update repeats its last launch while every address is where it was (on a GPU,
     with its arguments resolved): an EMA tensor or a model buffer given new storage must be read
     and written at the new address, with the ramp's new weight, and the old storage left alone."""
+    launches = []
+    direct = DirectLaunch.__call__
+    monkeypatch.setattr(DirectLaunch, "__call__", lambda self, *a: launches.append(1) or direct(self, *a))
     model = _model(device)
     ema = FusedEMA(model, updates=100)
     for _ in range(3):  # the last two repeat the first's launch
@@ -240,3 +244,6 @@ def test_standalone_ema_follows_tensors_whose_storage_moved(kernels, device):
             if v.dtype.is_floating_point:
                 torch.testing.assert_close(v.double(), expected[k], rtol=1e-6, atol=1e-6, msg=k)
     assert torch.equal(old_ema_w, stale)
+    # on a GPU the repeats went through the direct launch: the 2 after the first, and the second
+    # update after each move (its first re-plans)
+    assert (len(launches) >= 3) == (device.type == "cuda"), launches

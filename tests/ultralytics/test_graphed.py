@@ -30,7 +30,7 @@ from ultralytics import YOLO  # noqa: E402
 
 from tests._helpers import cuda  # noqa: E402
 from trainfuse.ultralytics import FusedDetectionTrainer  # noqa: E402
-from trainfuse.ultralytics.graphed import replayed_loss  # noqa: E402
+from trainfuse.ultralytics.graphed import RING, LossReadout, replayed_loss  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 
 
@@ -75,6 +75,35 @@ def test_cpu_run_says_why_it_is_eager_and_leaves_the_model_as_it_was(data, tmp_p
     trainer = model.trainer
     assert "not CUDA" in trainer.graphs_reason
     assert "loss" not in vars(trainer.model)
+
+
+@cuda
+def test_loss_readout_returns_recent_finished_items_and_exact_epoch_means():
+    device = torch.device("cuda")
+    readout = LossReadout(("box", "cls", "dfl"), device)
+    pushed = [torch.tensor([i, 10.0 * i, -i], device=device) for i in range(1, 13)]
+    readout.start_epoch()
+    assert readout.epoch_means() is None
+    seen = []
+    for i, items in enumerate(pushed):
+        if i % 5 == 4:
+            torch.cuda.synchronize()  # the GPU caught up: the previous items must have landed
+        got = readout.push(items)
+        assert list(got) == ["box", "cls", "dfl"] and all(v.device.type == "cpu" for v in got.values())
+        index = int(got["box"]) - 1
+        assert torch.equal(torch.stack(tuple(got.values())), pushed[index].cpu())
+        assert i - RING < index <= i  # at most RING - 1 iterations old
+        if i % 5 == 4:
+            assert index >= i - 1
+        seen.append(index)
+    assert seen == sorted(seen)  # never older than what was already shown
+    torch.testing.assert_close(torch.stack(tuple(readout.epoch_means().values())),
+                               torch.stack(pushed).mean(0).cpu(), rtol=1e-6, atol=0)
+    readout.start_epoch()  # a new epoch's means count its own iterations only
+    for items in pushed[:3]:
+        readout.push(items * 2)
+    torch.testing.assert_close(torch.stack(tuple(readout.epoch_means().values())),
+                               torch.stack(pushed[:3]).mean(0).cpu() * 2, rtol=1e-6, atol=0)
 
 
 # ---- GPU: 200 iterations, graphs against eager -------------------------------------------------------

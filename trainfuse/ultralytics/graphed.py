@@ -11,7 +11,8 @@ runs, through :class:`~trainfuse.graphs.CapturedStep`:
     -> scaler.scale(loss.sum()).backward(), accumulating into the params' grads
 
 eagerly on an input shape's first sighting, captured on its second, replayed after that. The key
-is the image batch's shape and the padded labels' capacity bucket. What it returns to the loop is
+is the image batch's shape and the padded labels' capacity bucket, with the autocast state and
+whether the call zeroes the grads first (below) as its bucket. What it returns to the loop is
 the graph's loss as the output of an op whose backward does nothing, so the loop's own
 ``backward()`` (four small launches) finds the grads already there.
 
@@ -128,7 +129,8 @@ class GraphedLoss:
     Args:
         model: the trainer's DetectionModel, its criterion a FusedDetectionLoss.
         scaler: the trainer's GradScaler (its scale tensor is read by the graphs, updated in place).
-        max_graphs: graphs kept at once (one per image shape and label capacity).
+        max_graphs: graphs kept at once (one per image shape, label capacity, and zeroing the
+            grads first or not).
     """
 
     def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, *, max_graphs: int = 8) -> None:

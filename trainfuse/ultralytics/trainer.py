@@ -38,7 +38,8 @@ What it changes, and nothing else (ultralytics itself is not patched):
 - **CUDA graphs** (``cuda_graphs=True``, the default where it is safe): the forward, the loss and
   the backward run from a CUDA graph per image shape and label capacity
   (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`); the optimizer phase stays its two eager
-  launches. The progress bar's losses are read back without a host sync (a few iterations late);
+  launches, and the grads are kept and zeroed inside the next replay instead of freed. The
+  progress bar's losses are read back without a host sync (a few iterations late);
   each epoch's logged means are exact. Off, with the reason logged, on CPU, under DDP, with
   ``compile``, or without the fused optimizer and loss. Choose with
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)``.
@@ -193,7 +194,7 @@ class FusedDetectionTrainer(DetectionTrainer):
     def optimizer_step(self):
         """Unscale, clip at 10, step, EMA update, scale update and zero_grad: two launches when
         fused (statistics with GradScaler's update, then the update with the EMA folded in), else
-        stock."""
+        stock. With CUDA graphs, zero_grad is left to the next replay (``keeps_grads``)."""
         if not self.fused:
             return super().optimizer_step()
         if isinstance(self.scaler, GradScaler):
