@@ -26,12 +26,13 @@ def test_corpus_is_deterministic_and_does_not_repeat(tiny):
 
 @pytest.mark.parametrize("workload", ["gpt", "tabular"])
 @pytest.mark.parametrize("breakdown", [False, True])
-def test_run_times_both_variants(tiny, workload, breakdown):
+def test_run_times_every_variant(tiny, workload, breakdown):
     pl = package()
     args = argparse.Namespace(breakdown=breakdown, verbose=False)
-    stock = bench.run(pl, workload, False, 8, args)
-    fused = bench.run(pl, workload, True, 8, args)
-    for r in (stock, fused):
+    stock = bench.run(pl, workload, "stock", 8, args)
+    fused = bench.run(pl, workload, "fused", 8, args)
+    graphs = bench.run(pl, workload, "graphs", 8, args)
+    for r in (stock, fused, graphs):
         assert len(r["losses"]) == 8
         if breakdown:
             assert set(r["host_ms"]) == {"start -> forward", "forward -> backward", "backward -> before step",
@@ -40,8 +41,12 @@ def test_run_times_both_variants(tiny, workload, breakdown):
             assert r["step_ms"] > 0 and r["optimizer_ms"] > 0
     swapped = {row["kind"] for row in fused["report"] if row["action"] == "swapped"}
     assert swapped == ({"optimizer"} if workload == "gpt" else {"optimizer", "mlp", "loss"})
-    # the torch path on CPU: the same training as stock
+    # the torch path on CPU: the same training as stock; graphs are off on CPU, with the reason
     assert fused["losses"] == pytest.approx(stock["losses"], abs=1e-6)
+    assert graphs["losses"] == fused["losses"]
+    row = next(row for row in graphs["report"] if row["kind"] == "graphs")
+    assert row["action"] == "skipped" and "CUDA device" in row["detail"]
+    assert graphs["graph_stats"] == {} and "graph_stats" not in fused
 
 
 def test_main_without_gpu_measures_nothing(tmp_path, capsys):
@@ -54,10 +59,26 @@ def test_main_without_gpu_measures_nothing(tmp_path, capsys):
 
 def test_profile_and_plot(tiny, tmp_path, capsys):
     pl = package()
-    bench.profile(pl, "tabular", True, str(tmp_path))
+    bench.profile(pl, "tabular", "fused", str(tmp_path))
     assert "torch.profiler, tabular-fused" in capsys.readouterr().out
     assert (tmp_path / "lightning-tabular-fused.trace.json").exists()
     run = {"step_ms": 2.0, "optimizer_ms": 1.0, "losses": [0.7, 0.6]}
-    results = {"tabular": {"stock": [run], "fused": [dict(run, step_ms=1.0)]}}
+    results = {"tabular": {"stock": [run], "fused": [dict(run, step_ms=1.0)],
+                           "graphs": [dict(run, step_ms=0.5)]}}
     png = bench.plot(results, str(tmp_path / "x.png"))
     assert png is not None and (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_goals_read_every_figure():
+    def variant(step, opt, loss, reserved):
+        return {"step_ms": step, "optimizer_ms": opt, "final_loss": loss, "peak_reserved_gb": reserved}
+
+    med = {"stock": variant(4.0, 1.0, 2.0, 1.0), "fused": variant(2.0, 0.1, 2.01, 1.0),
+           "graphs": variant(1.0, 0.1, 2.1, 1.4)}
+    lines = bench._goals("tabular", med)
+    assert lines == ["step 2.00x (met >= 1.2x)", "step with CUDA graphs 4.00x (met >= 2.0x)",
+                     "fused loss 0.50% (met <= 1%)", "graphs loss 5.00% (missed <= 1%)",
+                     "peak reserved memory with graphs 1.40x the run without (missed <= 1.3x)"]
+    gpt = bench._goals("gpt", dict(med, graphs=variant(3.0, 0.1, 2.0, 1.2)))
+    assert gpt[1] == "optimizer 10.00x (met >= 5.0x)"
+    assert gpt[2] == "step with CUDA graphs 1.33x (missed >= 1.6x)"

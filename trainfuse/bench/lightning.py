@@ -9,10 +9,15 @@ Two workloads, each trained by ``Trainer.fit`` on one GPU, alternating stock and
 - tabular: MLP 4 x 1024 GELU + head, BCEWithLogitsLoss, batch 8192, bf16-mixed, AdamW lr 1e-3,
   gradient_clip_val=1.0. Data: fresh Gaussian rows every batch, labels from their signs.
 
+Three runs per pair: stock, ``FusedTraining()``, and ``FusedTraining(cuda_graphs=True)`` (the
+model's forward and backward replayed from CUDA graphs).
+
 Per run: the median step time (synchronized at batch start and end, after warm-up), the optimizer
 phase alone (clip + step + EMA: from ``on_before_optimizer_step`` to the end of the batch,
 synchronized at both ends on every 5th step, which the step median leaves out), the final loss
-(mean of the last 10 steps). Pair k of the ``--repeats`` stock/fused pairs starts from model and
+(mean of the last 10 steps), and the peak GPU memory above what the data holds: allocated
+(``max_memory_allocated``) and reserved (``max_memory_reserved``, which counts the CUDA graphs'
+memory pool whole). Triple k of the ``--repeats`` runs starts from model and
 data seed k; the loss goal compares the final losses averaged over the seeds. ``--breakdown`` adds
 each phase's host time (no syncs: where a host-bound step spends it); ``--profile`` prints
 torch.profiler's top ops for a few steps of each run and writes their Chrome traces. The plot is
@@ -21,6 +26,7 @@ torch.profiler's top ops for a few steps of each run and writes their Chrome tra
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -38,8 +44,13 @@ TAB_IN, TAB_WIDTH, TAB_OUT, TAB_BATCH = 256, 1024, 16, 8192
 DEVICE = "cuda"  # the tests run the same code on "cpu" with tiny sizes
 PHASE_EVERY = 5  # steps timed with a sync before the optimizer phase (left out of the step median)
 WARMUP = 10
-# goals from the issue: step >= 1.2x, optimizer phase >= 5x (GPT), final loss within 1 % of stock
-GOALS = {"step": 1.2, "optimizer": 5.0, "loss": 0.01}
+# goals: step >= 1.2x, optimizer phase >= 5x (GPT), final loss within 1 % of stock; with CUDA
+# graphs, the step per workload against stock, and peak reserved memory within 1.3x of the same
+# run without graphs
+GOALS = {"step": 1.2, "optimizer": 5.0, "loss": 0.01, "memory": 1.3}
+GRAPH_GOALS = {"gpt": 1.6, "tabular": 2.0}
+VARIANTS = ("stock", "fused", "graphs")
+LABELS = {"stock": "Lightning stock", "fused": "Lightning fused", "graphs": "Lightning fused + CUDA graphs"}
 
 
 def bigram_corpus(sequences: int, length: int, seed: int = 0, successors: int = 8) -> torch.Tensor:
@@ -77,11 +88,13 @@ def _data(workload: str, steps: int, seed: int = 0) -> torch.utils.data.DataLoad
     return _batches((x, (x[:, :TAB_OUT] > 0).float()), TAB_BATCH)
 
 
-def _callbacks(pl, workload: str, fused: bool, verbose: bool) -> list:
-    """FusedTraining (with the EMA on the GPT) or, for stock, EMAWeightAveraging on the GPT."""
+def _callbacks(pl, workload: str, variant: str, verbose: bool) -> list:
+    """FusedTraining (with the EMA on the GPT; ``graphs``: with CUDA graphs) or, for stock,
+    EMAWeightAveraging on the GPT."""
     gpt = workload == "gpt"
-    if fused:
-        return [FusedTraining(ema_decay=0.999 if gpt else None, verbose=verbose)]
+    if variant != "stock":
+        return [FusedTraining(ema_decay=0.999 if gpt else None, verbose=verbose,
+                              cuda_graphs=variant == "graphs")]
     return [pl.callbacks.EMAWeightAveraging(decay=0.999)] if gpt else []
 
 
@@ -199,34 +212,52 @@ def make_timer(pl, breakdown: bool):
     return Timer()
 
 
-def run(pl, workload: str, fused: bool, steps: int, args, seed: int = 0) -> dict:
-    """One Trainer.fit of ``workload`` (stock, or with FusedTraining) from model and data seed
-    ``seed``; its timings and losses."""
+def _memory_start() -> tuple[int, int]:
+    if DEVICE != "cuda":
+        return 0, 0
+    gc.collect()  # the last run's Trainer and module hold each other: free them before measuring
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def run(pl, workload: str, variant: str, steps: int, args, seed: int = 0) -> dict:
+    """One Trainer.fit of ``workload`` (``variant``: stock, fused, graphs) from model and data seed
+    ``seed``; its timings, losses and peak memory."""
+    loader = _data(workload, steps, seed)
+    allocated, reserved = _memory_start()
     module = (make_gpt if workload == "gpt" else make_tabular)(pl, seed)
     timer = make_timer(pl, args.breakdown)
-    callbacks = _callbacks(pl, workload, fused, args.verbose)
+    callbacks = _callbacks(pl, workload, variant, args.verbose)
     trainer = _trainer(pl, steps, [*callbacks, timer])  # the timer last: its batch end follows the EMA
-    loader = _data(workload, steps, seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck).*")
         trainer.fit(module, loader)
     losses = torch.stack(module.losses).float().cpu()
     out = {"losses": losses.tolist(), "final_loss": float(losses[-10:].mean())}
+    if DEVICE == "cuda":
+        out["peak_allocated_gb"] = (torch.cuda.max_memory_allocated() - allocated) / 2**30
+        out["peak_reserved_gb"] = (torch.cuda.max_memory_reserved() - reserved) / 2**30
     if args.breakdown:
         out["host_ms"] = {k: statistics.median(v) for k, v in timer.host.items()}
     else:
         out["step_ms"] = statistics.median(timer.step)
         out["optimizer_ms"] = statistics.median(timer.optimizer)
-    if fused:
+    if variant != "stock":
         out["report"] = [r.__dict__ for r in callbacks[0].report]
+    if variant == "graphs":
+        out["graph_stats"] = {k: v.__dict__ for k, v in callbacks[0].graph_stats.items()}
+        out["graph_reasons"] = {k: {str(key): why for key, why in v.items()}
+                                for k, v in callbacks[0].graph_reasons.items()}
     return out
 
 
-def profile(pl, workload: str, fused: bool, out_dir: str) -> None:
+def profile(pl, workload: str, variant: str, out_dir: str) -> None:
     """torch.profiler over 5 steps after warm-up: the top ops and a Chrome trace."""
     from torch.profiler import ProfilerActivity, schedule
 
-    name = f"{workload}-{'fused' if fused else 'stock'}"
+    name = f"{workload}-{variant}"
 
     class Prof(pl.Callback):
         def on_train_start(self, *args):
@@ -244,7 +275,7 @@ def profile(pl, workload: str, fused: bool, out_dir: str) -> None:
     prof = Prof()
     module = make_gpt(pl) if workload == "gpt" else make_tabular(pl)
     steps = WARMUP + 8
-    trainer = _trainer(pl, steps, [*_callbacks(pl, workload, fused, False), prof])
+    trainer = _trainer(pl, steps, [*_callbacks(pl, workload, variant, False), prof])
     loader = _data(workload, steps)
     trainer.fit(module, loader)
     print(f"\ntorch.profiler, {name}: 5 steps")
@@ -264,24 +295,73 @@ def plot(results: dict, path: str) -> str | None:
     except ImportError:
         return None
     workloads = list(results)
+    colors = {"stock": "tab:gray", "fused": "tab:orange", "graphs": "tab:red"}
     fig, axes = plt.subplots(1, 2 + len(workloads), figsize=(5 * (2 + len(workloads)), 4))
     panels = ((axes[0], "step_ms", "ms per step"), (axes[1], "optimizer_ms", "optimizer phase ms"))
+    width = 0.8 / len(VARIANTS)
     for ax, key, title in panels:
-        for k, (variant, color) in enumerate((("stock", "tab:gray"), ("fused", "tab:orange"))):
+        for k, variant in enumerate(VARIANTS):
             vals = [statistics.median(r[key] for r in results[w][variant]) for w in workloads]
-            ax.bar([i + 0.4 * k for i in range(len(workloads))], vals, 0.4, label=variant, color=color)
-        ax.set_xticks([i + 0.2 for i in range(len(workloads))], workloads)
+            ax.bar([i + width * k for i in range(len(workloads))], vals, width, label=LABELS[variant],
+                   color=colors[variant])
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize="small")
     for ax, w in zip(axes[2:], workloads):
-        for variant, color in (("stock", "tab:gray"), ("fused", "tab:orange")):
-            ax.plot(results[w][variant][0]["losses"], label=variant, color=color, linewidth=0.8)
+        for variant in VARIANTS:
+            ax.plot(results[w][variant][0]["losses"], label=LABELS[variant], color=colors[variant],
+                    linewidth=0.8)
         ax.set_title(f"{w}: training loss")
         ax.set_xlabel("step")
-        ax.legend()
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _summary(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per variant: medians of the times and peaks over the runs, the mean final loss over the seeds
+    (one run's final loss moves by a few % with any rounding difference, stock bf16 against stock
+    32-true included)."""
+    def median(rs, key):
+        vals = [r[key] for r in rs if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    return {v: {"step_ms": median(rs, "step_ms"), "optimizer_ms": median(rs, "optimizer_ms"),
+                "peak_allocated_gb": median(rs, "peak_allocated_gb"),
+                "peak_reserved_gb": median(rs, "peak_reserved_gb"),
+                "final_loss": statistics.fmean(r["final_loss"] for r in rs),
+                "final_losses": [r["final_loss"] for r in rs]}
+            for v, rs in runs.items()}
+
+
+def _goals(workload: str, med: dict[str, dict]) -> list[str]:
+    """The goals' lines for one workload: met or missed, with the measured figure."""
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    stock, fused, graphs = med["stock"], med["fused"], med["graphs"]
+    step_x = stock["step_ms"] / fused["step_ms"]
+    graph_x = stock["step_ms"] / graphs["step_ms"]
+    opt_x = stock["optimizer_ms"] / fused["optimizer_ms"]
+    lines = [f"step {step_x:.2f}x ({verdict(step_x >= GOALS['step'])} >= {GOALS['step']}x)"]
+    if workload == "gpt":
+        goal = GOALS["optimizer"]
+        lines.append(f"optimizer {opt_x:.2f}x ({verdict(opt_x >= goal)} >= {goal}x)")
+    goal = GRAPH_GOALS[workload]
+    lines.append(f"step with CUDA graphs {graph_x:.2f}x ({verdict(graph_x >= goal)} >= {goal}x)")
+    for v in ("fused", "graphs"):
+        rel = abs(med[v]["final_loss"] - stock["final_loss"]) / stock["final_loss"]
+        lines.append(f"{v} loss {rel * 100:.2f}% ({verdict(rel <= GOALS['loss'])} <= 1%)")
+    if graphs["peak_reserved_gb"] is not None and fused["peak_reserved_gb"]:
+        mem = graphs["peak_reserved_gb"] / fused["peak_reserved_gb"]
+        lines.append(f"peak reserved memory with graphs {mem:.2f}x the run without "
+                     f"({verdict(mem <= GOALS['memory'])} <= {GOALS['memory']}x)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -290,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--gpt-steps", type=int, default=300)
     parser.add_argument("--tabular-steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3,
-                        help="stock/fused run pairs per workload, pair k from model and data seed k")
+                        help="stock/fused/graphs run triples per workload, triple k from seed k")
     parser.add_argument("--breakdown", action="store_true",
                         help="host ms per step phase (no syncs) instead of synchronized timings")
     parser.add_argument("--profile", action="store_true", help="torch.profiler top ops and Chrome traces")
@@ -306,19 +386,19 @@ def main(argv: list[str] | None = None) -> dict | None:
     os.makedirs(args.out, exist_ok=True)
     if args.profile:
         for w in workloads:
-            for fused in (False, True):
-                profile(pl, w, fused, args.out)
-    results = {w: {"stock": [], "fused": []} for w in workloads}
+            for variant in VARIANTS:
+                profile(pl, w, variant, args.out)
+    results = {w: {v: [] for v in VARIANTS} for w in workloads}
     for w in workloads:
-        for seed in range(repeats):  # each pair from its own seed: the final loss is averaged over them
-            for fused in (False, True):
-                results[w]["fused" if fused else "stock"].append(run(pl, w, fused, steps[w], args, seed))
+        for seed in range(repeats):  # each triple from its own seed: the final loss is averaged over them
+            for variant in VARIANTS:
+                results[w][variant].append(run(pl, w, variant, steps[w], args, seed))
     report["details"] = {"steps": steps, "repeats": repeats, "lightning": f"{pl.__name__} {pl.__version__}",
                          "runs": results}
     if args.breakdown:
         for w in workloads:
             rows = []
-            for variant in ("stock", "fused"):
+            for variant in VARIANTS:
                 for phase, ms in results[w][variant][0]["host_ms"].items():
                     rows.append([variant, phase, f"{ms:.3f}"])
             print_table(f"{w}: host ms per phase (median, no syncs)", ["run", "phase", "host ms"], rows)
@@ -326,33 +406,21 @@ def main(argv: list[str] | None = None) -> dict | None:
         return report
     rows = []
     for w in workloads:
-        # times: medians over the runs; the final loss: the mean over the seeds (one run's final loss
-        # moves by a few % with any rounding difference, stock bf16 against stock 32-true included)
-        med = {v: {"step_ms": statistics.median(r["step_ms"] for r in results[w][v]),
-                   "optimizer_ms": statistics.median(r["optimizer_ms"] for r in results[w][v]),
-                   "final_loss": statistics.fmean(r["final_loss"] for r in results[w][v]),
-                   "final_losses": [r["final_loss"] for r in results[w][v]]}
-               for v in ("stock", "fused")}
-        step_x = med["stock"]["step_ms"] / med["fused"]["step_ms"]
-        opt_x = med["stock"]["optimizer_ms"] / med["fused"]["optimizer_ms"]
-        loss_rel = abs(med["fused"]["final_loss"] - med["stock"]["final_loss"]) / med["stock"]["final_loss"]
-        for v in ("stock", "fused"):
-            ours = v == "fused"
-            add_row(report, f"{w}: training step", f"Lightning {v}", trainfuse=ours,
-                    wall_ms=med[v]["step_ms"])
-            add_row(report, f"{w}: optimizer phase (clip + step + EMA)", f"Lightning {v}", trainfuse=ours,
+        med = _summary(results[w])
+        for v in VARIANTS:
+            ours = v != "stock"
+            add_row(report, f"{w}: training step", LABELS[v], trainfuse=ours, wall_ms=med[v]["step_ms"])
+            add_row(report, f"{w}: optimizer phase (clip + step + EMA)", LABELS[v], trainfuse=ours,
                     wall_ms=med[v]["optimizer_ms"])
-        goals = [f"step {step_x:.2f}x ({'met' if step_x >= GOALS['step'] else 'missed'} >= {GOALS['step']}x)",
-                 f"loss {loss_rel * 100:.2f}% ({'met' if loss_rel <= GOALS['loss'] else 'missed'} <= 1%)"]
-        if w == "gpt":
-            goals.insert(1, f"optimizer {opt_x:.2f}x ({'met' if opt_x >= GOALS['optimizer'] else 'missed'} "
-                            f">= {GOALS['optimizer']}x)")
-        note(report, f"{w}: " + "; ".join(goals))
-        rows += [[w, v, f"{med[v]['step_ms']:.3f}", f"{med[v]['optimizer_ms']:.3f}",
-                  f"{med[v]['final_loss']:.4f}", " ".join(f"{x:.4f}" for x in med[v]["final_losses"])]
-                 for v in ("stock", "fused")]
+        note(report, f"{w}: " + "; ".join(_goals(w, med)))
+        rows += [[w, v, f"{med[v]['step_ms']:.3f}", f"{med['stock']['step_ms'] / med[v]['step_ms']:.2f}x",
+                  f"{med[v]['optimizer_ms']:.3f}", _num(med[v]["peak_allocated_gb"]),
+                  _num(med[v]["peak_reserved_gb"]), f"{med[v]['final_loss']:.4f}",
+                  " ".join(f"{x:.4f}" for x in med[v]["final_losses"])]
+                 for v in VARIANTS]
     print_table(f"Lightning fit, bf16-mixed, clip 1.0 (medians over {repeats} run(s), steps {steps})",
-                ["workload", "run", "ms/step", "optimizer ms", "final loss (mean)", "per seed"], rows)
+                ["workload", "run", "ms/step", "vs stock", "optimizer ms", "peak alloc GB",
+                 "peak reserved GB", "final loss (mean)", "per seed"], rows)
     png = plot(results, os.path.join(args.out, "lightning.png"))
     if png is None:
         note(report, "matplotlib not installed: no plot")

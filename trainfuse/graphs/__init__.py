@@ -1,6 +1,8 @@
-"""Whole training steps captured in CUDA graphs, one per input shape, with eager fallback."""
+"""CUDA graphs for training: whole steps captured per input shape (:class:`CapturedStep`), or a
+module's forward and backward inside an eager step (:class:`GraphedModule`), with eager fallback."""
 
 from trainfuse.graphs.cache import Action, ShapeCache
+from trainfuse.graphs.module import GraphedModule
 from trainfuse.graphs.step import CapturedStep, StepStats
 
-__all__ = ["Action", "CapturedStep", "ShapeCache", "StepStats"]
+__all__ = ["Action", "CapturedStep", "GraphedModule", "ShapeCache", "StepStats"]

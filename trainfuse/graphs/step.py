@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from trainfuse.graphs.cache import Action, ShapeCache
+from trainfuse.graphs.sync import captured, on_side_stream, side_stream, watching_syncs
 
 
 @dataclasses.dataclass
@@ -60,22 +61,6 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
     outputs: Any
-
-
-# what torch's sync debug mode warns on a host synchronization, and what it warns once about itself
-_SYNC_WARNING = "called a synchronizing CUDA operation"
-_PROTOTYPE_WARNING = "Synchronization debug mode is a prototype feature"
-
-# one side stream per device for first sightings and captures, shared by every CapturedStep: graphs
-# sharing a memory pool reuse its memory best when captured on the same stream
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _side_streams.get(device.index)
-    if stream is None:
-        stream = _side_streams[device.index] = torch.cuda.Stream(device)
-    return stream
 
 
 def _detached(out: Any, where: str) -> Any:
@@ -191,33 +176,13 @@ class CapturedStep:
         if action is not Action.EAGER:  # the key's capture failed, now or before
             return self.fn(*inputs)
         try:
-            out, sync = self._eager_watching_syncs(device, inputs)
+            out, sync = watching_syncs(device, self.fn, *inputs)
         except BaseException:
             self._cache.forget(key)  # a call that raised is no sighting
             raise
         if sync is not None:  # capture would fail, and a failed capture can leave torch's CUDA
             self._fail(key, RuntimeError(f"fn synchronizes with the host: {sync}"))  # RNG capturing
         return out
-
-    def _eager_watching_syncs(self, device: torch.device, inputs: tuple) -> tuple[Any, str | None]:
-        """The first sighting's eager call under torch's sync debug mode: its result, and the first
-        host synchronization it made (None if none). Other warnings are passed on."""
-        previous = torch.cuda.get_sync_debug_mode()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = self._on_side_stream(device, inputs)
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
-        sync = None
-        for w in caught:
-            message = str(w.message)
-            if _SYNC_WARNING in message:  # where in Python: the line that made it
-                sync = sync or f"{message.strip().splitlines()[0]} (from {w.filename}:{w.lineno})"
-            elif _PROTOTYPE_WARNING not in message:  # torch's note on the debug mode itself: ours to drop
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        return out, sync
 
     @property
     def stats(self) -> StepStats:
@@ -268,15 +233,6 @@ class CapturedStep:
         self._device = device
         return tuple(parts), device
 
-    def _on_side_stream(self, device: torch.device, inputs: tuple) -> Any:
-        """``fn(*inputs)`` eagerly on the capture stream, ordered after and before the current stream."""
-        side, current = _side_stream(device), torch.cuda.current_stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            out = self.fn(*inputs)
-        current.wait_stream(side)
-        return out
-
     def _capture(self, key: tuple, inputs: tuple, device: torch.device) -> _Graph | None:
         """Capture ``fn`` on static copies of ``inputs`` and store the graph (not yet replayed); on
         failure, mark ``key`` eager for good and return None, with nothing of ``fn`` run on the GPU."""
@@ -288,27 +244,16 @@ class CapturedStep:
         for s, x in zip(static, inputs):
             s.copy_(x)
         for _ in range(self.warmup):
-            self._on_side_stream(device, static)
-        side, current = _side_stream(device), torch.cuda.current_stream(device)
-        graph, error, out = torch.cuda.CUDAGraph(), None, None
+            on_side_stream(device, self.fn, *static)
+        side, current = side_stream(device), torch.cuda.current_stream(device)
+        graph, error, out = None, None, None
         side.wait_stream(current)
         with torch.cuda.stream(side):
             try:
-                # thread_local: a pinned-memory or other thread of the process stays free to call CUDA
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            except Exception as e:  # e.g. called inside a capture of the caller's own
+                graph, out = captured(self._pool, self.fn, *static)
+            except Exception as e:  # a host sync, anything fn raised; or inside a capture of the caller's
                 error = e
-            else:
-                try:
-                    out = self.fn(*static)
-                except Exception as e:
-                    error = e
-                finally:
-                    # always end the capture, so the stream and the allocator leave capture mode
-                    try:
-                        graph.capture_end()
-                    except Exception as e:
-                        error = error or e
+                self._pool = None  # later captures start a fresh pool; this one's graphs stay valid
         current.wait_stream(side)
         if error is None:
             try:

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 import trainfuse
-from trainfuse.lightning import _compat
+from trainfuse.graphs import GraphedModule, StepStats
+from trainfuse.lightning import _compat, graphs
 from trainfuse.lightning.checkpoint import plain_checkpoint
 from trainfuse.lightning.ema import WeightEMA
 from trainfuse.lightning.modules import fuse_chains, fuse_losses
@@ -59,6 +60,14 @@ class FusedTraining(*_compat.callback_bases()):
             ``self.log`` call costs more host time than the whole fused step
             when clipping by norm runs in the step.
         verbose: print the report table on rank zero at fit start.
+        cuda_graphs: replay the model's forward and backward from CUDA graphs, one pair per input
+            shape (the first batch of a shape runs eagerly, the second is captured): the
+            LightningModule's ``forward`` when it defines one, and each direct child module with
+            trainable params that ``training_step`` calls. The loss, ``self.log``, hooks and the
+            optimizer step run eagerly as before. For static shapes and forwards whose Python
+            does the same every step (a replay repeats what the forward decided at capture); a
+            forward that syncs with the host runs eagerly, with the reason in
+            :attr:`graph_reasons`. Off on CPU and under DDP.
 
     Example::
 
@@ -69,9 +78,10 @@ class FusedTraining(*_compat.callback_bases()):
 
     def __init__(self, *, fuse_casts: bool = True, ema_decay: float | None = None, mlp: bool = True,
                  losses: bool = True, strict: bool = False, log_grad_norm: bool = True,
-                 verbose: bool = True) -> None:
+                 verbose: bool = True, cuda_graphs: bool = False) -> None:
         for name, value in (("fuse_casts", fuse_casts), ("mlp", mlp), ("losses", losses), ("strict", strict),
-                            ("log_grad_norm", log_grad_norm), ("verbose", verbose)):
+                            ("log_grad_norm", log_grad_norm), ("verbose", verbose),
+                            ("cuda_graphs", cuda_graphs)):
             if not isinstance(value, bool):
                 raise TypeError(f"FusedTraining: {name} must be a bool, got {value!r}")
         if ema_decay is not None:
@@ -87,7 +97,9 @@ class FusedTraining(*_compat.callback_bases()):
         self.strict = strict
         self.log_grad_norm = log_grad_norm
         self.verbose = verbose
+        self.cuda_graphs = cuda_graphs
         self.report = Report(strict)
+        self._graphs: dict[str, GraphedModule] = {}
         self._ema: WeightEMA | None = None
         self._ema_stash: dict[str, Any] | None = None
         self._reset()
@@ -102,6 +114,18 @@ class FusedTraining(*_compat.callback_bases()):
         self._ema_steps = False  # the EMA is updated after the step, not inside it
         self._last_step = 0
 
+    @property
+    def graph_stats(self) -> dict[str, StepStats]:
+        """Per graphed module (``"forward"``: the LightningModule's own): its eager calls, replays,
+        captures, failed captures and evictions, from the last fit (kept after it ends)."""
+        return {name: g.stats for name, g in self._graphs.items()}
+
+    @property
+    def graph_reasons(self) -> dict[str, dict]:
+        """Per graphed module, the input keys that ran eagerly because of a host sync or a failed
+        capture, with why."""
+        return {name: g.reasons for name, g in self._graphs.items() if g.reasons}
+
     # ---- when it acts ----------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
@@ -113,6 +137,7 @@ class FusedTraining(*_compat.callback_bases()):
                 f"average of the weights: remove {type(averaging[0]).__name__} (FusedTraining's EMA follows "
                 "its schedule inside the optimizer step) or drop ema_decay")
         self._reset()
+        self._graphs = {}
         self.report.clear()
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -130,6 +155,7 @@ class FusedTraining(*_compat.callback_bases()):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or not self._applied:
             return
+        graphs.uninstall(self._graphs)  # before the casts change the params' storage
         if self._ema is not None:
             self._ema.swap_out(pl_module)
         if self._casts is not None:
@@ -139,6 +165,9 @@ class FusedTraining(*_compat.callback_bases()):
         if self._old_scaler is not None:
             restore_scaler(trainer.precision_plugin, self._old_scaler)
         self._reset()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        graphs.uninstall(self._graphs)  # the module's own forward back, whatever happens next
 
     # ---- the changes -----------------------------------------------------------------------------
     def _apply(self, trainer: Any, pl_module: Any) -> None:
@@ -193,6 +222,7 @@ class FusedTraining(*_compat.callback_bases()):
             if self._old_scaler is not None:
                 report.add("scaler", "GradScaler", SWAPPED, "trainfuse.amp.GradScaler: the inf check is "
                            "the step's statistics pass; unscale and inf skip run in the step, no host sync")
+        self._start_graphs(pl_module, kind, device)
         self._print(trainer)
 
     def _swap_optimizers(self, trainer: Any, pl_module: Any, kernels: bool, max_norm: float | None,
@@ -291,6 +321,24 @@ class FusedTraining(*_compat.callback_bases()):
         self.report.add("casts", precision, ON, f"{len(self._casts.cast)} params {str(dtype)[6:]} with "
                         "float32 masters; the step writes the 16-bit weights the forward reads (norms and "
                         "embeddings stay float32)")
+
+    def _start_graphs(self, pl_module: Any, kind: str, device: torch.device) -> None:
+        if not self.cuda_graphs:
+            self.report.add("graphs", "cuda_graphs", OFF, "cuda_graphs=False: forward and backward launch "
+                            "every kernel")
+            return
+        reason = graphs.why_no_graphs(kind, device)
+        targets = graphs.graph_targets(pl_module) if reason is None else []
+        if reason is None and not targets:
+            reason = "no forward on the LightningModule and no child module with trainable params"
+        if reason is not None:
+            self.report.add("graphs", "cuda_graphs", SKIPPED, reason)
+            return
+        self._graphs = graphs.install(targets)
+        names = ", ".join(name for name, _ in targets)
+        self.report.add("graphs", names, ON, "forward + backward replayed from CUDA graphs per input shape "
+                        "(first batch of a shape eager, second captured); loss, logging, hooks and "
+                        "optimizer step eager")
 
     def _print(self, trainer: Any) -> None:
         if self.verbose and trainer.is_global_zero:

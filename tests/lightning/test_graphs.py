@@ -1,0 +1,138 @@
+"""FusedTraining(cuda_graphs=True): which modules are graphed, and, on a GPU, Trainer.fit runs whose
+forward and backward replay from CUDA graphs against the same runs without graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests._helpers import cuda
+from tests.lightning import helpers
+from tests.lightning.helpers import (
+    ACCELERATOR,
+    PACKAGES,
+    assert_params_equal,
+    fit,
+    make_module,
+    package,
+    params,
+)
+from trainfuse.lightning import FusedTraining
+from trainfuse.lightning.graphs import graph_targets
+
+
+def rows_of(cb):
+    return {r.kind: r for r in cb.report}
+
+
+def test_cuda_graphs_must_be_a_bool():
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool, got 1"):
+        FusedTraining(cuda_graphs=1)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_graph_targets_are_the_forward_and_the_trainable_children(pkg):
+    pl = package(pkg)
+
+    class NoForward(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+            self.blocks = nn.ModuleList([nn.Linear(4, 4)])  # a container: nothing to call
+            self.frozen = nn.Linear(4, 4).requires_grad_(False)
+            self.crit = nn.BCEWithLogitsLoss()  # no params
+            self.head = nn.Linear(4, 1)
+
+    class WithForward(NoForward):
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    assert [n for n, _ in graph_targets(NoForward())] == ["body", "head"]
+    module = WithForward()
+    targets = graph_targets(module)
+    assert [n for n, _ in targets] == ["forward", "body", "head"] and targets[0][1] is module
+
+
+@pytest.mark.skipif(ACCELERATOR != "cpu", reason="the CPU path")
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_cpu_run_says_why_it_is_eager_and_trains_as_without(pkg, torch_path):
+    pl = package(pkg)
+    ref, ours = make_module(pl), make_module(pl)
+    fit(pl, ref, 4, callbacks=[FusedTraining(verbose=False)], clip=1.0)
+    cb = FusedTraining(verbose=False, cuda_graphs=True)
+    fit(pl, ours, 4, callbacks=[cb], clip=1.0)
+    row = rows_of(cb)["graphs"]
+    assert row.action == "skipped" and "CUDA graphs need a CUDA device" in row.detail
+    assert cb.graph_stats == {} and "forward" not in ours.__dict__
+    assert_params_equal(params(ref), params(ours))
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------
+@cuda
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_graphed_fit_matches_the_eager_fit_exactly(precision, accumulate):
+    """Two epochs of 6 steps with validation on the EMA, clipping by norm and a step scheduler,
+    with and without gradient accumulation over 2 batches: graphs on against graphs off, same fused
+    kernels. Accumulating runs keep the body a plain Sequential: FusedMLP adds a micro-batch's grad
+    inside its weight-grad kernel eagerly, rounding once less than the graph's separate add."""
+    pl = package()
+    runs = {}
+    for graphs in (False, True):
+        module = make_module(pl, scheduler="step")
+        plugins = [helpers.float16_mixed(pl)] if precision == "16-mixed" else []
+        cb = FusedTraining(verbose=False, ema_decay=0.9, cuda_graphs=graphs, mlp=accumulate == 1)
+        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=2, logger=False, callbacks=[cb],
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, gradient_clip_val=0.5,
+                             precision=None if plugins else precision, plugins=plugins,
+                             accumulate_grad_batches=accumulate, num_sanity_val_steps=0, limit_val_batches=2)
+        loader = torch.utils.data.DataLoader(helpers.data(6), batch_size=8)
+        val = torch.utils.data.DataLoader(helpers.data(2, seed=99), batch_size=8)
+        trainer.fit(module, loader, val)
+        runs[graphs] = (module, cb)
+    (eager, _), (graphed, cb) = runs[False], runs[True]
+    assert rows_of(cb)["graphs"].action == "on"
+    for i, (a, b) in enumerate(zip(eager.losses, graphed.losses)):
+        assert torch.equal(a, b), f"loss {i}: {a.item()} vs {b.item()}"
+    assert torch.equal(torch.stack(eager.val_losses), torch.stack(graphed.val_losses))
+    assert_params_equal(params(eager), params(graphed))
+    stats = cb.graph_stats["forward"]
+    assert stats.captures == 1 and stats.replays == 12 - 1 and stats.fallbacks == 0, (stats, cb.graph_reasons)
+    assert cb.graph_reasons == {}
+    assert "forward" not in graphed.__dict__  # the module's own forward is back after fit
+
+
+@cuda
+def test_graphed_children_of_a_module_without_forward():
+    """training_step calls body, norm and head itself (and syncs with the host between them, which
+    graphs of the modules allow): each child is graphed, and the run stays exact."""
+    pl = package()
+
+    def make():
+        module = make_module(pl)
+        del type(module).forward  # training_step below calls the children itself
+
+        def training_step(batch, batch_idx):
+            x, y = batch
+            h = module.norm(module.body(x))
+            if h.sum().item() > 1e9:  # a host sync outside any graphed module: no effect on graphs
+                h = h * 0
+            loss = module.crit(module.head(h).float(), y)
+            module.losses.append(loss.detach().clone())
+            return loss
+
+        module.training_step = training_step
+        return module
+
+    eager, graphed = make(), make()
+    fit(pl, eager, 6, callbacks=[FusedTraining(verbose=False)], accelerator="gpu", precision="bf16-mixed")
+    cb = FusedTraining(verbose=False, cuda_graphs=True)
+    fit(pl, graphed, 6, callbacks=[cb], accelerator="gpu", precision="bf16-mixed")
+    assert rows_of(cb)["graphs"].name == "body, norm, head"
+    for a, b in zip(eager.losses, graphed.losses):
+        assert torch.equal(a, b)
+    assert_params_equal(params(eager), params(graphed))
+    assert all(s.replays == 5 and s.captures == 1 for s in cb.graph_stats.values()), \
+        (cb.graph_stats, cb.graph_reasons)

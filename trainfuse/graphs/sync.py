@@ -1,0 +1,95 @@
+"""What captured steps and graphed modules share: the side stream they capture on, and the eager
+first call watched for host synchronizations (a call that syncs must never be captured)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# what torch's sync debug mode warns on a host synchronization, and what it warns once about itself
+_SYNC_WARNING = "called a synchronizing CUDA operation"
+_PROTOTYPE_WARNING = "Synchronization debug mode is a prototype feature"
+
+# one side stream per device for first sightings and captures, shared by every captured step and
+# graphed module: graphs reuse memory best when captured on the same stream
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream first sightings and captures run on, on ``device`` (one per device)."""
+    stream = _side_streams.get(device.index)
+    if stream is None:
+        stream = _side_streams[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+def on_side_stream(device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` eagerly on the side stream, ordered after and before the current stream."""
+    side, current = side_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        out = fn(*args, **kwargs)
+    current.wait_stream(side)
+    return out
+
+
+def watching_syncs(device: torch.device, fn: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> tuple[Any, str | None]:
+    """``fn(*args, **kwargs)`` on the side stream under torch's sync debug mode: its result, and
+    the first host synchronization it made with the Python file and line that made it (None if
+    none). Other warnings are passed on."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = on_side_stream(device, fn, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    sync = None
+    for w in caught:
+        message = str(w.message)
+        if _SYNC_WARNING in message:
+            sync = sync or f"{message.strip().splitlines()[0]} (from {w.filename}:{w.lineno})"
+        elif _PROTOTYPE_WARNING not in message:  # torch's note on the debug mode itself: ours to drop
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out, sync
+
+
+
+
+
+def captured(pool: Any, fn: Callable[..., Any], *args: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn(*args)`` captured on the current stream into a new graph that allocates from ``pool``:
+    the graph and what ``fn`` returned. Whatever fails, the stream leaves capture mode and the
+    allocator stops serving ``pool`` before the error propagates: a capture that CUDA invalidated
+    fails in ``capture_end`` before torch ends the pool's allocation, which would leave every later
+    allocation on this stream (and every capture into ``pool``) broken."""
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a pinned-memory or other thread of the process stays free to call CUDA
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        out = fn(*args)
+    except BaseException:
+        _end(graph, pool)
+        raise
+    _end(graph, pool)
+    return graph, out
+
+
+def _end(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+    try:
+        graph.capture_end()
+    except BaseException:
+        device = torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(device, pool)
+        except (RuntimeError, AttributeError):  # already ended, or a torch without it
+            pass
+        raise
+
+
+__all__ = ["captured", "on_side_stream", "side_stream", "watching_syncs"]

@@ -1,0 +1,64 @@
+"""FusedTraining(cuda_graphs=True): the model's forward and backward replayed from CUDA graphs.
+
+Lightning runs ``training_step`` (the user's Python: the loss, ``self.log``, counters), then
+``zero_grad``, ``backward`` and the optimizer step, with hooks between them. Capturing that whole
+closure would replay none of the user's Python after the first step. So the callback graphs the
+modules ``training_step`` calls, each as a :class:`~trainfuse.graphs.GraphedModule` (forward and
+backward from CUDA graphs per input shape, the code around them eager):
+
+- the LightningModule itself when it defines ``forward`` (``training_step`` calls ``self(x)``);
+- each direct child module with trainable params that has a ``forward`` of its own (not a
+  ModuleList or ModuleDict), for steps that call ``self.body(x)`` and ``self.head(h)`` directly.
+  A child called inside a graphed forward is part of that forward's graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainfuse.graphs import GraphedModule
+from trainfuse.lightning import _compat
+
+
+def why_no_graphs(kind: str, device: torch.device) -> str | None:
+    """Why the run cannot replay its modules from CUDA graphs, or None when it can."""
+    if device.type != "cuda":
+        return f"the run is on {device.type}: CUDA graphs need a CUDA device"
+    if kind != "single":
+        return (f"{kind} strategy: its gradient all-reduce runs from hooks during the backward, which a "
+                "replayed backward would skip")
+    return None
+
+
+def _compiled(module: nn.Module) -> bool:
+    return hasattr(module, "_orig_mod")  # torch.compile's OptimizedModule
+
+
+def graph_targets(pl_module: Any) -> list[tuple[str, nn.Module]]:
+    """The modules to graph, by name (``"forward"`` for the LightningModule itself), in order."""
+    targets = []
+    if _compat.is_overridden("forward", pl_module) and not _compiled(pl_module):
+        targets.append(("forward", pl_module))
+    for name, child in pl_module.named_children():
+        if type(child).forward is nn.Module.forward or _compiled(child):
+            continue  # a container (ModuleList, ModuleDict), or compiled: torch.compile has its own graphs
+        if any(p.requires_grad for p in child.parameters()):
+            targets.append((name, child))
+    return targets
+
+
+def install(targets: list[tuple[str, nn.Module]]) -> dict[str, GraphedModule]:
+    """Put a GraphedModule in place of each target's forward."""
+    return {name: GraphedModule.install(module, name=name) for name, module in targets}
+
+
+def uninstall(graphed: dict[str, GraphedModule]) -> None:
+    """Give every module its forward back and free the graphs."""
+    for g in graphed.values():
+        g.uninstall()
+
+
+__all__ = ["graph_targets", "install", "uninstall", "why_no_graphs"]
