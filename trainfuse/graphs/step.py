@@ -41,6 +41,7 @@ import torch
 
 from trainfuse.graphs.cache import Action, ShapeCache
 from trainfuse.graphs.sync import captured, on_side_stream, side_stream, watching_syncs
+from trainfuse.graphs.tree import flatten, unflatten
 
 
 @dataclasses.dataclass
@@ -60,7 +61,8 @@ class _Graph:
 
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
-    outputs: Any
+    outputs: list[torch.Tensor]  # fn's output tensors (static), in the order of...
+    structure: Hashable  # ...fn's output structure (tree.flatten), rebuilt in fresh containers per call
 
 
 def _detached(out: Any, where: str) -> Any:
@@ -79,18 +81,6 @@ def _detached(out: Any, where: str) -> Any:
         return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
     raise TypeError(f"{where} is a Python {type(out).__name__}; a replayed graph returns only tensors, None, "
                     f"and tuples, lists and dicts of them (return a tensor instead)")
-
-
-def _rebuild(out: Any) -> Any:
-    """Fresh containers around the same static tensors, so that a caller's edits to what one replay
-    returned do not reach the next."""
-    if out is None or isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        return {k: _rebuild(v) for k, v in out.items()}
-    if isinstance(out, list):
-        return [_rebuild(v) for v in out]
-    return type(out)(*map(_rebuild, out)) if hasattr(out, "_fields") else tuple(map(_rebuild, out))
 
 
 class CapturedStep:
@@ -171,7 +161,7 @@ class CapturedStep:
         if entry is not None:
             entry.graph.replay()
             self._stats.replays += 1
-            return _rebuild(entry.outputs)
+            return unflatten(entry.structure, iter(entry.outputs))
         self._stats.eager += 1
         if action is not Action.EAGER:  # the key's capture failed, now or before
             return self.fn(*inputs)
@@ -264,7 +254,8 @@ class CapturedStep:
         if error is not None:
             self._fail(key, error)
             return None
-        entry = _Graph(graph, static, outputs)
+        tensors: list[torch.Tensor] = []
+        entry = _Graph(graph, static, tensors, flatten(outputs, tensors))
         self._cache.store(key, entry)
         self._stats.captures += 1
         return entry
