@@ -82,7 +82,7 @@ def compared(rows: list[dict], metric: str) -> tuple[dict | None, dict | None]:
 def framework(report: dict) -> str:
     """The training framework a family measured through, with its version ("" if none)."""
     details = report.get("details", {})
-    lightning = details.get("details", {}).get("lightning")
+    lightning = details.get("lightning")
     ultralytics = details.get("settings", {}).get("ultralytics")
     return lightning or (f"ultralytics {ultralytics}" if ultralytics else "")
 
@@ -103,9 +103,8 @@ def summary(results: dict[str, dict[str, dict]], link: str) -> str:
     parts = []
     for gpu, reports in results.items():
         device = " / ".join(sorted({r["device"] for r in reports.values()}))
-        commands = "; ".join(f"`{r['command']}`" for r in reports.values())
-        lines = [f"**{device}**: {_versions(reports)}. From {commands}. Data: "
-                 f"[`benchmarks/results/{gpu}/`]({link}/{gpu}/).",
+        # the commands that made each report head its family's table in docs/performance.md
+        lines = [f"**{device}**: {_versions(reports)}. Data: [`benchmarks/results/{gpu}/`]({link}/{gpu}/).",
                  "", "| workload | metric | torch's fastest | trainfuse | speedup |", "|---|---|---|---|---|"]
         for report in reports.values():
             metric = report.get("headline")
