@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests._helpers import cuda
-from trainfuse.graphs import GraphedModule, StepStats
+from trainfuse.graphs import GraphedModule, GraphPool, StepStats
 from trainfuse.graphs.tree import flatten, reached_leaves, unflatten
 
 Pair = namedtuple("Pair", "a b")
@@ -126,10 +126,12 @@ def batches(n: int, sizes=(32, 24), seed: int = 1):
 
 
 def train(net: Net, data, *, accumulate: int = 1, set_to_none: bool = True, dtype=None, graphed: bool):
-    """SGD with momentum over ``data``; the body and the head graphed separately (the head's
-    input requires grad, the body's does not). Returns the losses and the grads seen at each step."""
-    mods = [GraphedModule.install(net.body, name="body"), GraphedModule.install(net.head, name="head")] \
-        if graphed else []
+    """SGD with momentum over ``data``; the body and the head graphed separately, from one memory
+    pool (the head's input requires grad, the body's does not). Returns the losses and the grads
+    seen at each step."""
+    pool = GraphPool()
+    mods = [GraphedModule.install(net.body, name="body", pool=pool),
+            GraphedModule.install(net.head, name="head", pool=pool)] if graphed else []
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     losses, grads = [], []
     for i, (x, y) in enumerate(data):
@@ -239,6 +241,23 @@ def test_moved_params_drop_the_graphs_and_training_stays_exact():
     # starts over after the move; 7 captured again, 8-9 replayed
     assert body.stats.captures == 2 and body.stats.eager == 3, (body.stats, body.reasons)
     assert body.stats.replays == 7
+
+
+@cuda
+def test_a_pool_whose_graphs_are_all_freed_is_replaced_and_captures_go_on():
+    # torch cannot share a pool once every graph captured into it is freed: the next capture
+    # must start a new one, not fail (and run eagerly for good)
+    data = batches(4, sizes=(16,))
+    net, pool = Net().cuda(), GraphPool()
+    for round_ in range(2):
+        body = GraphedModule.install(net.body, pool=pool)
+        first = pool.handle()
+        for x, y in data:
+            F.mse_loss(net(x), y).backward()
+        assert body.stats.captures == 1 and body.stats.fallbacks == 0, (round_, body.stats, body.reasons)
+        assert pool.handle() == first  # the module's graphs live: later captures share the pool
+        body.uninstall()  # frees its graphs
+        assert pool.handle() != first
 
 
 @cuda

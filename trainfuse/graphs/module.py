@@ -30,6 +30,11 @@ accumulation). Params that get no grad keep theirs as it is (None stays None). T
 own multi-tensor kernel in the graph, as autograd's AccumulateGrad adds per param; modules that
 fuse it into their weight-grad kernel eagerly (FusedMLP) round the sum once less there.
 
+**Memory.** The graphs allocate from a :class:`GraphPool`, the module's own or one shared with the
+other graphed modules of the step (what keeps sharing safe is in its docstring). The allocator's
+cache is emptied before a capture, so that blocks cached by earlier eager steps do not sit beside
+the pool.
+
 **Eager calls.** With the reason in :attr:`GraphedModule.reasons` and one warning: a host sync in
 the forward, a capture that fails, an argument that is neither a tensor nor hashable. Without one:
 eval mode, grad mode off, CPU tensors, a call inside another graphed call or a capture, and a call
@@ -75,7 +80,43 @@ class _Inside:
         _state.depth -= 1
 
 
-@dataclasses.dataclass
+class GraphPool:
+    """One CUDA-graph memory pool for the :class:`GraphedModule` objects given it.
+
+    A graphed module keeps everything its graphs hold from one replay to the next allocated (its
+    static inputs and outputs, the activations its forward saves for its backward, its input
+    grads); what a graph frees during its capture is scratch it only uses while it runs. So the
+    modules of one step may replay in any order from one pool, as long as they run on one stream:
+    each takes another's scratch only while that one is not running. A pool of their own each
+    would keep every module's scratch apart.
+
+    A pool lives while a graph captured into it lives: once every graph is freed (all modules
+    dropped theirs), the next capture starts a new pool, as torch cannot share a released one.
+    """
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self._owners: weakref.WeakSet = weakref.WeakSet()  # what holds the graphs captured so far
+        self._held = False  # whether a capture into this handle was held
+
+    def handle(self) -> Any:
+        """The pool's id for ``capture_begin``: a new one once every graph captured is freed."""
+        if self._handle is None or (self._held and not self._owners):
+            self._handle = torch.cuda.graph_pool_handle()
+            self._held = False
+        return self._handle
+
+    def hold(self, owner: object) -> None:
+        """The graphs just captured into :meth:`handle` live as long as ``owner`` does."""
+        self._owners.add(owner)
+        self._held = True
+
+    def renew(self) -> None:
+        """Later captures start a new pool (after a failed capture; the graphs made stay valid)."""
+        self._handle = None
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity: a GraphPool holds it in a WeakSet
 class _Pair:
     """One key's graphs: the forward, the backward adding into the kept grads, and the backward
     writing them; the static tensors they read and write."""
@@ -92,6 +133,8 @@ class _Pair:
     input_grads_zero: tuple[torch.Tensor | None, ...]
     reached: tuple[torch.Tensor, ...]  # the leaves the backward gives a grad
     kept: tuple[torch.Tensor, ...]  # their kept grads
+    saved: tuple[torch.Tensor, ...]  # the captured outputs with their autograd graph: what the
+    # forward saves for the backward stays allocated in the pool (see GraphPool)
 
 
 class _Pending:
@@ -142,9 +185,12 @@ class GraphedModule:
         max_graphs: keys kept captured at once (each holds three graphs); the least recently used
             is dropped beyond it.
         name: how warnings and reports call it.
+        pool: a :class:`GraphPool` shared with the other graphed modules of the step (one stream);
+            by default the module has a pool of its own.
     """
 
-    def __init__(self, module: nn.Module, *, max_graphs: int = 8, name: str = "module") -> None:
+    def __init__(self, module: nn.Module, *, max_graphs: int = 8, name: str = "module",
+                 pool: GraphPool | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"GraphedModule: module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
@@ -153,7 +199,7 @@ class GraphedModule:
         self._original = module.forward
         self._cache: ShapeCache[_Pair] = ShapeCache(max_graphs)
         self._max_graphs = max_graphs
-        self._pool: Any = None
+        self._pool = GraphPool() if pool is None else pool
         self._stats = StepStats()
         self._evicted = 0
         self._warned = False
@@ -302,8 +348,9 @@ class GraphedModule:
         the forward ran)."""
         if self._peak_before_capture is None:
             self._peak_before_capture = torch.cuda.max_memory_allocated(device)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        # what earlier eager steps left cached would sit beside the graphs' pool, which cannot use
+        # it, for as long as it takes the caller's stream to reuse it: give it back first
+        torch.cuda.empty_cache()
         side, current = side_stream(device), torch.cuda.current_stream(device)
         side.wait_stream(current)
         try:
@@ -316,7 +363,7 @@ class GraphedModule:
                 args, kwargs = unflatten(structure, iter(static))
                 pair = self._capture_on_side(args, kwargs, static, current)
         except Exception as e:
-            self._pool = None  # later captures start a fresh pool; this one's graphs stay valid
+            self._pool.renew()  # later captures start a fresh pool; the graphs made stay valid
             self._fail(key, e)
             return None
         finally:
@@ -335,8 +382,9 @@ class GraphedModule:
     def _capture_on_side(self, args: tuple, kwargs: dict, static: list[torch.Tensor],
                          current: torch.cuda.Stream) -> _Pair:
         enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        pool = self._pool.handle()
         with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
-            forward, out = captured(self._pool, lambda: self._original(*args, **kwargs))
+            forward, out = captured(pool, lambda: self._original(*args, **kwargs))
         outputs: list[torch.Tensor] = []
         out_structure = flatten(out, outputs)
         del out
@@ -354,7 +402,7 @@ class GraphedModule:
         # capture and break it), and the graph adds the grads into the kept tensors itself
         def backward(zero: bool) -> tuple[list[bool], tuple[torch.Tensor | None, ...]]:
             grads = torch.autograd.grad(differentiable, reached + wanted, grad_outputs,
-                                        retain_graph=not zero, allow_unused=True)
+                                        retain_graph=True, allow_unused=True)
             written = [(k, g) for k, g in zip(kept, grads) if g is not None]
             if written:
                 into, values = map(list, zip(*written))
@@ -367,12 +415,14 @@ class GraphedModule:
         used = [False] * len(reached)
         input_grads_add = input_grads_zero = (None,) * len(static)
         if differentiable:
-            add, (used, input_grads_add) = captured(self._pool, backward, False)
-            zero, (_, input_grads_zero) = captured(self._pool, backward, True)
+            add, (used, input_grads_add) = captured(pool, backward, False)
+            zero, (_, input_grads_zero) = captured(pool, backward, True)
         written = [(t, k) for t, k, u in zip(reached, kept, used) if u]
-        return _Pair(forward, add, zero, tuple(static), tuple(o.detach() for o in outputs), out_structure,
+        pair = _Pair(forward, add, zero, tuple(static), tuple(o.detach() for o in outputs), out_structure,
                      grad_index, tuple(grad_outputs), input_grads_add, input_grads_zero,
-                     tuple(t for t, _ in written), tuple(k for _, k in written))
+                     tuple(t for t, _ in written), tuple(k for _, k in written), tuple(differentiable))
+        self._pool.hold(pair)
+        return pair
 
     def _kept_for(self, leaf: torch.Tensor) -> torch.Tensor:
         kept = self._kept.get(id(leaf))
@@ -388,7 +438,6 @@ class GraphedModule:
         """Forget every graph and kept grad (the params keep what their ``.grad`` holds)."""
         self._evicted += self._cache.evictions
         self._cache = ShapeCache(self._max_graphs)
-        self._pool = None
         self._kept = {}
         self._pending = None
 
@@ -407,4 +456,4 @@ class GraphedModule:
                           stacklevel=4)
 
 
-__all__ = ["GraphedModule"]
+__all__ = ["GraphPool", "GraphedModule"]

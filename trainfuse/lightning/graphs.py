@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainfuse.graphs import GraphedModule
+from trainfuse.graphs import GraphedModule, GraphPool
 from trainfuse.lightning import _compat
 
 
@@ -51,8 +51,10 @@ def graph_targets(pl_module: Any) -> list[tuple[str, nn.Module]]:
 
 
 def install(targets: list[tuple[str, nn.Module]]) -> dict[str, GraphedModule]:
-    """Put a GraphedModule in place of each target's forward."""
-    return {name: GraphedModule.install(module, name=name) for name, module in targets}
+    """Put a GraphedModule in place of each target's forward, all with one memory pool (they run
+    on the step's stream, one after another)."""
+    pool = GraphPool()
+    return {name: GraphedModule.install(module, name=name, pool=pool) for name, module in targets}
 
 
 def uninstall(graphed: dict[str, GraphedModule]) -> None:
