@@ -47,10 +47,16 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl
     hp_row = mt.hparams_row(hp, row, WIDTH)
     amsgrad = tl.load(hp_row + _AMS) != 0.0
     offs = tl.arange(0, BLOCK)
-    # vector accesses (the 16-byte alignment hint) measured faster beside float32 masters (GPT-2
-    # bf16 with masters 0.883 ms against 0.95 scalar, H200) but slower for plain float32 AdamW
-    # (0.959 against 0.908): those rows keep scalar accesses
-    VEC: tl.constexpr = ALIGNED and MASTER
+    # vector accesses (the 16-byte alignment hint) measured faster for 16-bit streams (GPT-2 bf16
+    # with masters 0.883 ms against 0.95 scalar, H200; without masters see FAST below) but slower
+    # for plain float32 AdamW (0.959 against 0.908): those rows keep scalar accesses
+    VEC: tl.constexpr = ALIGNED and PARAM_DT != tl.float32
+    # 2-ulp division and square root where the stored result is 16 bits (masters' 16-bit copy, or
+    # 16-bit params and states): IEEE's take ~20 instructions plus a slow path, which made bf16
+    # GPT-2 AdamW compute-bound (H100: 0.820 ms, 71 % of the floor, against 0.663 and 87 %). The
+    # stored value differs from the IEEE one only where float32's last bits decide a 16-bit
+    # rounding: at most one 16-bit ulp, on rare elements
+    FAST: tl.constexpr = PARAM_DT != tl.float32
     w_ptr, p_ptr = mt.weight_ptrs(row, start, PARAM_DT, MASTER, VEC)
     g_ptr = mt.operand(row, mt.OP_GRAD, start, PARAM_DT, VEC)
     e_ptr = mt.operand(row, mt.OP_EMA, start, EMA_DT, VEC)
@@ -100,11 +106,7 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl
         v = v * b2 + w2 * (g * g)
         vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
         mt.store_if(vmax_ptr, o, n, vmax, amsgrad, MASKED)
-        if MASTER:
-            # float32 masters have no torch counterpart to match bit for bit: the division and
-            # square root to 2 ulp (a few instructions instead of IEEE's ~20 plus a slow path)
-            # keep this 16-bit-stream kernel memory-bound; the weight the model reads is rounded
-            # to 16 bits anyway
+        if FAST:
             denom = tl.fdiv(tl.sqrt(tl.where(amsgrad, vmax, v)), bc2_sqrt) + eps
             p = p - step_size * tl.fdiv(m, denom)
         else:
