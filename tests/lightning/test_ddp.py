@@ -1,5 +1,6 @@
 """FusedTraining under Lightning's DDP: 2 processes on the CPU with the gloo backend (the fused
-optimizers take torch's path there) against 1 process with the same global batch.
+optimizers take torch's path there) against 1 process with the same global batch; the same on
+2 GPUs with NCCL and the compiled kernels where there are 2.
 
 A DistributedSampler without shuffling (Lightning's own shuffles) gives rank r the samples r, r + 2,
 ...: with a per-rank batch
@@ -64,10 +65,12 @@ class Net(pl.LightningModule):
         torch.save(state, os.path.join(self.out_dir, name))
 
 
-def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, ckpt_path=None) -> None:
+def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, ckpt_path=None,
+         accelerator: str = "cpu") -> None:
     saver = ([pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_epochs=1, save_top_k=-1,
                                            filename="{epoch}")] if ckpt_dir else [])
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+    trainer = pl.Trainer(accelerator=accelerator, devices=devices,
+                         strategy="ddp_spawn" if devices > 1 else "auto",
                          max_epochs=epochs, logger=False, enable_checkpointing=bool(saver),
                          enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.3,
                          use_distributed_sampler=False,
@@ -85,9 +88,14 @@ def _close(a: dict, b: dict) -> None:
                 torch.testing.assert_close(b[key][k], v, rtol=1e-5, atol=1e-6, msg=f"{key} {k}")
 
 
-def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tmp_path):
-    _fit(tmp_path, 1)
-    _fit(tmp_path, 2)
+@pytest.mark.parametrize("accelerator", ["cpu", "gpu"])
+def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(accelerator, tmp_path, monkeypatch):
+    if accelerator == "gpu":  # NCCL and the compiled kernels
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs 2 GPUs")
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    _fit(tmp_path, 1, accelerator=accelerator)
+    _fit(tmp_path, 2, accelerator=accelerator)
     one = torch.load(tmp_path / "rank0-of-1.pt")
     ranks = [torch.load(tmp_path / f"rank{r}-of-2.pt") for r in range(2)]
     assert dict(ranks[0]["report"])["optimizer"] == "swapped"

@@ -2,8 +2,8 @@
 tensors, as FSDP's shards, and the clipping norm must be that of all of them. Compared against one
 process clipping every tensor with torch (``clip_grad_norm_``, then torch.optim.AdamW).
 
-The kernel variant runs the Triton interpreter in both processes; it needs no GPU, and on a GPU
-machine the 2-GPU NCCL run covers the compiled kernels."""
+The kernel variant runs the Triton interpreter in both processes; it needs no GPU. The ``nccl``
+variant runs the compiled kernels on 2 GPUs (skipped with fewer)."""
 
 from __future__ import annotations
 
@@ -31,27 +31,31 @@ def _mine(items: list, rank: int) -> list:
     return items[rank::2]  # rank 0 holds tensors 0, 2, 4; rank 1 holds 1, 3, 5
 
 
-def _worker(rank: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank, world_size=2)
+def _worker(rank: int, root: str, backend: str = "gloo") -> None:
+    # gloo: CPU tensors; nccl: rank r's tensors on GPU r, results saved on the CPU
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{root}/init", rank=rank, world_size=2)
     try:
         out = {}
         group = dist.group.WORLD
         for norm_type in (2.0, float("inf")):
-            params = [torch.nn.Parameter(torch.zeros(s)) for s in _mine(SHAPES, rank)]
+            params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in _mine(SHAPES, rank)]
             for p, g in zip(params, _mine(_tensors(1, 3.0), rank)):
-                p.grad = g.clone()
+                p.grad = g.to(device)
             total = clip_grad_norm_(params, MAX_NORM, norm_type, process_group=group)
-            out[f"clip{norm_type}"] = (total.clone(), [p.grad.clone() for p in params])
-        params = [torch.nn.Parameter(w) for w in _mine(_tensors(2), rank)]
+            out[f"clip{norm_type}"] = (total.cpu().clone(), [p.grad.cpu().clone() for p in params])
+        params = [torch.nn.Parameter(w.to(device)) for w in _mine(_tensors(2), rank)]
         opt = trainfuse.FusedAdamW(params, lr=0.05, weight_decay=0.1, max_grad_norm=MAX_NORM)
         opt.shard_group = group
         norms = []
         for step in range(STEPS):
             for p, g in zip(params, _mine(_tensors(10 + step, 0.3 + step), rank)):
-                p.grad = g.clone()
+                p.grad = g.to(device)
             opt.step()
-            norms.append(opt.grad_norm.clone())
-        out["adamw"] = ([p.detach().clone() for p in params], norms)
+            norms.append(opt.grad_norm.cpu().clone())
+        out["adamw"] = ([p.detach().cpu().clone() for p in params], norms)
         torch.save(out, os.path.join(root, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -77,13 +81,19 @@ def _reference() -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "nccl"])
 def test_two_ranks_clip_like_one_process_over_all_tensors(backend, tmp_path, monkeypatch):
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors reach the kernels through the interpreter only; "
                     "the 2-GPU NCCL run covers the compiled kernels")
-    monkeypatch.setenv("TRAINFUSE_BACKEND", backend)  # inherited by the spawned ranks
-    mp.spawn(_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    if backend == "nccl":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs 2 GPUs")
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+        monkeypatch.delenv("TRAINFUSE_BACKEND", raising=False)  # the compiled kernels
+    else:
+        monkeypatch.setenv("TRAINFUSE_BACKEND", backend)  # inherited by the spawned ranks
+    mp.spawn(_worker, args=(str(tmp_path), "nccl" if backend == "nccl" else "gloo"), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     ref = _reference()
     tol = {"rtol": 1e-5, "atol": 1e-6}
