@@ -2,7 +2,8 @@
 module's forward and backward inside an eager step (:class:`GraphedModule`), with eager fallback."""
 
 from trainfuse.graphs.cache import Action, ShapeCache
-from trainfuse.graphs.module import GraphedModule, GraphPool
+from trainfuse.graphs.module import GraphedModule
+from trainfuse.graphs.pool import GraphPool
 from trainfuse.graphs.step import CapturedStep, StepStats
 
 __all__ = ["Action", "CapturedStep", "GraphPool", "GraphedModule", "ShapeCache", "StepStats"]

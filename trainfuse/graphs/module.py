@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from trainfuse.graphs.cache import Action, ShapeCache
+from trainfuse.graphs.pool import GraphPool
 from trainfuse.graphs.step import StepStats
 from trainfuse.graphs.sync import captured, side_stream, watching_syncs
 from trainfuse.graphs.tree import flatten, reached_leaves, unflatten
@@ -78,42 +79,6 @@ class _Inside:
 
     def __exit__(self, *exc: object) -> None:
         _state.depth -= 1
-
-
-class GraphPool:
-    """One CUDA-graph memory pool for the :class:`GraphedModule` objects given it.
-
-    A graphed module keeps everything its graphs hold from one replay to the next allocated (its
-    static inputs and outputs, the activations its forward saves for its backward, its input
-    grads); what a graph frees during its capture is scratch it only uses while it runs. So the
-    modules of one step may replay in any order from one pool, as long as they run on one stream:
-    each takes another's scratch only while that one is not running. A pool of their own each
-    would keep every module's scratch apart.
-
-    A pool lives while a graph captured into it lives: once every graph is freed (all modules
-    dropped theirs), the next capture starts a new pool, as torch cannot share a released one.
-    """
-
-    def __init__(self) -> None:
-        self._handle: Any = None
-        self._owners: weakref.WeakSet = weakref.WeakSet()  # what holds the graphs captured so far
-        self._held = False  # whether a capture into this handle was held
-
-    def handle(self) -> Any:
-        """The pool's id for ``capture_begin``: a new one once every graph captured is freed."""
-        if self._handle is None or (self._held and not self._owners):
-            self._handle = torch.cuda.graph_pool_handle()
-            self._held = False
-        return self._handle
-
-    def hold(self, owner: object) -> None:
-        """The graphs just captured into :meth:`handle` live as long as ``owner`` does."""
-        self._owners.add(owner)
-        self._held = True
-
-    def renew(self) -> None:
-        """Later captures start a new pool (after a failed capture; the graphs made stay valid)."""
-        self._handle = None
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: a GraphPool holds it in a WeakSet
@@ -456,4 +421,4 @@ class GraphedModule:
                           stacklevel=4)
 
 
-__all__ = ["GraphPool", "GraphedModule"]
+__all__ = ["GraphedModule"]
