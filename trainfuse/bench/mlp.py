@@ -1,7 +1,9 @@
 """MLP benchmark: ``Linear + activation`` chains, forward + backward under bf16 autocast
 (``mlp(x).float().sum().backward()``, float32 params and input; shapes in
 trainfuse.bench.workloads.MLP_WORKLOADS): eager torch, torch.compile, and FusedMLP with one and
-with two streams (and, for GELU, recomputing the activation's derivative in the backward).
+with two streams (and, for GELU, recomputing the activation's derivative in the backward). The row
+"trainfuse cuBLAS matmuls" is the ReLU chain with ``trainfuse.nn.mlp.config.library = True``
+(cuBLAS's matmuls, our fused mask and bias-grad pass).
 TFLOP/s counts the three matmuls per layer (forward, input grad, weight grad).
 
 By default nothing resets the grads between steps: each backward adds its param grads to
@@ -41,6 +43,7 @@ SWEEP = {"forward": ["128x128x64w8s3t", "128x256x64w8s3t", "128x128x64w8s4t", "1
          "wgrad": ["128x128x64w8s3t", "64x128x64w4s4t", "128x128x64w8s4t", "128x256x64w8s3t",
                    "128x256x64w8s3t:g16", "64x128x64w4s3t", "64x128x64w4s4p"]}
 SWEEP["dgrad"] = SWEEP["forward"]
+CUBLAS = "trainfuse cuBLAS matmuls"  # config.library = True: the cuBLAS path
 
 
 def parse_config(text: str) -> M.MatmulConfig:
@@ -152,6 +155,8 @@ def main(argv=None):
         impls["trainfuse streams=2"] = FusedMLP.from_sequential(eager, streams=2)
         impls["trainfuse grads via autograd"] = FusedMLP.from_sequential(eager, streams=1,
                                                                           fuse_grad_accumulation=False)
+        if act == "relu" and not p:  # the chains the cuBLAS path takes
+            impls[CUBLAS] = FusedMLP.from_sequential(eager, streams=1)
         if act != "relu":  # the derivative recomputed in the backward instead of kept
             impls["trainfuse recompute"] = FusedMLP.from_sequential(eager, streams=1, recompute=True)
         # bf16 params, as trainfuse.amp.fuse_casts leaves them (float32 masters in the optimizer)
@@ -159,6 +164,7 @@ def main(argv=None):
         res = {}
         for label, mod in impls.items():
             fn = _step(mod, x, set_to_none=args.set_to_none)
+            M.config.library = label == CUBLAS
             try:
                 fn()
                 k, w, h = kernel_ms(fn), wall_ms(fn, iters=50), host_ms(fn, iters=50)
@@ -173,6 +179,7 @@ def main(argv=None):
             rows.append([name, label, f"{k:.3f}", f"{w:.3f}", "" if g is None else f"{g:.3f}", f"{h:.3f}",
                          f"{flops / k / 1e9:.0f}", ""])
             print("  ".join(rows[-1]), flush=True)  # as it comes: torch.compile can take minutes
+        M.config.library = False
         base = res.get("eager", {}).get("do_bench_ms")
         for row in rows[-len(res):]:
             if base and row[1] in res:

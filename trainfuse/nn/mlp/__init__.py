@@ -21,6 +21,7 @@ The package, by job:
 - ``buffers.py``: the tensors a call makes, carved from one allocation per kind.
 - ``grads.py``: where the backward writes param grads into ``.grad`` itself.
 - ``function.py``: the autograd Function of a chain.
+- ``library.py``: ReLU chains on cuBLAS's matmuls, with the mask and bias-grad pass fused.
 - ``module.py``: ``FusedMLP`` and ``fuse_mlps``.
 
 Two launch choices avoid wrong results that triton 3.6's software pipelining gave on Hopper (not
@@ -30,7 +31,8 @@ a float32 weight read transposed (the input grad) goes through TMA, or through p
 2 stages (:func:`trainfuse.nn.mlp.tiles.rounds_weight_transposed`).
 
 ``config`` is the launch settings object: ``trainfuse.nn.mlp.config.graphs = False`` launches
-each kernel every call instead of replaying repeated launch lists as CUDA graphs. Set its fields;
+each kernel every call instead of replaying repeated launch lists as CUDA graphs;
+``config.library`` picks where ReLU chains run on cuBLAS (``library.py``). Set its fields;
 it is :data:`trainfuse.nn.mlp.launches.config`, which the launches read.
 """
 

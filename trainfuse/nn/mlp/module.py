@@ -15,8 +15,10 @@ from trainfuse._runtime.backend import backend, use_triton
 from trainfuse._runtime.function import applier
 from trainfuse.nn.mlp.activations import ACTIVATIONS, Layer
 from trainfuse.nn.mlp.function import FusedMLPFunction
+from trainfuse.nn.mlp.library import LibraryMLPFunction, eligible
 
 _apply_mlp = applier(FusedMLPFunction)
+_apply_library = applier(LibraryMLPFunction)
 
 _STREAMS = (1, 2, "auto")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -116,6 +118,9 @@ class FusedMLP(nn.Sequential):
     On CUDA, from the third call with the same launches (shapes, addresses: what a training loop
     repeats) the forward and a one-stream backward each replay as one CUDA graph, bit for bit
     what the launches would do (``trainfuse.nn.mlp.config.graphs = False`` turns it off).
+    ``trainfuse.nn.mlp.config.library = True`` runs ReLU chains without dropout on cuBLAS's
+    matmuls instead, with the ReLU mask and the bias grad fused into one pass of ours: less GPU
+    time, more host time (docs/design/mlp.md, "The cuBLAS path").
 
     Example:
         >>> mlp = FusedMLP([32, 64, 64, 8], activation="gelu")
@@ -226,6 +231,10 @@ class FusedMLP(nn.Sequential):
             layers = [Layer(ACTIVATIONS[act], p, self.recompute)
                       for (_, act, _), p in zip(self._chain, drops)]
             made[(drops, self.recompute)] = layers
+        x2 = x.reshape(-1, x.shape[-1])
+        if eligible(layers, cd):
+            out = _apply_library(x2, layers, cd, self.fuse_grad_accumulation, *weights, *biases)
+            return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
         seed = int(torch.randint(0, 2**31 - 2**16, (1,))) if any(layer.p > 0 for layer in layers) else 0
         self._last_seed = seed
         streams = self.streams
@@ -233,8 +242,7 @@ class FusedMLP(nn.Sequential):
             streams = 2 if x.device.type == "cuda" and self._narrow else 1
         # no autocast context needed around it: a custom Function's forward casts nothing unless
         # asked to, and ours runs no autocast-eligible op
-        out = _apply_mlp(x.reshape(-1, x.shape[-1]), layers, cd, seed, streams,
-                                     self.fuse_grad_accumulation, *weights, *biases)
+        out = _apply_mlp(x2, layers, cd, seed, streams, self.fuse_grad_accumulation, *weights, *biases)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -59,10 +59,13 @@ class MatmulConfigs:
     # replay a chain's forward and its one-stream backward as CUDA graphs once their launches
     # repeat (:func:`trainfuse._runtime.launch.finish_recording`); False launches each kernel every call
     graphs: bool = True
+    # chains of ReLU (or no activation) layers without dropout on cuBLAS's matmuls with our fused
+    # mask and bias-grad pass (:mod:`trainfuse.nn.mlp.library`): less GPU time, more host time
+    library: bool = False
 
     def __setattr__(self, name, value) -> None:
         object.__setattr__(self, name, value)
-        if name not in ("serial", "graphs"):  # graphs changes no launch
+        if name not in ("serial", "graphs", "library"):  # these change no Triton launch
             object.__setattr__(self, "serial", next(_serials))
 
 
