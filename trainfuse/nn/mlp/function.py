@@ -28,7 +28,7 @@ import torch
 from trainfuse._runtime.launch import drop_recording, ensure_allocator, finish_recording
 from trainfuse.nn.mlp.activations import ACTIVATIONS, DERIV_SAVED, Layer
 from trainfuse.nn.mlp.buffers import alternating, carve, param_grads
-from trainfuse.nn.mlp.grads import direct_grads
+from trainfuse.nn.mlp.grads import direct_grads, hand_over
 from trainfuse.nn.mlp.kernels import EPI_WGRAD
 from trainfuse.nn.mlp.launches import (
     act_grad,
@@ -151,13 +151,7 @@ class FusedMLPFunction(torch.autograd.Function):
             finish_recording(slots.replays, device)
         del alive
         gb = [g if need_b[i] else None for i, g in enumerate(gb)]
-        for i, d in enumerate(direct):
-            if d is not None:
-                if not d[2]:
-                    d[0].grad = gw[i]
-                    if d[1] is not None:
-                        d[1].grad = gb[i]
-                gw[i] = gb[i] = None
+        hand_over(direct, gw, gb)
         return (dx, None, None, None, None, None, *gw, *gb)
 
     @staticmethod

@@ -66,4 +66,17 @@ def direct_grads(ctx, n: int, need_w, need_b) -> list[tuple | None] | None:
     return direct
 
 
-__all__ = ["direct_grads"]
+def hand_over(direct: list[tuple | None], gw: list, gb: list) -> None:
+    """Where ``direct`` (:func:`direct_grads`) says so, put a layer's new weight and bias grads
+    into ``.grad`` (an accumulating layer's kernel already added to them) and clear its entries in
+    ``gw`` and ``gb``, which go back to autograd: it must not add them a second time."""
+    for i, d in enumerate(direct):
+        if d is not None:
+            if not d[2]:
+                d[0].grad = gw[i]
+                if d[1] is not None:
+                    d[1].grad = gb[i]
+            gw[i] = gb[i] = None
+
+
+__all__ = ["direct_grads", "hand_over"]

@@ -28,7 +28,7 @@ from trainfuse._runtime.backend import interpreting
 from trainfuse._runtime.launch import sm_count
 from trainfuse.nn.mlp import launches
 from trainfuse.nn.mlp.activations import ACTIVATIONS, Layer
-from trainfuse.nn.mlp.grads import direct_grads
+from trainfuse.nn.mlp.grads import direct_grads, hand_over
 from trainfuse.nn.mlp.kernels import to_dtype
 
 _RELU = ACTIVATIONS["relu"]
@@ -206,13 +206,7 @@ class LibraryMLPFunction(torch.autograd.Function):
             elif need[0]:
                 dx = torch.mm(dpre, w16[0])
                 dx = dx if dx.dtype == ctx.x_dtype else dx.to(ctx.x_dtype)
-        for i, d in enumerate(direct):
-            if d is not None:
-                if not d[2]:
-                    d[0].grad = gw[i]
-                    if d[1] is not None:
-                        d[1].grad = gb[i]
-                gw[i] = gb[i] = None
+        hand_over(direct, gw, gb)
         return (dx, None, None, None, *gw, *gb)
 
 
