@@ -40,6 +40,15 @@ def reference(model: nn.Module, x: torch.Tensor, g: torch.Tensor):
     return run(seq, x.double(), g.double())
 
 
+def rounded(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A float32 copy of ``model`` whose params are rounded to ``dtype`` first: the operands
+    autocast gives the matmuls, for a float64 reference of an autocast run."""
+    r = copy.deepcopy(model).float()
+    for p in r.parameters():
+        p.data = p.data.to(dtype).float()
+    return r
+
+
 def assert_close_to_reference(ours, torch_same_dtype, ref, dtype, what="", factor=2.0):
     """Each of ``ours`` (:func:`run`'s list) within ``TOL[dtype]`` of ``ref`` (float64), or within
     ``factor`` times the error of ``torch_same_dtype`` (torch's chain in the same dtype)."""

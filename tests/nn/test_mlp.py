@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tests.nn._reference import TOL, assert_close_to_reference, mlp_reference, reference, rel, run
+from tests.nn._reference import TOL, assert_close_to_reference, mlp_reference, reference, rel, rounded, run
 from trainfuse.nn import FusedMLP, FuseReport, fuse_mlps
 from trainfuse.nn.mlp import buffers, function, launches
 from trainfuse.nn.mlp.activations import ACTIVATIONS
@@ -96,10 +96,7 @@ def test_autocast_float32_params_and_input(small_tiles, device, dtype, weight_fi
     ours = run(mlp, x, g, autocast=dtype)
     assert ours[0].dtype == dtype and all(t.dtype == torch.float32 for t in ours[1:])
     # reference: the operands autocast rounds (weights, input) rounded the same way, then float64
-    rounded = copy.deepcopy(mlp)
-    for p in rounded.parameters():
-        p.data = p.data.to(dtype).float()
-    ref = reference(rounded, x.to(dtype).float(), g)
+    ref = reference(rounded(mlp, dtype), x.to(dtype).float(), g)
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
     assert_close_to_reference(ours, run(seq, x, g, autocast=dtype), ref, dtype, "autocast")
 

@@ -10,20 +10,13 @@ import torch
 from torch import nn
 
 from tests._helpers import cuda
-from tests.nn._reference import assert_close_to_reference, reference, rel, run
+from tests.nn._reference import assert_close_to_reference, reference, rel, rounded, run
 from trainfuse._runtime import launch as L
 from trainfuse.nn import FusedMLP
 from trainfuse.nn.mlp import function, launches, tiles
 from trainfuse.nn.mlp.activations import ACTIVATIONS
 from trainfuse.nn.mlp.kernels import EPI_ACT_GRAD, EPI_FORWARD, EPI_WGRAD
 from trainfuse.nn.mlp.tiles import MatmulConfig
-
-
-def _rounded(mlp, dtype):
-    r = copy.deepcopy(mlp)
-    for p in r.parameters():
-        p.data = p.data.to(dtype).float()
-    return r
 
 
 @cuda
@@ -35,7 +28,7 @@ def test_bf16_autocast_matches_torch(act, rows, width):
     g = torch.randn(rows, width // 2, device="cuda")
     ours = run(mlp, x, g, autocast=torch.bfloat16)
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
-    ref = reference(_rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
+    ref = reference(rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
     # ReLU's grad is a step at 0: a pre-activation that rounds across 0 flips an element's grad,
     # so a bf16 chain's error against float64 is a handful of flips, and an equally exact chain
     # may have twice torch's (seen once in 540 cases: a last-layer bias grad at 2.03x)
@@ -207,13 +200,13 @@ def test_repeated_calls_launch_bound_sites_and_follow_layout_changes(streams, mo
     mlp = FusedMLP([256, 256, 128], activation="relu", last_activation=True, streams=streams)
     mlp = mlp.cuda().bfloat16()
     seq = nn.Sequential(*copy.deepcopy(list(mlp.children())))
-    rounded = _rounded(mlp, torch.bfloat16).double()
+    ref_mlp = rounded(mlp, torch.bfloat16).double()
     for name in [*_LAYOUTS, *_LAYOUTS]:  # each twice: the second call runs on bound sites
         shape, view = _LAYOUTS[name]
         base = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(view(base).shape[0], 128, device="cuda")
         ours = _run_view(mlp, base, view, g)
-        ref = _run_view(rounded, base.detach().bfloat16().double().requires_grad_(), view, g.double())
+        ref = _run_view(ref_mlp, base.detach().bfloat16().double().requires_grad_(), view, g.double())
         assert_close_to_reference(ours, _run_view(seq, base, view, g), ref, torch.bfloat16, name)
     assert len(launches._chains) == 2 * len(_LAYOUTS)  # a forward and a backward signature per layout
     assert all(site.run is not None for sites in launches._chains.values() for site in sites)
@@ -341,7 +334,7 @@ def test_full_size_launch_shapes_match_torch(case, monkeypatch):
         ref = reference(mlp, x, g)
     else:
         ours, same = run(mlp, x, g, autocast=torch.bfloat16), run(seq, x, g, autocast=torch.bfloat16)
-        ref = reference(_rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
+        ref = reference(rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
     assert (epi, want) in chosen, chosen
     assert_close_to_reference(ours, same, ref, torch.bfloat16, case)
 

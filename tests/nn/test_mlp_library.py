@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tests._helpers import cuda
-from tests.nn._reference import TOL, assert_close_to_reference, reference, rel, run
+from tests.nn._reference import TOL, assert_close_to_reference, reference, rel, rounded, run
 from trainfuse.nn import FusedMLP
 from trainfuse.nn.mlp import launches, library
 from trainfuse.nn.mlp.activations import ACTIVATIONS, Layer
@@ -37,10 +37,11 @@ def test_mask_and_bias_grad(kernels, device, shape, dtype, relu, bias_dtype):
     g = torch.randn(shape, device=device).to(dtype)
     aux = torch.randn(shape, device=device).to(dtype) if relu else None
     g_before = g.clone()
-    masked = torch.where(aux > 0, g, 0) if relu else g
     for accumulate in (False, True):
         prior = torch.randn(shape[1], device=device)
         bias = None if bias_dtype is None else prior.to(bias_dtype, copy=True)
+        masked, want = library.mask_and_bias_grad_reference(
+            g, aux, bias.clone() if accumulate and bias is not None else None)
         out = library.mask_and_bias_grad(g, aux, bias, accumulate)
         assert torch.equal(g, g_before), "the upstream grad was written"
         assert out.dtype == dtype and out.shape == g.shape
@@ -49,7 +50,6 @@ def test_mask_and_bias_grad(kernels, device, shape, dtype, relu, bias_dtype):
             assert out is g
         if bias is None:
             continue
-        want = masked.double().sum(0) + (prior.to(bias_dtype).double() if accumulate else 0.0)
         tol = 1e-5 if bias_dtype == torch.float32 else 1e-2
         assert bias.dtype == bias_dtype
         assert (bias.double() - want).abs().max().item() <= tol * (1 + want.abs().max().item())
@@ -102,10 +102,7 @@ def test_autocast_float32_params(forced, device, dtype):
     ours = run(mlp, x, g, autocast=dtype)
     assert ours[0].dtype == dtype and all(t.dtype == torch.float32 for t in ours[1:])
     # the reference: what autocast rounds (weights, biases, input) rounded the same way, then float64
-    rounded = copy.deepcopy(mlp)
-    for p in rounded.parameters():
-        p.data = p.data.to(dtype).float()
-    ref = reference(rounded, x.to(dtype).float(), g.to(dtype).float())
+    ref = reference(rounded(mlp, dtype), x.to(dtype).float(), g.to(dtype).float())
     assert_close_to_reference(ours, run(seq, x, g, autocast=dtype), ref, dtype, "autocast")
 
 
@@ -164,10 +161,7 @@ def test_full_size_chain_on_cublas_matches_torch(rows, width, params, monkeypatc
     g = torch.randn(rows, width, device="cuda")
     assert _took_library(mlp, x.clone(), torch.bfloat16)
     ours, same = run(mlp, x, g, autocast=torch.bfloat16), run(seq, x, g, autocast=torch.bfloat16)
-    rounded = copy.deepcopy(mlp).float()
-    for p in rounded.parameters():
-        p.data = p.data.to(torch.bfloat16).float()
-    ref = reference(rounded, x.bfloat16().float(), g)
+    ref = reference(rounded(mlp, torch.bfloat16), x.bfloat16().float(), g)
     # ReLU's grad steps at 0: an element whose pre-activation rounds across 0 flips (see test_mlp_gpu)
     assert_close_to_reference(ours, same, ref, torch.bfloat16, "cublas", factor=3.0)
 

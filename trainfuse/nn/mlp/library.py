@@ -126,6 +126,16 @@ def mask_and_bias_grad(g: torch.Tensor, aux: torch.Tensor | None, bias_grad: tor
     return out
 
 
+def mask_and_bias_grad_reference(g: torch.Tensor, aux: torch.Tensor | None,
+                                 prior: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`mask_and_bias_grad` computes, in plain torch: ``g`` masked where ``aux`` is not
+    positive (in ``g``'s dtype: a mask rounds nothing), and its column sums in float64, plus
+    ``prior`` (the bias grad accumulated onto) when given."""
+    masked = g if aux is None else torch.where(aux > 0, g, 0)
+    sums = masked.double().sum(0)
+    return masked, sums if prior is None else sums + prior.double()
+
+
 def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int) -> torch.Tensor:
     if b is None:
         out = torch.mm(h, w.t())
@@ -211,4 +221,5 @@ class LibraryMLPFunction(torch.autograd.Function):
 
 
 __all__ = ["LibraryMLPFunction", "colsum_kernel", "eligible", "mask_and_bias_grad",
+           "mask_and_bias_grad_reference",
            "mask_bias_kernel", "weight_grad"]
