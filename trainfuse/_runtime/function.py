@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+from trainfuse._runtime import compat
+
+_C_APPLY = compat.function_c_apply
 
 
 def applier(cls: type[torch.autograd.Function], *, direct: bool | None = None) -> Callable[..., Any]:
@@ -33,7 +35,7 @@ def applier(cls: type[torch.autograd.Function], *, direct: bool | None = None) -
         return cls.apply
     fast = _C_APPLY.__get__(None, cls)
     slow = cls.apply
-    transforms_active = torch._C._are_functorch_transforms_active
+    transforms_active = compat.functorch_transforms_active
 
     def apply(*args: Any) -> Any:
         return slow(*args) if transforms_active() else fast(*args)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from trainfuse._runtime import compat
 from trainfuse._runtime.backend import interpreting
 
 
@@ -92,7 +93,7 @@ class CachedLauncher:
             key = (fn, device.index, key)
         kernel = self._kernels.get(key)
         if kernel is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
-            if stream is not None and stream != torch._C._cuda_getCurrentRawStream(device.index):
+            if stream is not None and stream != compat.current_raw_stream(device.index):
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
                     kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
             else:
@@ -108,7 +109,7 @@ class CachedLauncher:
                 self._usable = False
             return
         if stream is None:
-            stream = torch._C._cuda_getCurrentRawStream(device.index)
+            stream = compat.current_raw_stream(device.index)
         kernel(grid[0], stream, *args)
         self.last = kernel, args
 
@@ -146,7 +147,7 @@ class DirectLaunch:
         args = self.args
         if self.var is not None:
             args[self.var] = value
-        self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.index), *args)
+        self.kernel(self.grid, compat.current_raw_stream(self.index), *args)
 
 
 @functools.cache
@@ -167,7 +168,7 @@ def stream_workspace(device: torch.device, stream: int | None, dtype: torch.dtyp
     ``stream`` is a raw CUDA stream handle (None: the current one); a new or grown set is made on
     that stream, so the counters' zero fill is ordered before their first use."""
     if device.type == "cuda" and stream is None:
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        stream = compat.current_raw_stream(device.index)
     key = (device, stream, dtype)
     ws = _workspaces.get(key)
     if ws is None or ws[0].numel() < floats or ws[1].numel() < counters:
@@ -195,7 +196,7 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     capture = recording.capture
     if capture is not None:
         stream = capture[0]
-    key = (torch._C._cuda_getDevice(), stream)  # the default stream is handle 0 on every device
+    key = (compat.current_device_index(), stream)  # the default stream is handle 0 on every device
     ws = _descriptor_scratch.get(key)
     if ws is None or ws.numel() < size:
         ws, _ = stream_workspace(torch.device("cuda", key[0]), stream, torch.int8, size, 0)

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainfuse._runtime import compat
 from trainfuse.graphs.cache import Action, ShapeCache
 from trainfuse.graphs.pool import GraphPool
 from trainfuse.graphs.step import StepStats
@@ -132,7 +133,7 @@ class _Replay(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError(f"GraphedModule {owner.name!r}: a replayed backward cannot build a graph "
                                "(create_graph=True); run the module without graphs for double backward")
-        if torch._C._will_engine_execute_node(ctx.next_functions[0][0]) is not True:
+        if compat.will_engine_execute_node(ctx.next_functions[0][0]) is not True:
             raise RuntimeError(f"GraphedModule {owner.name!r}: autograd.grad() or backward(inputs=...) "
                                "through a replay; its backward writes the params' .grad as backward() "
                                "does, so run the module without graphs for these calls")

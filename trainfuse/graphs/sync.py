@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from trainfuse._runtime import compat
+
 # what torch's sync debug mode warns on a host synchronization, and what it warns once about itself
 _SYNC_WARNING = "called a synchronizing CUDA operation"
 _PROTOTYPE_WARNING = "Synchronization debug mode is a prototype feature"
@@ -84,10 +86,9 @@ def _end(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
     try:
         graph.capture_end()
     except BaseException:
-        device = torch.cuda.current_device()
         try:
-            torch._C._cuda_endAllocateToPool(device, pool)
-        except (RuntimeError, AttributeError):  # already ended, or a torch without it
+            compat.end_allocate_to_pool(torch.cuda.current_device(), pool)
+        except RuntimeError:  # already ended
             pass
         raise
 

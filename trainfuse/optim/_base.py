@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from itertools import chain
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    Optimizer,
-    _get_scalar_dtype,
-    _global_optimizer_post_hooks,
-    _global_optimizer_pre_hooks,
-)
+from torch.optim.optimizer import Optimizer
 
 from trainfuse._multi_tensor.tables import conform, same_layout
+from trainfuse._runtime import compat
 from trainfuse.optim.engine import MultiTensorEngine
 from trainfuse.optim.tracked import ParamList, StateDict
 
@@ -263,17 +258,18 @@ class FusedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; with ``set_to_none`` (the default) and no profiler running it
         skips torch's per-call profiler range and bookkeeping (a third of a small step's host time)."""
-        if not set_to_none or torch.autograd._profiler_enabled():
+        if not set_to_none or compat.profiler_enabled():
             super().zero_grad(set_to_none)
             return
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
 
-    def _patch_step_function(self) -> None:
-        # torch wraps every Optimizer.step in a profiler range plus a walk over four hook dicts
-        # (~25 us a call, a quarter of a 200-tensor step); step() below does the same only when a
-        # hook is registered or the profiler is on
+    def _keep_step_unwrapped(self) -> None:
+        """Stands in for torch's ``Optimizer._patch_step_function`` (bound below): torch wraps every
+        step in a profiler range plus a walk over four hook dicts (~25 us a call, a quarter of a
+        200-tensor step); :meth:`step` does the same only when a hook is registered or the
+        profiler is on."""
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -308,7 +304,7 @@ class FusedOptimizer(Optimizer):
         gradient)."""
         if self._step_hooks():
             return False
-        if not torch.autograd._profiler_enabled():
+        if not compat.profiler_enabled():
             return self._scaled_step(scale, update)
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
             done = self._scaled_step(scale, update)
@@ -325,18 +321,17 @@ class FusedOptimizer(Optimizer):
         return True
 
     def _step_hooks(self) -> bool:
-        return bool(_global_optimizer_pre_hooks or _global_optimizer_post_hooks
-                    or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks)
+        return compat.has_step_hooks(self)
 
     def _hooked(self) -> bool:
         """Whether a step must go through torch's wrapper: step hooks set, or the profiler on."""
-        return self._step_hooks() or torch.autograd._profiler_enabled()
+        return self._step_hooks() or compat.profiler_enabled()
 
     def _step_with_hooks(self, closure):
         args, kwargs = (self,), {"closure": closure}
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            for hook in chain(_global_optimizer_pre_hooks.values(),
-                              self._optimizer_step_pre_hooks.values()):
+            pre_hooks, post_hooks = compat.step_hooks(self)
+            for hook in pre_hooks:
                 result = hook(self, args, kwargs)
                 if result is not None:
                     if not (isinstance(result, tuple) and len(result) == 2):
@@ -351,8 +346,7 @@ class FusedOptimizer(Optimizer):
             with torch.no_grad():
                 self._engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
             self._optimizer_step_code()
-            for hook in chain(self._optimizer_step_post_hooks.values(),
-                              _global_optimizer_post_hooks.values()):
+            for hook in post_hooks:
                 hook(self, args, kwargs)
         return loss
 
@@ -382,7 +376,7 @@ class FusedOptimizer(Optimizer):
     def _new_step(self, p: torch.Tensor, kernels: bool, value: float = 0.0) -> torch.Tensor:
         if kernels:  # torch's fused layout: a float32 scalar on the param's device
             return torch.full((), value, dtype=torch.float32, device=p.device)
-        return torch.tensor(value, dtype=_get_scalar_dtype())  # torch's default layout
+        return torch.tensor(value, dtype=compat.scalar_dtype())  # torch's default layout
 
     def _conform_step(self, step: Any, p: torch.Tensor, kernels: bool) -> torch.Tensor:
         if not torch.is_tensor(step):
@@ -421,6 +415,10 @@ class FusedOptimizer(Optimizer):
         """torch.optim's step for ``params`` (whose states it uses), applied to ``weights`` (the
         params themselves, or their float32 masters)."""
         raise NotImplementedError
+
+
+# torch's Optimizer.__init__ calls this method by name (trainfuse._runtime.compat.STEP_PATCH_METHOD)
+setattr(FusedOptimizer, compat.STEP_PATCH_METHOD, FusedOptimizer._keep_step_unwrapped)
 
 
 __all__ = ["MASTER_KEY", "FusedOptimizer", "_as_float", "scalar"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from trainfuse._runtime import compat
+
 
 def _into_grad(node) -> torch.Tensor | None:
     """The leaf param behind ``node`` (an edge of the chain's backward node) if its grad may be
@@ -20,7 +22,7 @@ def _into_grad(node) -> torch.Tensor | None:
     if v._backward_hooks or v._post_accumulate_grad_hooks:
         return None
     try:
-        if torch._C._will_engine_execute_node(node) is not True:
+        if compat.will_engine_execute_node(node) is not True:
             return None
     except RuntimeError:  # a leaf autograd.grad() captures
         return None

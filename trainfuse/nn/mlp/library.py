@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trainfuse._runtime import compat
 from trainfuse._runtime.backend import interpreting
 from trainfuse._runtime.launch import sm_count
 from trainfuse.nn.mlp import launches
@@ -141,7 +142,7 @@ def _linear(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: int) 
         out = torch.mm(h, w.t())
         return out.relu_() if act == _RELU else out
     if act == _RELU:
-        return torch._addmm_activation(b, h, w.t())
+        return compat.addmm_activation(b, h, w.t())
     return torch.addmm(b, h, w.t())
 
 

@@ -1,0 +1,157 @@
+"""Each private torch internal of trainfuse._runtime.compat still exists and still does what the
+code relies on. A failure here names the torch change to adapt to."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from trainfuse._runtime import compat
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_current_raw_stream_is_the_current_streams_handle():
+    side = torch.cuda.Stream()
+    assert compat.current_raw_stream(torch.cuda.current_device()) == torch.cuda.current_stream().cuda_stream
+    with torch.cuda.stream(side):
+        assert compat.current_raw_stream(torch.cuda.current_device()) == side.cuda_stream
+
+
+@cuda
+def test_current_device_index_follows_torch_cuda_device():
+    assert compat.current_device_index() == torch.cuda.current_device()
+
+
+def test_cuda_entries_exist_in_cuda_builds():
+    if torch.version.cuda is None:
+        pytest.skip("CPU-only torch build: no CUDA entry points to check")
+    assert callable(compat.current_raw_stream) and callable(compat.current_device_index)
+    assert hasattr(torch._C, "_cuda_endAllocateToPool")
+
+
+def test_will_engine_execute_node_tells_grad_from_backward():
+    seen = {}
+    a = torch.ones(2, requires_grad=True)
+    b = torch.ones(2, requires_grad=True)
+    out = (a * b).sum()
+    node_a = out.grad_fn.next_functions[0][0].next_functions[0][0]  # AccumulateGrad of a
+
+    def probe(grad):
+        seen["a"] = compat.will_engine_execute_node(node_a)
+        return grad
+
+    out.grad_fn.register_prehook(lambda g: probe(g))
+    torch.autograd.grad(out, [b], retain_graph=True)
+    assert seen["a"] is False
+    out.backward()
+    assert seen["a"] is True
+
+
+def test_function_c_apply_is_the_c_method_under_function_apply():
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    x = torch.ones(3, requires_grad=True)
+    y = compat.function_c_apply.__get__(None, Twice)(x)
+    y.sum().backward()
+    assert torch.equal(y, 2 * torch.ones(3)) and torch.equal(x.grad, 2 * torch.ones(3))
+
+
+def test_functorch_transforms_active_inside_vmap():
+    seen = []
+    torch.func.vmap(lambda t: seen.append(compat.functorch_transforms_active()) or t)(torch.ones(2, 3))
+    assert seen == [True] and compat.functorch_transforms_active() is False
+
+
+def test_profiler_enabled_follows_the_profiler():
+    assert compat.profiler_enabled() is False
+    with torch.autograd.profiler.profile():
+        assert compat.profiler_enabled() is True
+
+
+def test_addmm_activation_is_addmm_then_relu():
+    b, x, w = torch.randn(5), torch.randn(3, 4), torch.randn(4, 5)
+    torch.testing.assert_close(compat.addmm_activation(b, x, w), torch.relu(torch.addmm(b, x, w)))
+
+
+def test_scalar_dtype_is_the_step_counter_dtype_of_torch_optim():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([p], foreach=False)
+    p.grad = torch.ones(2)
+    opt.step()
+    assert opt.state[p]["step"].dtype == compat.scalar_dtype()
+
+
+def test_optimizer_init_calls_the_step_patch_method_by_name():
+    calls = []
+
+    class Probe(torch.optim.SGD):
+        pass
+
+    setattr(Probe, compat.STEP_PATCH_METHOD, lambda self: calls.append(self))
+    opt = Probe([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    assert calls == [opt]
+
+
+def test_step_hooks_are_the_ones_torch_registers_in_its_order():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    assert not compat.has_step_hooks(opt)
+    mine = opt.register_step_pre_hook(lambda *a: None)
+    pre_global = register_optimizer_step_pre_hook(lambda *a: None)
+    post = opt.register_step_post_hook(lambda *a: None)
+    try:
+        assert compat.has_step_hooks(opt)
+        pre, posts = compat.step_hooks(opt)
+        assert len(pre) == 2 and len(posts) == 1
+        assert pre[0] is compat.global_step_pre_hooks[pre_global.id]
+    finally:
+        mine.remove(), pre_global.remove(), post.remove()
+    assert not compat.has_step_hooks(opt)
+
+
+def test_schedulers_see_a_marked_step_and_do_not_warn():
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    other = torch.optim.SGD([p], lr=0.1)
+    sched.optimizer = other  # what re-pointing does
+    compat.mark_step_for_schedulers(other)
+    p.grad = torch.ones(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        other.step()
+        sched.step()
+    assert other.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+def test_a_scheduler_warns_when_the_step_was_never_recorded():
+    """The converse of the test above: torch still checks the mark (else the wrapper is moot)."""
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    sched.optimizer = other = torch.optim.SGD([p], lr=0.1)
+    compat.mark_step_for_schedulers(other)
+    with pytest.warns(UserWarning, match="optimizer.step"):
+        sched.step()
+
+
+def test_inner_schedulers_of_sequential_and_chained():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    a = torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2)
+    b = torch.optim.lr_scheduler.StepLR(opt, 1)
+    seq = torch.optim.lr_scheduler.SequentialLR(opt, [a, b], milestones=[2])
+    chained = torch.optim.lr_scheduler.ChainedScheduler([a, b])
+    assert list(compat.inner_schedulers(seq)) == [a, b]
+    assert list(compat.inner_schedulers(chained)) == [a, b]
+    assert list(compat.inner_schedulers(a)) == []

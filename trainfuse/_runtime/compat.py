@@ -1,0 +1,116 @@
+"""Every private torch internal trainfuse relies on, in one place.
+
+Each name here is bound once at import, from the torch attribute it stands for, so a hot path pays
+no wrapper (``current_raw_stream`` *is* ``torch._C._cuda_getCurrentRawStream``).
+``tests/_runtime/test_compat.py`` checks each one against the installed torch: that it exists and
+still behaves as the code below assumes. Where a public API does the same, it is named beside the
+entry, and why it is not used.
+
+Nothing outside this module names a private torch attribute (``tests/test_layering.py`` checks).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.optim import optimizer as _optimizer
+
+# ---- CUDA streams and the caching allocator ------------------------------------------------------
+# The raw cudaStream_t of a device's current stream, an int. Public: torch.cuda.current_stream(i)
+# .cuda_stream, which builds a Stream object per call (~1 us against ~0.1 us): every launch asks.
+# (absent from CPU-only torch builds, where no CUDA launch happens)
+current_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The current CUDA device index. Public: torch.cuda.current_device(), which first initializes
+# CUDA lazily through Python (~0.5 us against ~0.05 us).
+current_device_index: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def end_allocate_to_pool(device: int, pool: Any) -> None:
+    """Stop routing the caching allocator to a graph's pool after a capture that failed half way
+    (``CUDAGraph.capture_end`` raised before doing it). No public API: torch's own
+    ``torch.cuda.graph`` context manager calls ``capture_end`` only."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        end(device, pool)
+
+
+# ---- autograd -------------------------------------------------------------------------------------
+# Whether the running backward will execute a node (False under autograd.grad() for a leaf it does
+# not ask for, or backward(inputs=...) that leaves it out). Public: none.
+will_engine_execute_node: Callable[[Any], bool] = torch._C._will_engine_execute_node
+# The C ``apply`` under torch.autograd.Function.apply (see trainfuse._runtime.function).
+function_c_apply = torch._C._FunctionBase.__dict__["apply"]
+# Whether a functorch transform (vmap, grad) is active. Public: none.
+functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+# Whether the autograd profiler records: torch.optim's own step wrapper asks the same. Public:
+# torch.profiler has no query for it.
+profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
+
+# ---- matmul epilogues -----------------------------------------------------------------------------
+# addmm with cuBLASLt's bias + ReLU (or GELU) epilogue in one kernel. Public: addmm then relu, two.
+addmm_activation: Callable[..., torch.Tensor] = torch._addmm_activation
+
+# ---- torch.optim.Optimizer ------------------------------------------------------------------------
+# dtype of a CPU ``step`` counter in torch.optim's default (non-fused) layout.
+scalar_dtype: Callable[[], torch.dtype] = _optimizer._get_scalar_dtype
+# the global step hook dicts torch.optim.optimizer.register_optimizer_step_pre_hook/post_hook fill
+global_step_pre_hooks: dict = _optimizer._global_optimizer_pre_hooks
+global_step_post_hooks: dict = _optimizer._global_optimizer_post_hooks
+# the method Optimizer.__init__ calls to wrap ``step`` in a profiler range and the hook walk
+STEP_PATCH_METHOD = "_patch_step_function"
+# torch.optim's names for the per-optimizer step hook dicts (register_step_pre_hook/post_hook)
+_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+
+
+def has_step_hooks(opt: torch.optim.Optimizer, *, global_too: bool = True) -> bool:
+    """Whether ``opt.step`` has pre/post hooks (its own, and torch's global ones)."""
+    own = any(getattr(opt, name, None) for name in _STEP_HOOKS)
+    return own or (global_too and bool(global_step_pre_hooks or global_step_post_hooks))
+
+
+def step_hooks(opt: torch.optim.Optimizer) -> tuple[list[Callable], list[Callable]]:
+    """(pre hooks, post hooks) in the order torch.optim runs them around a step."""
+    pre = [*global_step_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values()]
+    post = [*opt._optimizer_step_post_hooks.values(), *global_step_post_hooks.values()]
+    return pre, post
+
+
+def record_step_call(opt: torch.optim.Optimizer) -> None:
+    """What torch.optim's step wrapper records for LR schedulers (``_opt_called``): a scheduler's
+    first ``step`` warns when it was not set."""
+    opt._opt_called = True
+
+
+def mark_step_for_schedulers(opt: torch.optim.Optimizer) -> None:
+    """Wrap ``opt.step`` as torch's LR schedulers wrap the optimizers they are built on (they warn
+    on their first step when the optimizer's step lacks the mark); the same one-call wrapper. A step
+    already marked stays as it is."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    func = type(opt).step
+    ref = weakref.ref(opt)
+
+    @functools.wraps(func)
+    def step(*args, **kwargs):
+        this = ref()
+        record_step_call(this)
+        return func(this, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    opt.step = step
+
+
+def inner_schedulers(scheduler: Any) -> Iterator[Any]:
+    """The schedulers a SequentialLR or ChainedScheduler drives (none for other schedulers)."""
+    yield from getattr(scheduler, "_schedulers", ())
+
+
+__all__ = ["STEP_PATCH_METHOD", "addmm_activation", "current_device_index", "current_raw_stream",
+           "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
+           "global_step_post_hooks", "global_step_pre_hooks", "has_step_hooks", "inner_schedulers",
+           "mark_step_for_schedulers", "profiler_enabled", "record_step_call", "scalar_dtype", "step_hooks",
+           "will_engine_execute_node"]
