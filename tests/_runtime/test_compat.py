@@ -155,3 +155,58 @@ def test_inner_schedulers_of_sequential_and_chained():
     assert list(compat.inner_schedulers(seq)) == [a, b]
     assert list(compat.inner_schedulers(chained)) == [a, b]
     assert list(compat.inner_schedulers(a)) == []
+
+
+def test_module_hooks_lists_the_hooks_registered_on_the_module():
+    lin = torch.nn.Linear(2, 2)
+    assert compat.module_hooks(lin) == []
+    handles = [lin.register_forward_hook(lambda *a: None),
+               lin.register_full_backward_pre_hook(lambda *a: None)]
+    assert compat.module_hooks(lin) == ["forward", "backward_pre"]
+    assert compat.module_hooks(lin, ("forward_pre", "backward")) == []
+    for h in handles:
+        h.remove()
+    assert compat.module_hooks(lin) == []
+
+
+def test_tensor_grad_hooks_sees_both_kinds():
+    p = torch.nn.Parameter(torch.ones(2))
+    assert not compat.tensor_grad_hooks(p)
+    h = p.register_hook(lambda g: g)
+    assert compat.tensor_grad_hooks(p)
+    h.remove()
+    h = p.register_post_accumulate_grad_hook(lambda t: None)
+    assert compat.tensor_grad_hooks(p)
+    h.remove()
+    assert not compat.tensor_grad_hooks(p)
+
+
+def test_parameters_of_is_what_attribute_access_returns():
+    lin = torch.nn.Linear(2, 3)
+    assert compat.parameters_of(lin)["weight"] is lin.weight and compat.parameters_of(lin)["bias"] is lin.bias
+    assert compat.parameters_of(torch.nn.Linear(2, 3, bias=False))["bias"] is None
+
+
+def test_compiled_original_unwraps_torch_compile_only():
+    lin = torch.nn.Linear(2, 2)
+    assert compat.compiled_original(torch.compile(lin)) is lin
+    assert compat.compiled_original(lin) is None
+
+
+def test_norm_base_covers_batch_and_instance_norm():
+    for cls in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.SyncBatchNorm, torch.nn.InstanceNorm2d):
+        assert issubclass(cls, compat.NormBase)
+    assert not issubclass(torch.nn.LayerNorm, compat.NormBase)
+
+
+def test_triton_allocator_query_follows_set_allocator():
+    import threading
+
+    import triton
+
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(compat.triton_allocator_is_null()))
+    thread.start(), thread.join()  # a fresh thread has Triton's null allocator
+    assert seen == [True]
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+    assert compat.triton_allocator_is_null() is False

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import optimizer as _optimizer
 
 # ---- CUDA streams and the caching allocator ------------------------------------------------------
@@ -49,6 +50,40 @@ functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transf
 # Whether the autograd profiler records: torch.optim's own step wrapper asks the same. Public:
 # torch.profiler has no query for it.
 profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
+
+# ---- nn.Module and Parameter hooks ------------------------------------------------------------------
+# nn.Module keeps its hooks in these dicts; the public register_*_hook calls have no query.
+_MODULE_HOOKS = {"forward": "_forward_hooks", "forward_pre": "_forward_pre_hooks",
+                 "backward": "_backward_hooks", "backward_pre": "_backward_pre_hooks"}
+
+
+def module_hooks(module: nn.Module, kinds: tuple[str, ...] = tuple(_MODULE_HOOKS)) -> list[str]:
+    """The kinds of hook (``"forward"``, ``"forward_pre"``, ``"backward"``, ``"backward_pre"``)
+    registered on ``module`` itself (not its children), in that order."""
+    return [k for k in kinds if getattr(module, _MODULE_HOOKS[k], None)]
+
+
+def tensor_grad_hooks(t: torch.Tensor) -> bool:
+    """Whether a leaf tensor has hooks that see its grad (``register_hook``,
+    ``register_post_accumulate_grad_hook``)."""
+    return bool(t._backward_hooks or t._post_accumulate_grad_hooks)
+
+
+def parameters_of(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter dict: what ``module.weight`` reads through
+    ``Module.__getattr__``, without its detour (hot forwards read it per call)."""
+    return module._parameters
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile`` wrapper (OptimizedModule) holds, or None for any other."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+# the base class of BatchNorm and InstanceNorm layers (SyncBatchNorm, LazyBatchNorm included)
+NormBase: type[nn.Module] = nn.modules.batchnorm._NormBase
+
 
 # ---- matmul epilogues -----------------------------------------------------------------------------
 # addmm with cuBLASLt's bias + ReLU (or GELU) epilogue in one kernel. Public: addmm then relu, two.
@@ -109,8 +144,22 @@ def inner_schedulers(scheduler: Any) -> Iterator[Any]:
     yield from getattr(scheduler, "_schedulers", ())
 
 
-__all__ = ["STEP_PATCH_METHOD", "addmm_activation", "current_device_index", "current_raw_stream",
-           "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
+# ---- triton --------------------------------------------------------------------------------------
+
+
+def triton_allocator_is_null() -> bool:
+    """Whether this thread has no Triton allocator set (kernels that build tensor descriptors
+    need one). No public query: ``triton.set_allocator`` only sets."""
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator
+    current = current.get() if hasattr(current, "get") else current
+    return isinstance(current, _allocation.NullAllocator)
+
+
+__all__ = ["NormBase", "STEP_PATCH_METHOD", "addmm_activation", "compiled_original", "current_device_index",
+           "current_raw_stream", "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
            "global_step_post_hooks", "global_step_pre_hooks", "has_step_hooks", "inner_schedulers",
-           "mark_step_for_schedulers", "profiler_enabled", "record_step_call", "scalar_dtype", "step_hooks",
+           "mark_step_for_schedulers", "module_hooks", "parameters_of", "profiler_enabled",
+           "record_step_call", "scalar_dtype", "step_hooks", "tensor_grad_hooks", "triton_allocator_is_null",
            "will_engine_execute_node"]

@@ -213,11 +213,7 @@ _descriptor_scratch: dict[tuple[int, int], torch.Tensor] = {}
 def ensure_allocator() -> None:
     """Tensor descriptors made in a kernel need scratch memory from Triton's allocator, which is
     per thread (autograd runs CUDA backwards on threads of its own): set ours where none is."""
-    from triton.runtime import _allocation
-
-    current = _allocation._allocator
-    current = current.get() if hasattr(current, "get") else current
-    if isinstance(current, _allocation.NullAllocator):
+    if compat.triton_allocator_is_null():
         import triton
 
         triton.set_allocator(_scratch if not interpreting() else

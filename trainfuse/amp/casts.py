@@ -15,12 +15,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from trainfuse._runtime import compat
 from trainfuse.optim._base import MASTER_KEY, FusedOptimizer
 
 # normalization layers: their statistics and affine params are small and precision-sensitive, and
 # autocast runs them in float32 too
 NORM_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+    compat.NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
 # what stays float32 by default: the normalization layers, and embeddings. Autocast casts

@@ -38,6 +38,7 @@ from trainfuse._multi_tensor.tables import (
     launch_update,
     same_layout,
 )
+from trainfuse._runtime import compat
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import DirectLaunch
 
@@ -47,8 +48,8 @@ _data_ptr = torch.Tensor.data_ptr
 def _unwrap(model: nn.Module) -> nn.Module:
     """The module under DataParallel/DDP and torch.compile wrappers (ultralytics' unwrap_model)."""
     while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
+        if compat.compiled_original(model) is not None:
+            model = compat.compiled_original(model)
         elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
         else:

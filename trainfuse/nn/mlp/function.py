@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from trainfuse._runtime import compat
 from trainfuse._runtime.launch import drop_recording, ensure_allocator, finish_recording
 from trainfuse.nn.mlp.activations import ACTIVATIONS, DERIV_SAVED, Layer
 from trainfuse.nn.mlp.buffers import alternating, carve, param_grads
@@ -72,7 +73,7 @@ class FusedMLPFunction(torch.autograd.Function):
         if x.device.type == "cuda" and launcher.direct():
             ctx.key = chain_key(x, weights, biases, layers, cd, grads)
             slots = chain_sites(ctx.key, n)
-            stream = torch._C._cuda_getCurrentRawStream(x.device.index)
+            stream = compat.current_raw_stream(x.device.index)
             ensure_allocator()
         rows = x.shape[0]
         # the inner layers' outputs and the saved activation derivatives share one allocation; the
@@ -137,7 +138,7 @@ class FusedMLPFunction(torch.autograd.Function):
             # ... and the last activation's grad (the last site)
             slots = chain_sites((ctx.key, grad.dtype, grad.data_ptr() % 16, need, two, accum),
                                  (3 * n if ctx.recomputes else 2 * n) + 1)
-            main_raw = torch._C._cuda_getCurrentRawStream(device.index)
+            main_raw = compat.current_raw_stream(device.index)
             ensure_allocator()
             if not two:  # two streams: the side stream's waits are not recorded
                 start_chain_recording(main_raw, layers)

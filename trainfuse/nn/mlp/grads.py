@@ -19,7 +19,7 @@ def _into_grad(node) -> torch.Tensor | None:
     if type(node).__name__ != "AccumulateGrad":
         return None
     v = node.variable
-    if v._backward_hooks or v._post_accumulate_grad_hooks:
+    if compat.tensor_grad_hooks(v):
         return None
     try:
         if compat.will_engine_execute_node(node) is not True:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from trainfuse._runtime import compat
 from trainfuse._runtime.backend import backend, use_triton
 from trainfuse._runtime.function import applier
 from trainfuse.nn.mlp.activations import ACTIVATIONS, Layer
@@ -201,7 +202,7 @@ class FusedMLP(nn.Sequential):
             if any(p.dtype != cd for p in params):
                 return None  # torch's path raises its own dtype-mismatch error
         for lin, _, _ in self._chain:
-            if lin._forward_hooks or lin._forward_pre_hooks:
+            if compat.module_hooks(lin, ("forward", "forward_pre")):
                 return None
         rows = x.numel() // x.shape[-1]
         if any(d is not None and d.p > 0.0 and d.training for _, _, d in self._chain):
@@ -216,8 +217,8 @@ class FusedMLP(nn.Sequential):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # what ``lin.weight`` returns (Module.__getattr__ reads _parameters), without its detour
-        weights = [lin._parameters["weight"] for lin, _, _ in self._chain]
-        biases = [lin._parameters["bias"] for lin, _, _ in self._chain]
+        weights = [compat.parameters_of(lin)["weight"] for lin, _, _ in self._chain]
+        biases = [compat.parameters_of(lin)["bias"] for lin, _, _ in self._chain]
         cd = self._kernel_dtype(x, weights + [b for b in biases if b is not None])
         if cd is None:
             return super().forward(x)
@@ -308,7 +309,7 @@ def _why_not(seq: nn.Sequential) -> str | None:
     except ValueError as e:
         return str(e)
     for lin, _, _ in chain:
-        if lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks:
+        if compat.module_hooks(lin, ("forward", "forward_pre", "backward")):
             return "a Linear child has hooks (the fused forward would not call them)"
     return None
 
