@@ -7,13 +7,11 @@ import random
 
 import torch
 
-import trainfuse
+from trainfuse.optim.registry import COUNTERPARTS, by_fused
 
-TORCH_CLASS = {
-    trainfuse.FusedAdam: torch.optim.Adam,
-    trainfuse.FusedAdamW: torch.optim.AdamW,
-    trainfuse.FusedSGD: torch.optim.SGD,
-}
+# every fused optimizer of the registry, and the stock class it is checked against
+OPTIMIZERS = [c.fused_class for c in COUNTERPARTS]
+TORCH_CLASS = {c.fused_class: c.stock_class for c in COUNTERPARTS}
 
 # Our math is float32 rounded once to the storage dtype; the reference is float64 rounded once.
 # They may land one storage ulp apart, never more.
@@ -27,17 +25,18 @@ SHAPES = [(0,), (1,), (7, 13), (3, 5, 7), (300,), (2, 3, 1, 1), (130, 3)]
 
 
 def random_hparams(cls, rng: random.Random) -> dict:
-    """One random point of the optimizer's hyperparameter space."""
-    if cls is trainfuse.FusedSGD:
-        momentum = rng.choice([0.0, 0.5, 0.937])
-        nesterov = momentum > 0 and rng.random() < 0.5
-        return dict(lr=rng.choice([1e-3, 0.05]), momentum=momentum,
-                    dampening=0.0 if nesterov else rng.choice([0.0, 0.3]),
-                    weight_decay=rng.choice([0.0, 5e-4, 0.1]), nesterov=nesterov,
-                    maximize=rng.random() < 0.3)
-    return dict(lr=rng.choice([1e-3, 3e-2]), betas=(rng.choice([0.9, 0.3, 0.0]), rng.choice([0.999, 0.9])),
-                eps=rng.choice([1e-8, 1e-3]), weight_decay=rng.choice([0.0, 1e-2, 0.3]),
-                amsgrad=rng.random() < 0.4, maximize=rng.random() < 0.3)
+    """One random point of the optimizer's hyperparameter space: a draw from its registry
+    examples that the stock constructor accepts (SGD's nesterov needs momentum and no dampening)."""
+    counterpart = by_fused(cls)
+    probe = [torch.nn.Parameter(torch.zeros(1))]
+    for _ in range(100):
+        hp = {k: rng.choice(v) for k, v in counterpart.examples.items()}
+        try:
+            counterpart.stock_class(probe, **hp)
+        except ValueError:
+            continue
+        return hp
+    raise AssertionError(f"no valid draw from {counterpart.name}'s examples in 100 tries")
 
 
 def snapshot(opt) -> tuple[list[torch.Tensor], list[dict]]:

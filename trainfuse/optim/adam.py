@@ -275,6 +275,9 @@ class FusedAdamW(FusedAdam):
         >>> opt.step()
     """
 
+    # torch's AdamW is its Adam with this group key; a swap keeps groups that carry it
+    IMPLIED_OPTIONS = {"decoupled_weight_decay": True}
+
     def __init__(
         self,
         params,

@@ -1,4 +1,5 @@
-"""Cast fusion in FusedDetectionTrainer: 16-bit weights with float32 masters in the fused optimizer.
+"""Cast fusion in FusedDetectionTrainer: 16-bit weights with float32 masters in the fused optimizer
+(:class:`trainfuse.clients.CastState`), and what its checkpoints save.
 
 Under ultralytics' AMP every forward casts each conv weight to float16 (one launch each) and the
 backward casts each weight grad back to float32 (another): about 120 launches an iteration on
@@ -21,9 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from trainfuse.amp import fuse_casts
 from trainfuse.optim import FusedOptimizer, torch_state_dict
 
 
@@ -37,25 +36,6 @@ def cast_dtype(trainer: Any) -> torch.dtype | None:
     return torch.bfloat16 if trainer.args.amp == "bf16" else torch.float16
 
 
-class CastWeights:
-    """The weights :func:`fuse_casts` made 16-bit in one model, and the way back to float32."""
-
-    def __init__(self, model: nn.Module, optimizer: FusedOptimizer, dtype: torch.dtype):
-        before = {id(p) for p in model.parameters() if p.dtype == torch.float32}
-        fuse_casts(model, optimizer, dtype)
-        self.dtype = dtype
-        self.params = [p for p in model.parameters() if id(p) in before and p.dtype == dtype]
-
-    @torch.no_grad()
-    def undo(self) -> None:
-        """Make the cast weights float32 again from their current 16-bit values (what a
-        ``load_state_dict`` into the 16-bit model just wrote): ultralytics' NaN recovery then finds
-        the float32 model its code expects."""
-        for p in self.params:
-            p.grad = None
-            p.data = p.data.float()
-
-
 class TorchLayoutOptimizer:
     """What ``BaseTrainer.save_model`` reads of the optimizer, its ``state_dict()``, in
     torch.optim's layout (:func:`trainfuse.optim.torch_state_dict`)."""
@@ -67,4 +47,4 @@ class TorchLayoutOptimizer:
         return torch_state_dict(self.optimizer.state_dict())
 
 
-__all__ = ["CastWeights", "TorchLayoutOptimizer", "cast_dtype"]
+__all__ = ["TorchLayoutOptimizer", "cast_dtype"]

@@ -61,21 +61,25 @@ from ultralytics.utils import LOGGER, colorstr
 from ultralytics.utils.torch_utils import ModelEMA, unwrap_model
 
 from trainfuse.amp import GradScaler
-from trainfuse.optim import FusedAdam, FusedAdamW, FusedEMA, FusedSGD
-from trainfuse.ultralytics.casts import CastWeights, TorchLayoutOptimizer, cast_dtype
+from trainfuse.clients import (
+    OFF,
+    ON,
+    SKIPPED,
+    SWAPPED,
+    CastState,
+    Report,
+    fused_scaler,
+    swap_optimizer,
+    why_not_swappable,
+)
+from trainfuse.optim import FusedEMA, FusedOptimizer
+from trainfuse.ultralytics.casts import TorchLayoutOptimizer, cast_dtype
 from trainfuse.ultralytics.graphed import GraphedLoss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
 from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets
 
 # ultralytics' optimizer_step clips the gradient norm at this value
 CLIP_NORM = 10.0
-# torch optimizer -> its fused drop-in (same arguments, groups and state_dict)
-FUSED_OPTIMIZERS: dict[type[torch.optim.Optimizer], type[torch.optim.Optimizer]] = {
-    torch.optim.SGD: FusedSGD,
-    torch.optim.Adam: FusedAdam,
-    torch.optim.AdamW: FusedAdamW,
-}
-_FUSED = tuple(FUSED_OPTIMIZERS.values())
 _PREFIX = colorstr("trainfuse:")
 
 
@@ -102,19 +106,13 @@ def fused_optimizer(stock: torch.optim.Optimizer, max_grad_norm: float | None = 
         max_grad_norm: the global gradient norm the fused step clips to (None: no clipping).
 
     Returns:
-        ``(fused optimizer, "")``, or ``(None, reason)`` when there is no fused counterpart.
+        ``(fused optimizer, "")``, or ``(None, reason)`` when it stays stock
+        (:func:`trainfuse.clients.why_not_swappable`: no fused counterpart, state already there...).
     """
-    kind = FUSED_OPTIMIZERS.get(type(stock))
-    if kind is None:
-        return None, (f"{type(stock).__name__} has no fused counterpart in trainfuse "
-                      f"({', '.join(t.__name__ for t in FUSED_OPTIMIZERS)} have)")
-    if stock.state:
-        return None, f"{type(stock).__name__} already holds state; it stays as built"
-    groups = [dict(group) for group in stock.param_groups]
-    for group in groups:
-        if group.get("differentiable"):
-            return None, f"{type(stock).__name__} has differentiable=True, which the fused step does not take"
-    return kind(groups, max_grad_norm=max_grad_norm), ""
+    reason = why_not_swappable(stock, kernels=False, fresh=True)
+    if reason is not None:
+        return None, reason
+    return swap_optimizer(stock, max_grad_norm=max_grad_norm), ""
 
 
 class PadTargets:
@@ -144,6 +142,8 @@ class FusedDetectionTrainer(DetectionTrainer):
         graphs_reason: empty when the step runs from CUDA graphs, else why it runs eagerly.
         keeps_grads: True once the step runs from CUDA graphs: ``optimizer_step`` then leaves the
             grads in place for the next replay to zero (inside its graph) instead of freeing them.
+        report: what the trainer changed and what it left stock, with why
+            (:class:`trainfuse.clients.Row` s; each is also logged).
         graph_stats, graph_memory: after a graphed run, the step's
             :attr:`~trainfuse.graphs.CapturedStep.stats` and
             :meth:`~trainfuse.graphs.CapturedStep.memory_report` (None before).
@@ -155,13 +155,14 @@ class FusedDetectionTrainer(DetectionTrainer):
     cuda_graphs = True
     graphs_reason = "training has not started"
     _pad_targets = False
-    _casts: CastWeights | None = None
+    _casts: CastState | None = None
     _graphed: GraphedLoss | None = None
     keeps_grads = False
     graph_stats = graph_memory = None
 
     def __init__(self, *args, cuda_graphs: bool | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.report = Report("FusedDetectionTrainer")
         if cuda_graphs is not None:
             if not isinstance(cuda_graphs, bool):
                 raise TypeError(f"FusedDetectionTrainer: cuda_graphs must be True or False, "
@@ -180,16 +181,18 @@ class FusedDetectionTrainer(DetectionTrainer):
         stock = super().build_optimizer(model, name, lr, momentum, decay, iterations)
         fused, self.fused_reason = fused_optimizer(stock)
         if fused is None:
-            LOGGER.info(f"{_PREFIX} optimizer stays stock {type(stock).__name__}: {self.fused_reason}")
+            self._note("optimizer", type(stock).__name__, SKIPPED,
+                       f"optimizer stays stock {type(stock).__name__}: {self.fused_reason}")
             return stock
-        LOGGER.info(f"{_PREFIX} {type(fused).__name__} over ultralytics' {len(fused.param_groups)} param "
-                    f"groups, gradient norm clipped at {CLIP_NORM:g} inside the step")
+        self._note("optimizer", type(stock).__name__, SWAPPED,
+                   f"{type(fused).__name__} over ultralytics' {len(fused.param_groups)} param groups, "
+                   f"gradient norm clipped at {CLIP_NORM:g} inside the step")
         return fused
 
     @property
     def fused(self) -> bool:
         """Whether the optimizer phase runs fused (a trainfuse optimizer was built)."""
-        return isinstance(getattr(self, "optimizer", None), _FUSED)
+        return isinstance(getattr(self, "optimizer", None), FusedOptimizer)
 
     def optimizer_step(self):
         """Unscale, clip at 10, step, EMA update, scale update and zero_grad: two launches when
@@ -210,7 +213,13 @@ class FusedDetectionTrainer(DetectionTrainer):
             self.ema.update(self.model)  # counts nothing while attached: the step did this update
 
     # ---- setup: scaler, EMA, loss --------------------------------------------------------------
+    def _note(self, kind: str, name: str, action: str, detail: str) -> None:
+        """One row of :attr:`report`, logged as it is made."""
+        self.report.add(kind, name, action, detail)
+        LOGGER.info(f"{_PREFIX} {detail}")
+
     def _setup_train(self):
+        self.report.clear()
         super()._setup_train()
         self._install_scaler()
         self._install_ema()
@@ -219,8 +228,12 @@ class FusedDetectionTrainer(DetectionTrainer):
             model.criterion = _criterion(model)
             self._pad_targets = isinstance(model.criterion, FusedDetectionLoss)
             if self._pad_targets:
-                LOGGER.info(f"{_PREFIX} FusedDetectionLoss, labels padded on the CPU (no host sync in the "
-                            "loss)")
+                self._note("loss", type(model).__name__, SWAPPED,
+                           "FusedDetectionLoss, labels padded on the CPU (no host sync in the loss)")
+            else:
+                self._note("loss", type(model).__name__, SKIPPED,
+                           f"ultralytics' own {type(model.criterion).__name__}: FusedDetectionLoss "
+                           "implements v8DetectionLoss (DFL heads that are not end-to-end)")
         self._apply_casts()
         self._setup_graphs()
 
@@ -246,21 +259,22 @@ class FusedDetectionTrainer(DetectionTrainer):
             self._graphed = None
         self.graphs_reason = self._graphs_unsafe()
         if self.graphs_reason:
-            LOGGER.info(f"{_PREFIX} no CUDA graphs: {self.graphs_reason}")
+            self._note("graphs", "cuda_graphs", OFF, f"no CUDA graphs: {self.graphs_reason}")
             return
         self._graphed = GraphedLoss(unwrap_model(self.model), self.scaler).attach()
         self.keeps_grads = True
-        LOGGER.info(f"{_PREFIX} forward, loss and backward replayed from CUDA graphs (one per image shape "
-                    "and label capacity; each shape's first batch runs eagerly)")
+        self._note("graphs", "cuda_graphs", ON, "forward, loss and backward replayed from CUDA graphs (one "
+                   "per image shape and label capacity; each shape's first batch runs eagerly)")
 
     def _apply_casts(self) -> None:
         """16-bit weights with float32 masters in the fused optimizer (AMP on CUDA only)."""
         dtype = cast_dtype(self) if self.fuse_casts else None
         if dtype is None:
             return
-        self._casts = CastWeights(unwrap_model(self.model), self.optimizer, dtype)
-        LOGGER.info(f"{_PREFIX} {len(self._casts.params)} weights {str(dtype).replace('torch.', '')} with "
-                    "float32 masters in the optimizer: autocast casts no weight (BatchNorm stays float32)")
+        self._casts = CastState(unwrap_model(self.model), self.optimizer, dtype)
+        self._note("casts", str(dtype).replace("torch.", ""), ON,
+                   f"{len(self._casts.params)} weights {str(dtype).replace('torch.', '')} with "
+                   "float32 masters in the optimizer: autocast casts no weight (BatchNorm stays float32)")
 
     def save_model(self):
         """Ultralytics' checkpoint, with the fused optimizer's state in torch.optim's layout."""
@@ -299,7 +313,7 @@ class FusedDetectionTrainer(DetectionTrainer):
         # model; the optimizer state loaded has no masters), cast again after
         casts, self._casts = self._casts, None
         if casts is not None:
-            casts.undo()
+            casts.restore_from_weights()
         super()._load_checkpoint_state(ckpt)
         if getattr(self, "scaler", None) is not None:
             self._install_scaler()
@@ -311,14 +325,10 @@ class FusedDetectionTrainer(DetectionTrainer):
 
     def _install_scaler(self) -> None:
         """Replace torch's GradScaler by trainfuse's (same settings and state)."""
-        old = self.scaler
-        if type(old) is not torch.amp.GradScaler:  # NPU scaler, or already ours
-            return
-        # the device string ultralytics gives its own scaler
-        new = GradScaler("xpu" if self.device.type == "xpu" else "cuda", enabled=old.is_enabled())
-        if old.is_enabled():
-            new.load_state_dict(old.state_dict())
-        self.scaler = new
+        # the device string ultralytics gives its own scaler; an NPU scaler, or ours, stays
+        new = fused_scaler(self.scaler, "xpu" if self.device.type == "xpu" else "cuda")
+        if new is not None:
+            self.scaler = new
 
     def _install_ema(self) -> None:
         """Replace the ModelEMA by a FusedEMA with its weights and count, attached to the fused
@@ -366,4 +376,4 @@ _GRAPH_CALLBACKS = {"on_train_epoch_start": _on_train_epoch_start, "on_train_epo
                     "on_train_end": _on_train_end}
 
 
-__all__ = ["CLIP_NORM", "FUSED_OPTIMIZERS", "FusedDetectionTrainer", "PadTargets", "fused_optimizer"]
+__all__ = ["CLIP_NORM", "FusedDetectionTrainer", "PadTargets", "fused_optimizer"]
