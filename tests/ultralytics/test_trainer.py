@@ -385,3 +385,22 @@ def test_warmup_changes_lr_and_momentum_without_host_syncs_or_recompiles(data, t
     assert fused.optimizer.param_groups[0]["momentum"] == pytest.approx(0.8 + 0.03 * 4)
     _assert_same_state(fused.model, stock.model, **CLIPPED)
     _assert_same_state(fused.ema.ema, stock.ema.ema, **CLIPPED)
+
+
+@pytest.mark.parametrize("model", ["yolov8n-seg.yaml", "yolov8n-pose.yaml", "yolov8n-obb.yaml",
+                                   "yolov8n-cls.yaml"])
+def test_other_tasks_are_refused_with_the_reason_before_training(data, tmp_path, model):
+    with pytest.raises(ValueError, match=r"FusedDetectionTrainer trains detection models \(task='detect'\); "
+                                         r"this run's task is '(segment|pose|obb|classify)'"):
+        YOLO(model).train(trainer=FusedDetectionTrainer, data=data, epochs=1, imgsz=64, device="cpu",
+                          project=str(tmp_path), plots=False)
+    assert not any(tmp_path.rglob("*.pt"))  # nothing trained
+
+
+def test_the_report_says_what_was_fused_and_what_stayed_stock(runs):
+    fused, step_only = runs(FusedDetectionTrainer), runs(FusedStepTrainer)
+    rows = {r.kind: r for r in fused.trainer.report}
+    assert rows["optimizer"].action == "swapped" and "FusedSGD over ultralytics'" in rows["optimizer"].detail
+    assert rows["loss"].action == "swapped" and rows["graphs"].action == "off"
+    assert "the device is cpu, not CUDA" in rows["graphs"].detail
+    assert "loss" not in {r.kind for r in step_only.trainer.report}  # fused_loss=False: nothing to say

@@ -55,9 +55,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ultralytics.cfg import get_cfg
 from ultralytics.models.yolo.detect import DetectionTrainer
 from ultralytics.nn.tasks import DetectionModel
-from ultralytics.utils import LOGGER, colorstr
+from ultralytics.utils import DEFAULT_CFG, LOGGER, colorstr
 from ultralytics.utils.torch_utils import ModelEMA, unwrap_model
 
 from trainfuse.amp import GradScaler
@@ -115,6 +116,16 @@ def fused_optimizer(stock: torch.optim.Optimizer, max_grad_norm: float | None = 
     return swap_optimizer(stock, max_grad_norm=max_grad_norm), ""
 
 
+def _check_task(args: Any) -> None:
+    """Refuse a run of another task (segment, pose, obb, classify): their heads and losses are not
+    fused, and a detection trainer would train them half-way."""
+    if args.task not in (None, "detect"):
+        raise ValueError(
+            f"FusedDetectionTrainer trains detection models (task='detect'); this run's task is "
+            f"{args.task!r} (model={args.model}). Its head and loss are not fused: train it with "
+            "ultralytics' own trainer (leave out trainer=), or pick a detection model")
+
+
 class PadTargets:
     """A dataset's ``collate_fn`` followed by :func:`~trainfuse.ultralytics.add_padded_targets`:
     the labels padded to a capacity read from the CPU-side counts, in the loader's workers, off
@@ -160,8 +171,12 @@ class FusedDetectionTrainer(DetectionTrainer):
     keeps_grads = False
     graph_stats = graph_memory = None
 
-    def __init__(self, *args, cuda_graphs: bool | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, cuda_graphs: bool | None = None,
+                 **kwargs):
+        # before ultralytics checks the dataset, which fails for another task's data first
+        _check_task(get_cfg(cfg, overrides))
+        super().__init__(cfg, overrides, *args, **kwargs)
+        _check_task(self.args)
         self.report = Report("FusedDetectionTrainer")
         if cuda_graphs is not None:
             if not isinstance(cuda_graphs, bool):
