@@ -104,6 +104,19 @@ def test_forget_makes_a_key_unseen():
     assert "a" not in cache and cache.lookup("a")[0] is EAGER
 
 
+def test_clear_makes_every_key_unseen_and_keeps_counting_evictions():
+    cache = ShapeCache(max_graphs=1)
+    for key in ("a", "b"):
+        cache.lookup(key)
+        cache.lookup(key)
+        cache.store(key, f"graph {key}")
+    cache.lookup("c")
+    cache.fail("d", "why d")
+    cache.clear()
+    assert len(cache) == 0 and cache.reasons == {} and cache.evictions == 1
+    assert [cache.lookup(k)[0] for k in ("b", "c", "d")] == [EAGER] * 3
+
+
 @pytest.mark.parametrize("name", ["max_graphs", "max_seen", "max_eager"])
 @pytest.mark.parametrize("value", [0, -1, 2.5, True])
 def test_bounds_must_be_positive_ints(name, value):

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import trainfuse
 from tests._helpers import cuda
 from trainfuse.graphs import CapturedStep, StepStats
-from trainfuse.graphs.step import _detached
-from trainfuse.graphs.tree import flatten, unflatten
+from trainfuse.graphs.step import _static_outputs
+from trainfuse.graphs.tree import unflatten
 
 
 # ---- off CUDA: arguments ------------------------------------------------------------------------
@@ -66,14 +66,15 @@ Pair = namedtuple("Pair", "a b")
 def test_outputs_are_detached_and_rebuilt_in_fresh_containers():
     w = torch.randn(3, requires_grad=True)
     out = {"loss": (w * 2).sum(), "parts": [w * 3, None], "pair": Pair(w + 1, w - 1)}
-    static = _detached(out, "fn's output")
-    assert not static["loss"].requires_grad and not static["pair"].a.requires_grad
-    assert isinstance(static["pair"], Pair)
-    tensors = []
-    structure = flatten(static, tensors)  # what a replay rebuilds its return value from
+    tensors, structure = _static_outputs(out)  # what a replay rebuilds its return value from
+    assert len(tensors) == 4 and not any(t.requires_grad for t in tensors)
 
     def rebuild():
         return unflatten(structure, iter(tensors))
+
+    static = rebuild()
+    assert isinstance(static["pair"], Pair) and not static["pair"].a.requires_grad
+    torch.testing.assert_close(static["loss"], out["loss"].detach(), rtol=0, atol=0)
 
     first, second = rebuild(), rebuild()
     assert isinstance(first["pair"], Pair) and first["parts"][1] is None
@@ -87,10 +88,22 @@ def test_outputs_are_detached_and_rebuilt_in_fresh_containers():
     ((torch.ones(1), 3.0), r"fn's output\[1\] is a Python float"),
     ({"loss": torch.ones(1), "n": 4}, r"fn's output\['n'\] is a Python int"),
     ("done", "fn's output is a Python str"),
+    ({"parts": [torch.ones(1), {"n": None, "scale": 0.5}]},
+     r"fn's output\['parts'\]\[1\]\['scale'\] is a Python float"),
 ])
 def test_outputs_a_replay_cannot_reproduce_are_named(out, where):
     with pytest.raises(TypeError, match=where):
-        _detached(out, "fn's output")
+        _static_outputs(out)
+
+
+class Losses(list):
+    """A list subclass a step might return."""
+
+
+def test_a_list_subclass_comes_back_as_a_plain_list():
+    tensors, structure = _static_outputs(Losses([torch.ones(1), torch.zeros(1)]))
+    back = unflatten(structure, iter(tensors))
+    assert type(back) is list and [t.item() for t in back] == [1.0, 0.0]
 
 
 # ---- on CUDA: training ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ module's forward and backward inside an eager step (:class:`GraphedModule`), wit
 from trainfuse.graphs.cache import Action, ShapeCache
 from trainfuse.graphs.module import GraphedModule
 from trainfuse.graphs.pool import GraphPool
-from trainfuse.graphs.step import CapturedStep, StepStats
+from trainfuse.graphs.stats import StepStats
+from trainfuse.graphs.step import CapturedStep
 
 __all__ = ["Action", "CapturedStep", "GraphPool", "GraphedModule", "ShapeCache", "StepStats"]

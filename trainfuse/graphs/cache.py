@@ -130,6 +130,13 @@ class ShapeCache(Generic[Entry]):
         self._entries.pop(key, None)
         self._failed.pop(key, None)
 
+    def clear(self) -> None:
+        """Drop every entry, sighting and failure: all keys are unseen again. :attr:`evictions`
+        goes on counting (dropping entries here is no eviction)."""
+        self._entries.clear()
+        self._seen.clear()
+        self._failed.clear()
+
     @property
     def reasons(self) -> dict[Hashable, str]:
         """The keys that run eagerly because their capture failed, oldest first, with the reason."""

@@ -1,4 +1,4 @@
-"""The memory pool that graphed modules capture into, shared by the modules of one step."""
+"""The memory pool that a captured step or the graphed modules of a step capture into."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 
 class GraphPool:
-    """One CUDA-graph memory pool for the :class:`GraphedModule` objects given it.
+    """One CUDA-graph memory pool for a :class:`CapturedStep`, or for the :class:`GraphedModule`
+    objects given it.
 
     A graphed module keeps everything its graphs hold from one replay to the next allocated (its
     static inputs and outputs, the activations its forward saves for its backward, its input
@@ -20,10 +21,14 @@ class GraphPool:
 
     A pool lives while a graph captured into it lives: once every graph is freed (all modules
     dropped theirs), the next capture starts a new pool, as torch cannot share a released one.
+
+    Args:
+        handle: a pool id (``torch.cuda.graph_pool_handle()``) to capture into first; None: one
+            made at the first capture.
     """
 
-    def __init__(self) -> None:
-        self._handle: Any = None
+    def __init__(self, handle: Any = None) -> None:
+        self._handle = handle
         self._owners: weakref.WeakSet = weakref.WeakSet()  # what holds the graphs captured so far
         self._held = False  # whether a capture into this handle was held
 
@@ -40,7 +45,8 @@ class GraphPool:
         self._held = True
 
     def renew(self) -> None:
-        """Later captures start a new pool (after a failed capture; the graphs made stay valid)."""
+        """Later captures start a new pool. A failed capture calls it: the graphs it made are
+        freed, and those made before into this pool stay valid."""
         self._handle = None
 
 

@@ -28,62 +28,48 @@ A capture that fails (a host sync such as ``.item()`` in ``fn``: "operation not 
 is capturing"; any exception) is ended and dropped, its key runs eagerly from then on, the step's
 first failure warns once (:class:`RuntimeWarning`), and the call runs ``fn`` eagerly. No kernel of the
 failed attempt ran, but its Python side effects (counters ``fn`` increments, attributes it set) did.
+This bookkeeping is :class:`~trainfuse.graphs.ledger.GraphLedger`'s, shared with
+:class:`~trainfuse.graphs.GraphedModule`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
-from trainfuse.graphs.cache import Action, ShapeCache
-from trainfuse.graphs.sync import captured, on_side_stream, side_stream, watching_syncs
-from trainfuse.graphs.tree import flatten, unflatten
+from trainfuse.graphs.cache import Action
+from trainfuse.graphs.ledger import GraphLedger, LedgerReports
+from trainfuse.graphs.pool import GraphPool
+from trainfuse.graphs.sync import captured, on_side_stream, side_stream
+from trainfuse.graphs.tree import constants, flatten, unflatten
 
 
-@dataclasses.dataclass
-class StepStats:
-    """What a :class:`CapturedStep` did with its calls: ``eager + replays`` is the number of calls."""
-
-    eager: int = 0  # calls that ran fn eagerly: first sightings, keys whose capture failed
-    replays: int = 0  # calls answered by a graph replay, the capturing ones included
-    captures: int = 0  # graphs captured
-    fallbacks: int = 0  # captures that failed (those calls ran eagerly)
-    evictions: int = 0  # graphs dropped to keep at most max_graphs
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False, kw_only=True)  # hashed by identity: a GraphPool holds it in a WeakSet
 class _Graph:
     """One key's captured graph, the static buffers it reads its inputs from, and what it returns."""
 
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
-    outputs: list[torch.Tensor]  # fn's output tensors (static), in the order of...
+    outputs: list[torch.Tensor]  # fn's output tensors (static, detached), in the order of...
     structure: Hashable  # ...fn's output structure (tree.flatten), rebuilt in fresh containers per call
 
 
-def _detached(out: Any, where: str) -> Any:
-    """``fn``'s return value with every tensor detached; TypeError naming the first value a replay
-    could not reproduce (anything but tensors, None, and tuples, lists and dicts of them)."""
-    if out is None:
-        return None
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, dict):
-        return {k: _detached(v, f"{where}[{k!r}]") for k, v in out.items()}
-    if isinstance(out, (list, tuple)):
-        items = [_detached(v, f"{where}[{i}]") for i, v in enumerate(out)]
-        if isinstance(out, list):
-            return items
-        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
-    raise TypeError(f"{where} is a Python {type(out).__name__}; a replayed graph returns only tensors, None, "
-                    f"and tuples, lists and dicts of them (return a tensor instead)")
+def _static_outputs(out: Any) -> tuple[list[torch.Tensor], Hashable]:
+    """``fn``'s output tensors, detached, and its structure; TypeError naming the first value a
+    replay could not reproduce (anything but tensors, None, and tuples, lists and dicts of them)."""
+    tensors: list[torch.Tensor] = []
+    structure = flatten(out, tensors)
+    for where, value in constants(structure, "fn's output"):
+        if value is not None:
+            raise TypeError(f"{where} is a Python {type(value).__name__}; a replayed graph returns only "
+                            f"tensors, None, and tuples, lists and dicts of them (return a tensor instead)")
+    return [t.detach() for t in tensors], structure
 
 
-class CapturedStep:
+class CapturedStep(LedgerReports):
     """``fn(*inputs)``, captured in a CUDA graph per input shape from its second call on, else eager.
 
     Args:
@@ -95,7 +81,8 @@ class CapturedStep:
             already warms up, so 0 unless ``fn`` needs more (torch's docs ask 11 for
             DistributedDataParallel).
         pool: a memory pool (``torch.cuda.graph_pool_handle()``) to capture into; None: one of this
-            step's own, made at its first capture and shared by all its graphs.
+            step's own, made at its first capture and shared by all its graphs. After a failed
+            capture, later ones start a fresh pool.
         name: how warnings and errors call this step.
 
     A call returns what ``fn`` returns. On a replay, those are the graph's static tensors, detached:
@@ -131,13 +118,9 @@ class CapturedStep:
             raise ValueError(f"CapturedStep: warmup must be an int >= 0, got {warmup!r}")
         self.fn = fn
         self.warmup = warmup
-        self.name = name
-        self._cache: ShapeCache[_Graph] = ShapeCache(max_graphs)
-        self._pool = pool
-        self._stats = StepStats()
-        self._warned = False
-        self._device: torch.device | None = None
-        self._peak_before_capture: int | None = None
+        self._ledger: GraphLedger[_Graph] = GraphLedger(
+            "CapturedStep", name, max_graphs=max_graphs, pool=GraphPool(pool),
+            eagerly="inputs of this shape run eagerly from now on")
 
     def __call__(self, *inputs: torch.Tensor, bucket: Hashable = None) -> Any:
         """Run the step on ``inputs``: eagerly, by capturing then replaying, or by replaying.
@@ -151,8 +134,10 @@ class CapturedStep:
         Returns:
             What ``fn`` returns; on a replay, the graph's static output tensors (see the class).
         """
+        ledger = self._ledger
         key, device = self._key(inputs, bucket)
-        action, entry = self._cache.lookup(key)
+        ledger.device = device
+        action, entry = ledger.lookup(key)
         if action is Action.REPLAY:
             for static, x in zip(entry.inputs, inputs):
                 static.copy_(x, non_blocking=True)
@@ -160,44 +145,16 @@ class CapturedStep:
             entry = self._capture(key, inputs, device)  # its static inputs hold this call's
         if entry is not None:
             entry.graph.replay()
-            self._stats.replays += 1
+            ledger.replayed()
             return unflatten(entry.structure, iter(entry.outputs))
-        self._stats.eager += 1
+        ledger.ran_eagerly()
         if action is not Action.EAGER:  # the key's capture failed, now or before
             return self.fn(*inputs)
-        try:
-            out, sync = watching_syncs(device, self.fn, *inputs)
-        except BaseException:
-            self._cache.forget(key)  # a call that raised is no sighting
-            raise
-        if sync is not None:  # capture would fail, and a failed capture can leave torch's CUDA
-            self._fail(key, RuntimeError(f"fn synchronizes with the host: {sync}"))  # RNG capturing
-        return out
-
-    @property
-    def stats(self) -> StepStats:
-        """A snapshot of the counts of eager calls, replays, captures, failed captures, evictions."""
-        return dataclasses.replace(self._stats, evictions=self._cache.evictions)
-
-    @property
-    def reasons(self) -> dict[Hashable, str]:
-        """The keys that run eagerly because their capture failed, each with the first line of why."""
-        return self._cache.reasons
-
-    def memory_report(self) -> dict[str, int | None]:
-        """Peak memory before and after capturing, for comparing a captured run with an eager one.
-
-        Returns:
-            ``peak_before_capture``: ``torch.cuda.max_memory_allocated`` on the step's device right
-            before its first capture (None until then); ``peak_now``: the same now (None before
-            the first call). Both count everything since the last ``reset_peak_memory_stats``.
-        """
-        now = None if self._device is None else torch.cuda.max_memory_allocated(self._device)
-        return {"peak_before_capture": self._peak_before_capture, "peak_now": now}
+        return ledger.first_sighting(key, device, "fn", self.fn, *inputs)
 
     def _key(self, inputs: tuple, bucket: Hashable) -> tuple[tuple, torch.device]:
         """The cache key of a call, after checking its inputs (nothing has run yet if this raises)."""
-        who = f"CapturedStep {self.name!r}"
+        who = self._ledger.who
         if not inputs:
             raise ValueError(f"{who}: no inputs; fn must take the batch as CUDA tensors "
                              f"(a replay reads only the tensors passed in)")
@@ -220,56 +177,34 @@ class CapturedStep:
                                  f"a graph runs on one device")
             parts.append((x.shape, x.stride(), x.dtype))
         parts.append(device)
-        self._device = device
         return tuple(parts), device
 
     def _capture(self, key: tuple, inputs: tuple, device: torch.device) -> _Graph | None:
         """Capture ``fn`` on static copies of ``inputs`` and store the graph (not yet replayed); on
         failure, mark ``key`` eager for good and return None, with nothing of ``fn`` run on the GPU."""
-        if self._peak_before_capture is None:
-            self._peak_before_capture = torch.cuda.max_memory_allocated(device)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        ledger = self._ledger
+        ledger.before_capture(device)
+        pool = ledger.pool.handle()
         static = tuple(torch.empty_like(x, memory_format=torch.preserve_format) for x in inputs)
         for s, x in zip(static, inputs):
             s.copy_(x)
         for _ in range(self.warmup):
             on_side_stream(device, self.fn, *static)
         side, current = side_stream(device), torch.cuda.current_stream(device)
-        graph, error, out = None, None, None
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            try:
-                graph, out = captured(self._pool, self.fn, *static)
-            except Exception as e:  # a host sync, anything fn raised; or inside a capture of the caller's
-                error = e
-                self._pool = None  # later captures start a fresh pool; this one's graphs stay valid
-        current.wait_stream(side)
-        if error is None:
-            try:
-                outputs = _detached(out, "fn's output")
-            except TypeError as e:
-                error = e
-        del out
-        if error is not None:
-            self._fail(key, error)
+        try:
+            with torch.cuda.stream(side):
+                graph, out = captured(pool, self.fn, *static)
+            outputs, structure = _static_outputs(out)
+        except Exception as e:  # a host sync, anything fn raised, an output a replay cannot return;
+            # or this call is inside a capture of the caller's
+            ledger.capture_failed(key, e)
             return None
-        tensors: list[torch.Tensor] = []
-        entry = _Graph(graph, static, tensors, flatten(outputs, tensors))
-        self._cache.store(key, entry)
-        self._stats.captures += 1
+        finally:
+            current.wait_stream(side)
+        entry = _Graph(graph=graph, inputs=static, outputs=outputs, structure=structure)
+        ledger.store(key, entry)
         return entry
 
-    def _fail(self, key: tuple, error: BaseException) -> None:
-        lines = str(error).strip().splitlines()
-        reason = f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
-        self._cache.fail(key, reason)
-        self._stats.fallbacks += 1
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"CapturedStep {self.name!r}: could not capture a CUDA graph, so inputs of this "
-                          f"shape run eagerly from now on ({reason}); later failures are listed in .reasons",
-                          RuntimeWarning, stacklevel=4)
 
-
-__all__ = ["CapturedStep", "StepStats"]
+__all__ = ["CapturedStep"]

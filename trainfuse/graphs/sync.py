@@ -28,7 +28,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def on_side_stream(device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def on_side_stream(device: torch.device, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` eagerly on the side stream, ordered after and before the current stream."""
     side, current = side_stream(device), torch.cuda.current_stream(device)
     side.wait_stream(current)
@@ -38,7 +38,7 @@ def on_side_stream(device: torch.device, fn: Callable[..., Any], *args: Any, **k
     return out
 
 
-def watching_syncs(device: torch.device, fn: Callable[..., Any], *args: Any,
+def watching_syncs(device: torch.device, fn: Callable[..., Any], /, *args: Any,
                    **kwargs: Any) -> tuple[Any, str | None]:
     """``fn(*args, **kwargs)`` on the side stream under torch's sync debug mode: its result, and
     the first host synchronization it made with the Python file and line that made it (None if
@@ -61,10 +61,7 @@ def watching_syncs(device: torch.device, fn: Callable[..., Any], *args: Any,
     return out, sync
 
 
-
-
-
-def captured(pool: Any, fn: Callable[..., Any], *args: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+def captured(pool: Any, fn: Callable[..., Any], /, *args: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``fn(*args)`` captured on the current stream into a new graph that allocates from ``pool``:
     the graph and what ``fn`` returned. Whatever fails, the stream leaves capture mode and the
     allocator stops serving ``pool`` before the error propagates: a capture that CUDA invalidated

@@ -13,20 +13,23 @@ class _Tensor:
 
 
 _TENSOR = _Tensor()
+_VALUE = "value"  # the tag of a value other than a tensor, kept in the structure as it is
 
 
 def flatten(obj: Any, tensors: list[torch.Tensor]) -> Hashable:
     """The structure of ``obj`` (tuples, lists and dicts nested), with its tensors appended to
-    ``tensors`` and left as :data:`_TENSOR`; other values stay in the structure as they are."""
+    ``tensors`` and left as :data:`_TENSOR`; other values stay in the structure as they are.
+    Dicts and lists come back plain, named tuples as their own type, other tuples as tuples."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return _TENSOR
     if isinstance(obj, dict):
         return (dict, tuple(obj), tuple(flatten(v, tensors) for v in obj.values()))
-    if isinstance(obj, (tuple, list)):
-        kind = type(obj) if isinstance(obj, list) or hasattr(obj, "_fields") else tuple
-        return (kind, tuple(flatten(v, tensors) for v in obj))
-    return ("value", obj)
+    if isinstance(obj, list):
+        return (list, tuple(flatten(v, tensors) for v in obj))
+    if isinstance(obj, tuple):
+        return (type(obj) if hasattr(obj, "_fields") else tuple, tuple(flatten(v, tensors) for v in obj))
+    return (_VALUE, obj)
 
 
 def unflatten(structure: Hashable, tensors: Iterator[torch.Tensor]) -> Any:
@@ -34,7 +37,7 @@ def unflatten(structure: Hashable, tensors: Iterator[torch.Tensor]) -> Any:
     if structure is _TENSOR:
         return next(tensors)
     kind = structure[0]
-    if kind == "value":
+    if kind is _VALUE:
         return structure[1]
     if kind is dict:
         return {k: unflatten(v, tensors) for k, v in zip(structure[1], structure[2])}
@@ -42,6 +45,22 @@ def unflatten(structure: Hashable, tensors: Iterator[torch.Tensor]) -> Any:
     if kind is list:
         return items
     return tuple(items) if kind is tuple else kind(*items)
+
+
+def constants(structure: Hashable, where: str) -> Iterator[tuple[str, Any]]:
+    """The values other than tensors that ``structure`` keeps as they are, in :func:`flatten`'s
+    order, each with its place written as an index into ``where`` (``where[1]['loss']``)."""
+    if structure is _TENSOR:
+        return
+    kind = structure[0]
+    if kind is _VALUE:
+        yield where, structure[1]
+    elif kind is dict:
+        for k, v in zip(structure[1], structure[2]):
+            yield from constants(v, f"{where}[{k!r}]")
+    else:
+        for i, v in enumerate(structure[1]):
+            yield from constants(v, f"{where}[{i}]")
 
 
 def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -62,4 +81,4 @@ def reached_leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(found.values())
 
 
-__all__ = ["flatten", "reached_leaves", "unflatten"]
+__all__ = ["constants", "flatten", "reached_leaves", "unflatten"]
