@@ -1,10 +1,12 @@
 """The benchmark harness: timing, the results report and the command line every
 ``python -m trainfuse.bench <family>`` shares.
 
-A family module parses its options with :func:`bench_parser` and :func:`parse_and_start`, times
-its workloads with :func:`kernel_ms`, :func:`wall_ms`, :func:`host_ms` or :func:`graph_ms`,
-prints tables with :func:`print_table`, records one row per (workload, implementation) with
-:func:`add_row` and writes the report with :func:`save_report`. The report file is
+Each family is a line of :data:`FAMILIES` (its name on the command line, its module, what it
+measures) and a module with ``main(argv)``. A family module parses its options with
+:func:`bench_parser` and :func:`parse_and_start`, times its workloads with :func:`kernel_ms`,
+:func:`wall_ms`, :func:`host_ms` or :func:`graph_ms`, prints tables with :func:`print_table`,
+records one row per (workload, implementation) with :func:`add_row` and writes the report with
+:func:`save_report`. The report file is
 ``<out>/<family>.json`` with this schema (``benchmarks/render.py`` turns it into the README's and
 the docs' tables)::
 
@@ -47,6 +49,26 @@ METRICS = {
     "phase_ms": "wall ms less the host time of re-attaching the grads between calls",
     "floor_ms": "bytes the call must move over the measured device copy bandwidth",
     "tflops": "TFLOP/s of the matmuls over do_bench ms",
+}
+
+# family on the command line -> (its module, what it measures)
+FAMILIES = {
+    "optim": ("trainfuse.bench.optim",
+              "optimizer step, torch (for-loop, foreach, fused, compiled) against trainfuse"),
+    "amp": ("trainfuse.bench.amp",
+            "mixed precision: cast fusion, fused clipping, ultralytics' optimizer phase"),
+    "ema": ("trainfuse.bench.ema",
+            "EMA update: ultralytics ModelEMA against FusedEMA, by model and by tensor count"),
+    "losses": ("trainfuse.bench.losses",
+               "CIoU loss and BCE-with-logits, forward + backward: eager, torch.compile, trainfuse"),
+    "mlp": ("trainfuse.bench.mlp",
+            "Linear + activation chains, forward + backward: eager, torch.compile, FusedMLP"),
+    "yolo-loss": ("trainfuse.bench.yolo_loss",
+                  "YOLO detection loss, forward + backward: v8DetectionLoss against FusedDetectionLoss"),
+    "yolo": ("trainfuse.bench.yolo",
+             "YOLOv5 training: ultralytics' DetectionTrainer against FusedDetectionTrainer"),
+    "lightning": ("trainfuse.bench.lightning",
+                  "Lightning training steps: stock against FusedTraining, with and without CUDA graphs"),
 }
 
 # keys of the report that are part of the schema; everything else is saved under "details"
@@ -199,21 +221,34 @@ def save_report(report: dict, out: str, name: str) -> None:
     print(f"saved {path}")
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    """Print ``rows`` under ``header`` in aligned columns, after ``title``."""
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+def format_columns(header: list[str], rows: list[list]) -> str:
+    """``rows`` under ``header`` and a rule, in columns as wide as their widest cell."""
+    cells = [[str(c) for c in r] for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    cells.insert(1, ["-" * w for w in widths])
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    """Print ``title``, then ``rows`` under ``header`` in aligned columns."""
     print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print(format_columns(header, rows))
 
 
-def bench_parser(doc: str, *, no_compile: bool = False, only: str | None = None) -> argparse.ArgumentParser:
-    """The command line every ``python -m trainfuse.bench X`` shares: ``--out`` (the report's
-    folder, default ``$OUT`` or ``.``), optionally ``--no-compile`` (leave torch.compile rows out)
-    and ``--only`` (with ``only`` as its help); the benchmark adds its own options."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+def bench_parser(family: str, doc: str, *, no_compile: bool = False,
+                 only: str | None = None) -> argparse.ArgumentParser:
+    """The command line every ``python -m trainfuse.bench <family>`` shares: ``--out`` (the
+    report's folder, default ``$OUT`` or ``.``), optionally ``--no-compile`` (leave torch.compile
+    rows out) and ``--only`` (with ``only`` as its help); the benchmark adds its own options.
+
+    Args:
+        family: the name on the command line (a key of :data:`FAMILIES`), shown in the usage line.
+        doc: the family module's docstring; its first line describes the benchmark.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"bench_parser: family {family!r} is not one of {sorted(FAMILIES)}")
+    parser = argparse.ArgumentParser(prog=f"python -m trainfuse.bench {family}",
+                                     description=doc.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."),
                         help="folder for the report <family>.json (benchmarks/results/<gpu> to refresh "
                              "the committed results)")

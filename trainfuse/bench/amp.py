@@ -341,7 +341,7 @@ def bench_clip_value(report, bw):
 
 
 def main(argv=None):
-    parser = bench_parser(__doc__, only="casts, gpt, clip, clip-value or yolo")
+    parser = bench_parser("amp", __doc__, only="casts, gpt, clip, clip-value or yolo")
     parser.add_argument("--steps", type=int, default=200, help="training steps of the GPT-like model")
     parser.add_argument("--gpt-batches", default="8,32",
                         help="batch sizes (x 256 tokens) of the GPT-like model, comma separated")

@@ -98,7 +98,7 @@ def _sweep(report, bw):
 
 
 def main(argv=None):
-    started = parse_and_start(bench_parser(__doc__), argv, "EMA")
+    started = parse_and_start(bench_parser("ema", __doc__), argv, "EMA")
     if started is None:
         return
     args, report, bw = started

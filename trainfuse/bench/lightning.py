@@ -380,7 +380,7 @@ def _goals(workload: str, med: dict[str, dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    parser = bench_parser(__doc__, only="gpt or tabular (default: both)")
+    parser = bench_parser("lightning", __doc__, only="gpt or tabular (default: both)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 40 steps each, one repeat")
     parser.add_argument("--gpt-steps", type=int, default=300)
     parser.add_argument("--tabular-steps", type=int, default=200)

@@ -113,7 +113,7 @@ def _bce(report, bw, shapes, with_compile):
 
 
 def main(argv=None):
-    parser = bench_parser(__doc__, no_compile=True)
+    parser = bench_parser("losses", __doc__, no_compile=True)
     parser.add_argument("--sizes", default=",".join(map(str, CIOU_SIZES)), help="CIoU box counts")
     started = parse_and_start(parser, argv, "loss")
     if started is None:

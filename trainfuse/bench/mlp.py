@@ -123,7 +123,8 @@ def workload_label(name: str, set_to_none: bool) -> str:
 
 
 def main(argv=None):
-    parser = bench_parser(__doc__, no_compile=True, only="run only workloads whose name contains this")
+    parser = bench_parser("mlp", __doc__, no_compile=True,
+                          only="run only workloads whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="time tile shapes per matmul first")
     parser.add_argument("--set-to-none", action="store_true",
                         help="grads set to None before each step (default: they accumulate)")

@@ -191,7 +191,8 @@ def sweep_launch(workloads, bw, configs=DEFAULT_SWEEP):
 
 
 def main(argv=None):
-    parser = bench_parser(__doc__, no_compile=True, only="run only workloads whose name contains this")
+    parser = bench_parser("optim", __doc__, no_compile=True,
+                          only="run only workloads whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="also sweep block, unroll and warps")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
     parser.add_argument("--configs", default="",

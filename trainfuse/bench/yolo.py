@@ -1,10 +1,10 @@
 """YOLOv5 training with ultralytics: the stock DetectionTrainer against FusedDetectionTrainer.
 
 ``python -m trainfuse.bench yolo [--quick] [--epochs N] [--model yolov5n.yaml]`` (needs ultralytics;
-offline). One process, one GPU, the trainer's defaults as ``../shared/bench/yolo_trainer.py`` runs
-them (AMP, channels_last, nbs=64 so batch 16 steps every 4th iteration, mosaic, 8 workers,
-``cache="ram"``, ``deterministic=False``) on the synthetic shapes dataset, same seed and data for
-both trainers. Measures:
+offline). One process, one GPU, ultralytics' training defaults (AMP, channels_last, nbs=64 so batch
+16 steps every 4th iteration, mosaic) with 8 workers, ``cache="ram"`` and ``deterministic=False``,
+on the synthetic shapes dataset, same seed and data for both trainers
+(``trainfuse.bench.yolo_harness`` holds the timers). Measures:
 
 - the training-loop time per iteration (median; data wait excluded, GPU synchronized at both ends),
   the data wait, epoch time and images per second;
@@ -36,7 +36,7 @@ ITERATION_GOALS = {"yolov5n.yaml": 3.0, "yolov5s.yaml": 2.0}  # speedup of the i
 
 
 def _parser():
-    parser = bench_parser(__doc__)
+    parser = bench_parser("yolo", __doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 epoch on 256 images")
     parser.add_argument("--model", default="yolov5n.yaml")
     parser.add_argument("--batch", type=int, default=16)
@@ -55,8 +55,8 @@ def _run(kind: str, args, data: str, project: Path, device: int | str = 0) -> di
     import torch
     from ultralytics import YOLO
 
+    from trainfuse.bench.yolo_harness import LaunchCounter, LoopTimer, final_map
     from trainfuse.ultralytics import FusedDetectionTrainer
-    from trainfuse.ultralytics.report import LaunchCounter, LoopTimer, final_map
 
     model = YOLO(args.model)
     timer = LoopTimer().attach(model)
@@ -88,7 +88,7 @@ def _phases(trainers: dict, rounds: int = 4, calls: int = 25) -> dict[str, tuple
     """Each trainer's optimizer phase (median ms, launches), timed after both runs in alternating
     rounds: what is still winding down after a run (its data-loader workers, for one) then slows
     both alike instead of whichever was timed first."""
-    from trainfuse.ultralytics.report import optimizer_phase
+    from trainfuse.bench.yolo_harness import optimizer_phase
 
     times = {kind: [] for kind in trainers}
     launches = {}
@@ -109,13 +109,13 @@ def _num(v, fmt: str) -> str:
 
 def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     """Print the tables, check the goals, draw the PNG and fill ``report`` from both runs."""
-    from trainfuse.ultralytics.report import format_table, plot_runs, table_rows
+    from trainfuse.bench.yolo_harness import plot_runs, runs_table
 
     out = Path(args.out)
     stock, ours = runs["stock"], runs["trainfuse"]
     workload = f"{args.model} batch {args.batch} imgsz {args.imgsz}"
     print(f"\n{workload}, {args.epochs} epoch(s), ultralytics {version}")
-    print(format_table(*table_rows(runs)))
+    print(runs_table(runs))
     for kind, r in runs.items():
         impl = "ultralytics DetectionTrainer" if kind == "stock" else "FusedDetectionTrainer"
         add_row(report, f"{workload}: training-loop iteration", impl, trainfuse=kind != "stock",

@@ -216,10 +216,11 @@ def _assigner_rows(report, model, preds, plain, prepared, quick):
         "whole assigner": lambda: a(pd_scores, pd_bboxes, anc, gt_labels, gt_bboxes, mask_gt),
     }
     sizes = tuple((f.shape[2], f.shape[3]) for f in feats)
-    anchors2, strides2 = anchor_grid(sizes, fused._strides, torch.device(DEVICE))
+    strides = tuple(float(s) for s in fused.stride.tolist())
+    anchors2, strides2 = anchor_grid(sizes, strides, torch.device(DEVICE))
     strides2 = strides2.view(-1)
     gt = fused.targets(prepared, B, torch.device(DEVICE))
-    px = (sizes[0][0] * fused._strides[0], sizes[0][1] * fused._strides[0])
+    px = (sizes[0][0] * strides[0], sizes[0][1] * strides[0])
     cfg = fused.assign_config
     m_align, m_ov, m_cand, pa, po = tal.metric(boxes, scores, gt, px, anchors2, strides2, cfg)
     sel = tal.topk_mask(m_align, cfg.topk)
@@ -248,7 +249,7 @@ def _assigner_rows(report, model, preds, plain, prepared, quick):
 
 
 def main(argv=None):
-    parser = bench_parser(__doc__)
+    parser = bench_parser("yolo-loss", __doc__)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--nc", type=int, default=80)

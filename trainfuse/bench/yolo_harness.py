@@ -1,10 +1,12 @@
-"""Measuring ultralytics training runs: loop timing per iteration, launch counts, the comparison
-table and PNG that ``examples/yolov5/train.py`` and ``python -m trainfuse.bench yolo`` print.
+"""Measuring ultralytics training runs: loop time per iteration, launch counts, the optimizer
+phase on its own, and the comparison table and PNG that ``python -m trainfuse.bench yolo`` and
+``examples/yolov5/train.py`` print.
 
 Everything here hooks into a run through ultralytics' own callbacks (``model.add_callback``); the
-trainer is not touched. Timing follows ``../shared/bench/yolo_trainer.py``: the training-loop time
-of an iteration runs from ``on_train_batch_start`` to ``on_train_batch_end`` with the GPU
-synchronized at both, and the data wait is the gap from one iteration's end to the next's start.
+trainer is not touched. The training-loop time of an iteration runs from ``on_train_batch_start``
+to ``on_train_batch_end`` with the GPU synchronized at both, so it holds the forward, loss,
+backward and (every ``accumulate`` iterations) optimizer step; the data wait is the gap from one
+iteration's end to the next's start.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainfuse.bench._common import format_columns
 
 
 def _sync(trainer) -> None:
@@ -261,20 +265,14 @@ def _fmt(v: Any, digits: int = 2) -> str:
     return str(v)
 
 
-def table_rows(runs: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the comparison table, one row per run (name -> summary dict)."""
+def runs_table(runs: dict[str, dict]) -> str:
+    """The comparison table of ``runs`` (name -> :meth:`LoopTimer.summary` plus ``map50`` and
+    ``map50_95``), one aligned row per run."""
     header = ["run", "iter ms (median)", "data wait ms", "epoch s", "images/s", "mAP50", "mAP50-95"]
     rows = [[name, _fmt(r["iter_ms"]), _fmt(r["data_wait_ms"]), _fmt(r["epoch_s"]),
              _fmt(r["images_per_s"], 0), _fmt(r.get("map50"), 3), _fmt(r.get("map50_95"), 3)]
             for name, r in runs.items()]
-    return header, rows
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """``rows`` under ``header`` in aligned columns."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    rule = ["-" * w for w in widths]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [header, rule, *rows])
+    return format_columns(header, rows)
 
 
 def plot_runs(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
@@ -310,5 +308,5 @@ def plot_runs(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
     return path
 
 
-__all__ = ["LaunchCounter", "LoopTimer", "device_launches", "final_map", "format_table", "optimizer_phase",
-           "plot_runs", "table_rows"]
+__all__ = ["LaunchCounter", "LoopTimer", "device_launches", "final_map", "host_launches", "optimizer_phase",
+           "plot_runs", "runs_table"]
