@@ -8,7 +8,9 @@
 
 Prints a table (training-loop time per iteration, data wait, epoch time, images per second,
 mAP50 and mAP50-95 from ultralytics' validator) and writes ``<out>/yolov5.png`` (loss curves and
-per-iteration time of each run) and ``<out>/summary.json``.
+per-iteration time of each run) and ``<out>/summary.json``; ``<out>`` defaults to ``runs/`` next
+to this script, which git ignores. On the CPU FusedDetectionTrainer falls back to torch's own
+kernels, so the timings compare torch with itself and no speedup is printed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 RUNS = {"trainfuse": "FusedDetectionTrainer", "stock": "ultralytics DetectionTrainer"}
+OUT = Path(__file__).resolve().parent / "runs"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="dataset and training seed")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default=None, help="ultralytics device ('0', 'cpu'; default: auto)")
-    parser.add_argument("--out", default="runs/yolov5-example", help="runs, dataset, table and PNG go here")
+    parser.add_argument("--out", default=str(OUT),
+                        help="runs, dataset, table and PNG go here (default: runs/ next to this script)")
     parser.add_argument("--online", action="store_true",
                         help="let ultralytics use the network (default: YOLO_OFFLINE=1, local font)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
@@ -62,8 +66,8 @@ def train(kind: str, args: argparse.Namespace, data: str, out: Path) -> dict:
     """One run (``kind`` "trainfuse" or "stock"); returns its summary."""
     from ultralytics import YOLO
 
+    from trainfuse.bench.yolo_harness import LoopTimer, final_map
     from trainfuse.ultralytics import FusedDetectionTrainer
-    from trainfuse.ultralytics.report import LoopTimer, final_map
 
     model = YOLO(args.model)
     timer = LoopTimer().attach(model)
@@ -77,6 +81,7 @@ def train(kind: str, args: argparse.Namespace, data: str, out: Path) -> dict:
     summary = timer.summary(args.batch)
     summary["map50"], summary["map50_95"] = final_map(model.trainer)
     summary["losses"], summary["iter_ms_all"] = timer.losses, timer.iter_ms()
+    summary["device"] = str(model.trainer.device)
     return summary
 
 
@@ -97,11 +102,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     kinds = ["stock", "trainfuse"] if args.compare else ["stock"] if args.baseline else ["trainfuse"]
     runs = {kind: train(kind, args, data, out) for kind in kinds}
 
-    from trainfuse.ultralytics.report import format_table, plot_runs, table_rows
+    from trainfuse.bench.yolo_harness import plot_runs, runs_table
 
-    print(f"\n{args.model}, batch {args.batch}, imgsz {args.imgsz}, {args.epochs} epochs")
-    print(format_table(*table_rows(runs)))
-    if len(runs) == 2:
+    devices = sorted({r["device"] for r in runs.values()})
+    print(f"\n{args.model}, batch {args.batch}, imgsz {args.imgsz}, {args.epochs} epochs on "
+          f"{', '.join(devices)}")
+    print(runs_table(runs))
+    if any(not d.startswith("cuda") for d in devices):
+        print("\non the CPU FusedDetectionTrainer falls back to torch's own kernels (no Triton, no CUDA\n"
+              "graphs), so these times compare torch with itself; the speedup needs a CUDA GPU.")
+    elif len(runs) == 2:
         print(f"\ntraining loop: {runs['stock']['iter_ms'] / runs['trainfuse']['iter_ms']:.2f}x faster with "
               "trainfuse")
     png = plot_runs(runs, out / "yolov5.png", title=f"{args.model} on {Path(data).parent.name}")

@@ -19,6 +19,14 @@ offline_env(Path(tempfile.gettempdir()) / "trainfuse-tests-yolo-config")
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "yolov5" / "train.py"
 
 
+def _example():
+    """examples/yolov5/train.py as a module (loading it imports no ultralytics)."""
+    spec = importlib.util.spec_from_file_location("yolov5_example_train", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
 def _digest(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.suffix in {".jpg", ".txt"}}
@@ -89,12 +97,9 @@ def test_generator_rejects_bad_arguments(tmp_path, bad, match):
 
 def test_compare_trains_both_and_writes_the_table_and_plot(tmp_path, capsys):
     pytest.importorskip("ultralytics")
-    spec = importlib.util.spec_from_file_location("yolov5_example_train", SCRIPT)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    runs = example.main(["--compare", "--images", "8", "--val-images", "4", "--imgsz", "64", "--epochs", "1",
-                         "--batch", "4", "--workers", "0", "--device", "cpu", "--out", str(tmp_path),
-                         "plots=False", "optimizer=SGD"])
+    runs = _example().main(["--compare", "--images", "8", "--val-images", "4", "--imgsz", "64", "--epochs",
+                            "1", "--batch", "4", "--workers", "0", "--device", "cpu", "--out", str(tmp_path),
+                            "plots=False", "optimizer=SGD"])
     assert list(runs) == ["stock", "trainfuse"]
     for r in runs.values():
         assert r["iterations"] == 2 and len(r["losses"]) == 2 and r["iter_ms"] > 0
@@ -102,6 +107,21 @@ def test_compare_trains_both_and_writes_the_table_and_plot(tmp_path, capsys):
     assert runs["trainfuse"]["losses"][0] == pytest.approx(runs["stock"]["losses"][0], rel=1e-4)
     table = capsys.readouterr().out
     assert "iter ms (median)" in table and "mAP50-95" in table
+    # on the CPU both trainers run torch's kernels: no speedup claimed, and the reason given
+    assert "compare torch with itself" in table and "faster with trainfuse" not in table
     assert (tmp_path / "yolov5.png").stat().st_size > 10_000
     assert (tmp_path / "summary.json").exists()
     assert (tmp_path / "trainfuse" / "weights" / "last.pt").exists()
+
+
+def test_the_default_output_folder_is_ignored_by_git():
+    root = SCRIPT.parents[2]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = Path(_example().OUT)
+    assert out.parent == SCRIPT.parent
+    try:
+        check = subprocess.run(["git", "check-ignore", "-q", str(out / "summary.json")], cwd=root, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    assert check.returncode == 0, f"{out} is not ignored by .gitignore"
