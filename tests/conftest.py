@@ -3,16 +3,36 @@
 The interpreter must be switched on before triton decorates the kernels, so this happens at import
 time, before any test module imports trainfuse. On a GPU machine the same tests run the compiled
 kernels on CUDA tensors.
+
+Under pytest-xdist (``-n logical`` in the README's test command) every worker process runs this
+file: each gets its share of the CPU threads and its own ultralytics config folder, so no two
+workers write the same file.
 """
 
+import collections
 import os
 import random
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# xdist sets this in each worker: N workers with torch's default thread count each would run N
+# times more threads than there are cores
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
+# ultralytics writes its settings (and offline_env a font) into YOLO_CONFIG_DIR when first
+# imported; one folder per test process, removed at the end
+_YOLO_CONFIG = None
+if "YOLO_CONFIG_DIR" not in os.environ:
+    _YOLO_CONFIG = tempfile.mkdtemp(prefix="trainfuse-tests-yolo-config-")
+    os.environ["YOLO_CONFIG_DIR"] = _YOLO_CONFIG
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -52,3 +72,20 @@ def pytest_report_header(config):
 
     return (f"trainfuse tests on {DEVICE} | torch {torch.__version__} | triton {triton.__version__}"
             f" | TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many tests were skipped for each reason, most frequent first (``-rs`` lists each test)."""
+    reasons = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.section(f"{sum(reasons.values())} skipped, by reason", sep="-")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
+def pytest_unconfigure(config):
+    if _YOLO_CONFIG is not None:
+        shutil.rmtree(_YOLO_CONFIG, ignore_errors=True)

@@ -24,6 +24,16 @@ from trainfuse.lightning import FusedTraining  # noqa: E402
 IN, HIDDEN, OUT, BATCH, STEPS = 8, 16, 4, 4, 6
 
 
+@pytest.fixture(autouse=True)
+def _own_port(monkeypatch):
+    """Each test's process groups rendezvous on a port picked free for that test: Lightning leaves
+    the MASTER_PORT it picks in os.environ, and under pytest-xdist the OS may later hand that port
+    to another worker's process group."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    yield
+    os.environ.pop("MASTER_PORT", None)
+
+
 def _data() -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2 * STEPS * BATCH, IN, generator=g)
@@ -31,7 +41,8 @@ def _data() -> torch.utils.data.TensorDataset:
 
 
 class Net(pl.LightningModule):
-    """An MLP with a BCE loss; each rank writes its params and its callback's EMA at train end."""
+    """An MLP with a BCE loss; each rank writes its live params (at its last epoch's end) and the
+    EMA FusedTraining leaves in the module when training ends."""
 
     def __init__(self, out_dir: str, tag: str = ""):
         super().__init__()
@@ -56,10 +67,13 @@ class Net(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
+    def on_train_epoch_end(self):
+        self.live = {k: v.detach().clone() for k, v in self.named_parameters()}
+
     def on_train_end(self):
         fused = [c for c in self.trainer.callbacks if isinstance(c, FusedTraining)]
-        state = {"params": {k: v.detach().clone() for k, v in self.named_parameters()},
-                 "ema": fused[0].state_dict() if fused else None,
+        state = {"params": self.live,
+                 "ema": {k: v.detach().clone() for k, v in self.named_parameters()} if fused else None,
                  "report": [(r.kind, r.action) for r in fused[0].report] if fused else None}
         name = f"{self.tag}rank{self.global_rank}-of-{self.trainer.world_size}.pt"
         torch.save(state, os.path.join(self.out_dir, name))
