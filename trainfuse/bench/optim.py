@@ -14,7 +14,6 @@ import time
 
 import torch
 
-import trainfuse
 from trainfuse._multi_tensor.tables import config
 from trainfuse.bench._common import (
     add_row,
@@ -29,8 +28,26 @@ from trainfuse.bench._common import (
     wall_ms,
 )
 from trainfuse.bench.workloads import gpt2_shapes, yolo_like_shapes, yolov5n
+from trainfuse.optim.registry import COUNTERPARTS, Counterpart
 
-KINDS = {"adamw": "AdamW", "sgd": "SGD nesterov"}
+# what the README's summary keeps (the rest is in docs/performance.md): every workload of these
+# optimizers but the 216-tensor one, and SGD on yolov5n
+SUMMARY = {"AdamW": None, "SGD": "yolov5n"}
+
+
+def label_of(entry: Counterpart) -> str:
+    """The optimizer's name in the report: ``"AdamW"``, ``"SGD nesterov"``."""
+    nesterov = entry.bench_hparams().get("nesterov")
+    return entry.stock_name + (" nesterov" if nesterov else "")
+
+
+def _states_per_param(entry: Counterpart) -> int:
+    """State tensors the fused step reads and writes per param (its bandwidth floor counts them)."""
+    p = torch.nn.Parameter(torch.zeros(2, device="cuda"))
+    p.grad = torch.ones_like(p)
+    opt = entry.fused_class([p], **entry.bench_hparams())
+    opt.step()
+    return sum(torch.is_tensor(v) and v.shape == p.shape for v in opt.state[p].values() if v is not None)
 
 
 def _params(shapes, dtype=torch.float32):
@@ -47,31 +64,25 @@ def _clone_params(params):
     return ps
 
 
-def _torch_variants(kind):
-    if kind == "adamw":
-        make = lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **kw)  # noqa: E731
-    else:
-        make = lambda ps, **kw: torch.optim.SGD(  # noqa: E731
-            ps, lr=1e-2, momentum=0.937, nesterov=True, weight_decay=5e-4, **kw)
-    return make
+def _torch_variants(entry: Counterpart):
+    return lambda ps, **kw: entry.stock_class(ps, **entry.bench_hparams(), **kw)
 
 
-def _ours(kind, ps):
-    if kind == "adamw":
-        return trainfuse.FusedAdamW(ps, lr=1e-3, weight_decay=0.01)
-    return trainfuse.FusedSGD(ps, lr=1e-2, momentum=0.937, nesterov=True, weight_decay=5e-4)
+def _ours(entry: Counterpart, ps):
+    return entry.fused_class(ps, **entry.bench_hparams())
 
 
-def bench_workload(name, params, kind, bw, compile_torch=True):
+def bench_workload(name, params, entry: Counterpart, bw, compile_torch=True):
     nparam = sum(p.numel() for p in params)
     esize = params[0].element_size()
-    per_param = (4 if kind == "adamw" else 3) * esize + (3 if kind == "adamw" else 2) * esize
+    # read and write the param and each state, read the grad
+    per_param = (3 + 2 * _states_per_param(entry)) * esize
     floor = per_param * nparam / bw * 1e3
-    make = _torch_variants(kind)
+    make = _torch_variants(entry)
     results = {}
     impls = [("torch for-loop", dict(foreach=False)), ("torch foreach", dict(foreach=True)),
              ("torch fused", dict(fused=True))]
-    if compile_torch and kind == "adamw":
+    if compile_torch and entry is COUNTERPARTS[0]:
         impls.append(("torch compiled", None))
     for label, kw in impls:
         ps = _clone_params(params)
@@ -89,7 +100,7 @@ def bench_workload(name, params, kind, bw, compile_torch=True):
             print(f"  {label}: skipped ({type(e).__name__}: {str(e)[:80]})")
         del ps
     ps = _clone_params(params)
-    opt = _ours(kind, ps)
+    opt = _ours(entry, ps)
     opt.step()
     # the GPU's own time too: where the host takes longer than the kernel (small models),
     # do_bench's figure is the host's
@@ -105,17 +116,17 @@ def bench_workload(name, params, kind, bw, compile_torch=True):
         gpu = "-" if g is None else f"{g:.4f} ({floor / g * 100:.0f}%)"
         rows.append([label, f"{k:.3f}", f"{w:.3f}", f"{h:.3f}", gpu, f"{floor / k * 100:.0f}%",
                      f"{floor / w * 100:.0f}%", f"{fused[0] / k:.2f}x", f"{fused[1] / w:.2f}x"])
-    title = (f"{kind.upper()} {name}: {nparam / 1e6:.1f}M params in {len(params)} tensors "
+    title = (f"{label_of(entry)} {name}: {nparam / 1e6:.1f}M params in {len(params)} tensors "
              f"({params[0].dtype}), floor {floor:.3f} ms")
     print_table(title, ["impl", "kernel ms", "wall ms", "host ms", "GPU ms, graph (% floor)",
                         "% floor (kernel)", "% floor (wall)", "vs fused (kernel)", "vs fused (wall)"], rows)
-    return {"name": name, "kind": kind, "params": nparam, "tensors": len(params), "floor_ms": floor,
-            "results": results}, opt, ps
+    return {"name": name, "kind": label_of(entry), "params": nparam, "tensors": len(params),
+            "floor_ms": floor, "results": results}, opt, ps
 
 
-def workload_label(kind: str, name: str, tensors: int, params: int) -> str:
+def workload_label(optimizer: str, name: str, tensors: int, params: int) -> str:
     """The workload's name in the report: ``"AdamW, GPT-2 124M (148 tensors, 124.5M params)"``."""
-    return f"{KINDS[kind]}, {name} ({tensors} tensors, {params / 1e6:.1f}M params)"
+    return f"{optimizer}, {name} ({tensors} tensors, {params / 1e6:.1f}M params)"
 
 
 def add_rows(report: dict, res: dict) -> None:
@@ -165,7 +176,7 @@ DEFAULT_SWEEP = [(b, u, w) for b, w in ((512, 2), (512, 4), (1024, 4), (1024, 8)
                  for u in (1, 2, 4, 8)]
 
 
-def sweep_launch(workloads, bw, configs=DEFAULT_SWEEP):
+def sweep_launch(workloads, entries, bw, configs=DEFAULT_SWEEP):
     """Elements per program and warps, over the big and the many-small workload (the defaults in
     trainfuse/_multi_tensor/tables.py come from this table)."""
     keep = (config.block, config.unroll, config.num_warps)
@@ -174,18 +185,18 @@ def sweep_launch(workloads, bw, configs=DEFAULT_SWEEP):
         config.block, config.unroll, config.num_warps = block, unroll, warps
         row = [block, unroll, warps]
         for _, params in workloads:
-            for kind in ("adamw", "sgd"):
+            for entry in entries:
                 nparam = sum(p.numel() for p in params)
-                floor = (28 if kind == "adamw" else 20) * nparam / bw * 1e3
+                floor = (3 + 2 * _states_per_param(entry)) * params[0].element_size() * nparam / bw * 1e3
                 ps = _clone_params(params)
-                opt = _ours(kind, ps)
+                opt = _ours(entry, ps)
                 opt.step()
                 ms = kernel_ms(opt.step)
                 row.append(f"{ms:.3f} ({floor / ms * 100:.0f}%)")
                 del opt, ps
         rows.append(row)
     config.block, config.unroll, config.num_warps = keep
-    header = ["block", "unroll", "warps"] + [f"{k} {n}" for n, _ in workloads for k in ("adamw", "sgd")]
+    header = ["block", "unroll", "warps"] + [f"{label_of(e)} {n}" for n, _ in workloads for e in entries]
     print_table("launch sweep: kernel ms (% of floor)", header, rows)
     return rows
 
@@ -195,17 +206,25 @@ def main(argv=None):
                           only="run only workloads whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="also sweep block, unroll and warps")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
+    parser.add_argument("--optimizers", default=",".join(c.stock_name for c in COUNTERPARTS),
+                        help="stock names from trainfuse.optim.registry, comma-separated (default: all)")
     parser.add_argument("--configs", default="",
                         help="sweep these BLOCKxUNROLLxWARPS configurations, e.g. 512x8x4,512x16x2")
     started = parse_and_start(parser, argv, "optimizer")
     if started is None:
         return
     args, report, bw = started
+    wanted = [n for n in args.optimizers.split(",") if n]
+    entries = [c for c in COUNTERPARTS if c.stock_name in wanted and c.stock_class is not None]
+    unknown = sorted(set(wanted) - {c.stock_name for c in COUNTERPARTS})
+    if unknown:
+        parser.error(f"--optimizers: {', '.join(unknown)} not in trainfuse.optim.registry "
+                     f"({', '.join(c.stock_name for c in COUNTERPARTS)})")
     workloads = [("GPT-2 124M", _params(gpt2_shapes())),
                  ("216-tensor YOLO-like", _params(yolo_like_shapes()))]
     if args.sweep or args.sweep_only:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
-        report["sweep"] = sweep_launch(workloads, bw, configs or DEFAULT_SWEEP)
+        report["sweep"] = sweep_launch(workloads, entries, bw, configs or DEFAULT_SWEEP)
         if args.sweep_only:
             return
     y5 = yolov5n()
@@ -217,14 +236,14 @@ def main(argv=None):
     for name, params in workloads:
         if args.only.lower() not in name.lower():
             continue
-        for kind in ("adamw", "sgd"):
-            res, opt, ps = bench_workload(name, params, kind, bw, compile_torch=not args.no_compile)
+        for entry in entries:
+            res, opt, ps = bench_workload(name, params, entry, bw, compile_torch=not args.no_compile)
             add_rows(report, res)
-            if name.startswith("216") or (kind == "sgd" and name.startswith("GPT-2")):
-                # the README's summary keeps GPT-2 AdamW and yolov5n; the rest is in docs/performance.md
+            only = SUMMARY.get(entry.stock_name, "")
+            if name.startswith("216") or entry.stock_name not in SUMMARY or (only and name != only):
                 report.setdefault("summary_skip", []).append(
-                    workload_label(kind, name, res["tensors"], res["params"]))
-            if name.startswith("216") and kind == "adamw":
+                    workload_label(res["kind"], name, res["tensors"], res["params"]))
+            if name.startswith("216") and entry is COUNTERPARTS[0]:
                 report["rebuild"] = bench_rebuild(opt, ps)
             del opt, ps
     save_report(report, args.out, "optim")
