@@ -96,22 +96,39 @@ def make_module(pl, optimizer: str = "adamw", scheduler: str | None = None, seed
     return Tiny()
 
 
-def fit(pl, module, steps: int = 4, callbacks=(), precision=None, clip=None, algorithm=None,
-        val_every: int | None = None, ckpt_path=None, root=None, epochs: int = 1, data_seed: int = 0,
-        accelerator: str = ACCELERATOR, plugins=(), log_every_n_steps: int = 1):
-    """Trainer.fit: ``epochs`` passes over ``steps`` fixed batches; returns the Trainer."""
-    trainer = pl.Trainer(plugins=list(plugins),
+def make_trainer(pl, callbacks=(), precision=None, clip=None, algorithm=None, val_every: int | None = None,
+                 root=None, epochs: int = 1, accelerator: str = ACCELERATOR, plugins=(),
+                 log_every_n_steps: int = 1):
+    """The Trainer :func:`fit` runs: ``epochs`` epochs, validation every ``val_every`` batches."""
+    return pl.Trainer(plugins=list(plugins),
         accelerator=accelerator, devices=1, max_epochs=epochs, precision=precision, logger=False,
         enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks),
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip,
         gradient_clip_algorithm=algorithm, callbacks=list(callbacks), num_sanity_val_steps=0,
         val_check_interval=val_every, limit_val_batches=2 if val_every else 0, default_root_dir=root,
         log_every_n_steps=log_every_n_steps)
+
+
+def loaders(steps: int, data_seed: int = 0, val: bool = False):
+    """The training batches of :func:`fit` and, with ``val``, its two validation batches."""
     loader = torch.utils.data.DataLoader(data(steps, data_seed), batch_size=BATCH)
-    val = torch.utils.data.DataLoader(data(2, seed=99), batch_size=BATCH) if val_every else None
+    return loader, torch.utils.data.DataLoader(data(2, seed=99), batch_size=BATCH) if val else None
+
+
+def run_fit(trainer, module, steps: int, data_seed: int = 0, ckpt_path=None, val: bool = False) -> None:
+    """``trainer.fit`` on :func:`loaders`, without the warnings about tiny data loaders."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck|does not have many workers).*")
-        trainer.fit(module, loader, val, ckpt_path=ckpt_path)
+        trainer.fit(module, *loaders(steps, data_seed, val), ckpt_path=ckpt_path)
+
+
+def fit(pl, module, steps: int = 4, callbacks=(), precision=None, clip=None, algorithm=None,
+        val_every: int | None = None, ckpt_path=None, root=None, epochs: int = 1, data_seed: int = 0,
+        accelerator: str = ACCELERATOR, plugins=(), log_every_n_steps: int = 1):
+    """Trainer.fit: ``epochs`` passes over ``steps`` fixed batches; returns the Trainer."""
+    trainer = make_trainer(pl, callbacks, precision, clip, algorithm, val_every, root, epochs, accelerator,
+                           plugins, log_every_n_steps)
+    run_fit(trainer, module, steps, data_seed, ckpt_path, val=bool(val_every))
     return trainer
 
 

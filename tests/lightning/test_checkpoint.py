@@ -1,4 +1,5 @@
-"""Checkpoints written under FusedTraining are plain, and resuming continues the run exactly."""
+"""Checkpoints written under FusedTraining are plain (with an EMA: in EMAWeightAveraging's layout),
+and resuming continues the run exactly."""
 
 import os
 
@@ -7,6 +8,12 @@ import torch
 
 from tests.lightning.helpers import assert_params_equal, fit, make_module, package, params
 from trainfuse.lightning import FusedTraining
+
+# EMAWeightAveraging and FusedTraining's EMA: the same average up to a float32 rounding or two per
+# update (decay * ema + (1 - decay) * w against lerp)
+EMA_TOL = 1e-6
+# bf16-mixed with casts on the kernels (interpreter) against torch, 3 steps (test_training.py's)
+KERNEL_TOL = 1e-5
 
 
 def two_epochs(pl, root, callbacks, precision="32-true", optimizer="adamw", seed=0, ckpt_path=None,
@@ -34,9 +41,26 @@ def fused_run(torch_path, tmp_path):
 def test_checkpoint_state_dict_loads_into_the_plain_model(fused_run):
     pl, root, _, _ = fused_run
     ckpt = load(root)
-    plain = make_module(pl)
-    plain.load_state_dict(ckpt["state_dict"], strict=True)
-    assert all(v.dtype in (torch.float32, torch.int64) for v in ckpt["state_dict"].values())
+    for key in ("state_dict", "current_model_state"):  # the EMA, and the live weights
+        plain = make_module(pl)
+        plain.load_state_dict(ckpt[key], strict=True)
+        assert all(v.dtype in (torch.float32, torch.int64) for v in ckpt[key].values())
+
+
+def test_checkpoint_with_ema_has_ema_weight_averagings_layout(fused_run):
+    """The average as ``state_dict``, the live weights as ``current_model_state``, the update count
+    in ``averaging_state``: what EMAWeightAveraging writes for the same run."""
+    pl, root, _, _ = fused_run
+    two_epochs(pl, root / "stock", [pl.callbacks.EMAWeightAveraging(decay=0.9)])
+    ours, stock = load(root), load(root / "stock")
+    assert int(ours["averaging_state"]["n_averaged"]) == int(stock["averaging_state"]["n_averaged"]) == 2
+    for key in ("state_dict", "current_model_state"):
+        assert ours[key].keys() == stock[key].keys()
+        for k, v in stock[key].items():
+            # integer buffers (BatchNorm's num_batches_tracked) are not averaged: the count in both
+            # runs' live weights; AveragedModel's average of it truncates to an int on every update
+            if key == "current_model_state" or v.is_floating_point():
+                torch.testing.assert_close(ours[key][k], v, atol=EMA_TOL, rtol=0, msg=f"{key} {k}")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -64,13 +88,16 @@ def test_resume_torch_path_is_exact(fused_run):
 
 
 def test_resume_restores_the_ema(fused_run):
-    pl, root, _, first = fused_run
+    """The resumed run's last checkpoint is the uninterrupted run's: the same average, live
+    weights and update count."""
+    pl, root, _, _ = fused_run
     cb = FusedTraining(verbose=False, ema_decay=0.9)
     two_epochs(pl, root / "b", [cb], seed=5, ckpt_path=os.path.join(root, "epoch=0.ckpt"))
-    a, b = first._ema.state_dict(), cb._ema.state_dict()
-    assert a["updates"] == b["updates"] == 4
-    for k, v in a["state_dict"].items():
-        assert torch.equal(b["state_dict"][k], v), k
+    a, b = load(root, 1), load(root / "b", 1)
+    assert int(a["averaging_state"]["n_averaged"]) == int(b["averaging_state"]["n_averaged"]) == 4
+    for key in ("state_dict", "current_model_state"):
+        for k, v in a[key].items():
+            assert torch.equal(b[key][k], v), f"{key} {k}"
 
 
 def test_resume_on_kernels_with_casts_is_exact(kernels, tmp_path):
@@ -97,14 +124,24 @@ def test_stock_checkpoint_resumes_under_fused_training(torch_path, tmp_path):
     assert_params_equal(params(resumed), params(stock))
 
 
-def test_fused_checkpoint_resumes_in_a_stock_run(fused_run):
-    pl, root, uninterrupted, _ = fused_run
-    resumed = two_epochs(pl, root / "b", [], seed=5, ckpt_path=os.path.join(root, "epoch=0.ckpt"))
-    # the stock run continues without the EMA; the weights follow the same path
-    assert_params_equal(params(resumed), params(uninterrupted))
+@pytest.mark.parametrize("averaging", [False, True])
+def test_fused_checkpoint_resumes_in_a_stock_run_as_ema_weight_averagings_does(fused_run, averaging):
+    """A stock run resumes FusedTraining's checkpoint as it resumes EMAWeightAveraging's: without a
+    callback from the average (its ``state_dict``), under EMAWeightAveraging from the live weights
+    with the average continued."""
+    pl, root, _, _ = fused_run
+    two_epochs(pl, root / "stock", [pl.callbacks.EMAWeightAveraging(decay=0.9)])
+    resumed = {}
+    for name in ("stock", "ours"):
+        ckpt = os.path.join(root / "stock" if name == "stock" else root, "epoch=0.ckpt")
+        callbacks = [pl.callbacks.EMAWeightAveraging(decay=0.9)] if averaging else []
+        resumed[name] = two_epochs(pl, root / f"resumed-{name}", callbacks, seed=5, ckpt_path=ckpt)
+    # the two averages differ by float32 roundings (EMA_TOL), which the two AdamW steps after the
+    # resume carry on at the same size
+    assert_params_equal(params(resumed["ours"]), params(resumed["stock"]), atol=10 * EMA_TOL)
 
 
-def test_checkpoint_saved_during_validation_holds_the_live_weights(torch_path, tmp_path):
+def test_checkpoint_saved_during_validation_holds_the_average_and_the_live_weights(torch_path, tmp_path):
     pl = package()
     seen = {}
 
@@ -118,7 +155,37 @@ def test_checkpoint_saved_during_validation_holds_the_live_weights(torch_path, t
 
     fit(pl, make_module(pl), 2, val_every=2,
         callbacks=[SaveDuringValidation(), FusedTraining(verbose=False, ema_decay=0.9)])
-    saved = torch.load(tmp_path / "during.ckpt", weights_only=False)["state_dict"]
+    saved = torch.load(tmp_path / "during.ckpt", weights_only=False)
     assert not torch.equal(seen["during"]["head.weight"], seen["live"]["head.weight"])
     for k, v in seen["live"].items():
-        assert torch.equal(saved[k].float(), v), k
+        assert torch.equal(saved["current_model_state"][k].float(), v), k
+        assert torch.equal(saved["state_dict"][k].float(), seen["during"][k]), k
+
+
+@pytest.mark.parametrize("path", ["torch_path", "kernels"])
+def test_checkpoint_saved_after_the_fit_holds_the_average_and_the_final_live_weights(request, tmp_path, path):
+    """After the fit the module holds the average; a checkpoint saved then (ModelCheckpoint's last
+    one at train end, ``trainer.save_checkpoint``) still holds the live weights the fit ended with
+    as ``current_model_state``, float32, and optimizer states in torch.optim's layout, so a fit
+    resumed from it continues both. Compared with the same fit under EMAWeightAveraging (the
+    average) and without averaging (the live weights)."""
+    request.getfixturevalue(path)
+    pl = package()
+    tol = 0.0 if path == "torch_path" else KERNEL_TOL
+    stock_average, stock_live, ours = make_module(pl), make_module(pl), make_module(pl)
+    fit(pl, stock_average, 3, callbacks=[pl.callbacks.EMAWeightAveraging(decay=0.9)], precision="bf16-mixed")
+    fit(pl, stock_live, 3, precision="bf16-mixed")
+    cb = FusedTraining(verbose=False, ema_decay=0.9, mlp=False, losses=False)
+    trainer = fit(pl, ours, 3, callbacks=[cb], precision="bf16-mixed")
+    assert {r.kind: r.action for r in cb.report}["casts"] == ("on" if path == "kernels" else "skipped")
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    saved = torch.load(tmp_path / "after.ckpt", weights_only=False)
+    assert int(saved["averaging_state"]["n_averaged"]) == 3
+    for key, stock in (("state_dict", stock_average), ("current_model_state", stock_live)):
+        for k, v in stock.state_dict().items():
+            assert saved[key][k].dtype == v.dtype, (key, k)
+            if key == "current_model_state" or v.is_floating_point():
+                torch.testing.assert_close(saved[key][k], v, atol=max(tol, EMA_TOL), rtol=0, msg=f"{key} {k}")
+    torch_opt = stock_live.configure_optimizers()
+    torch_opt.load_state_dict(saved["optimizer_states"][0])
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in torch_opt.state.values())

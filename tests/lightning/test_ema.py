@@ -1,5 +1,7 @@
 """FusedTraining(ema_decay=...) against Lightning's EMAWeightAveraging in the same run."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -10,7 +12,9 @@ from tests.lightning.helpers import (
     data,
     fit,
     float16_mixed,
+    loaders,
     make_module,
+    make_trainer,
     package,
     params,
 )
@@ -33,33 +37,38 @@ def float_keys(sd):
     return {k: v for k, v in sd.items() if v.is_floating_point()}
 
 
-def ema_cpu(cb) -> dict[str, torch.Tensor]:
-    """The EMA, on the CPU: it stays where training ran, while Lightning's teardown moves the
-    module (the stock run's average included) to the CPU."""
-    return {k: v.cpu() for k, v in cb._ema.state_dict()["state_dict"].items()}
+def ema_callback(pl, name: str, decay: float = DECAY):
+    """The averaging callback of the stock run (EMAWeightAveraging) or of ours (FusedTraining)."""
+    if name == "stock":
+        return pl.callbacks.EMAWeightAveraging(decay=decay)
+    return FusedTraining(verbose=False, ema_decay=decay)
 
 
 def stock_and_ours(pl, steps=4, val_every=None, **fit_kwargs):
     stock, ours = make_module(pl), make_module(pl)
-    averaging = pl.callbacks.EMAWeightAveraging(decay=DECAY)
-    fit(pl, stock, steps, callbacks=[averaging], val_every=val_every, **fit_kwargs)
-    cb = FusedTraining(verbose=False, ema_decay=DECAY)
+    fit(pl, stock, steps, callbacks=[ema_callback(pl, "stock")], val_every=val_every, **fit_kwargs)
+    cb = ema_callback(pl, "ours")
     fit(pl, ours, steps, callbacks=[cb], val_every=val_every, **fit_kwargs)
     return stock, ours, cb
+
+
+def assert_same_average(ours, stock, atol: float = EMA_TOL) -> None:
+    """The float entries of two modules' state_dicts: the averages both callbacks left in them."""
+    averaged, ema = float_keys(stock.state_dict()), float_keys(ours.state_dict())
+    assert set(ema) == set(averaged)
+    for k, v in averaged.items():
+        torch.testing.assert_close(ema[k], v, atol=atol, rtol=0, msg=k)
 
 
 def test_ema_matches_ema_weight_averaging(torch_path):
     pl = package()
     stock, ours, cb = stock_and_ours(pl)
-    # EMAWeightAveraging copies its average into the model when training ends
-    averaged = float_keys(stock.state_dict())
-    assert cb._ema.state_dict()["updates"] == 4
-    ema = ema_cpu(cb)
-    assert set(ema) == set(averaged)
-    for k, v in averaged.items():
-        torch.testing.assert_close(ema[k], v, atol=EMA_TOL, rtol=0, msg=k)
-    live = params(ours)
-    assert not torch.equal(live["head.weight"], ema["head.weight"])  # not the weights
+    assert {r.kind: r.action for r in cb.report}["ema"] == "on"
+    # both callbacks copy their average into the module when training ends
+    assert_same_average(ours, stock)
+    plain = make_module(pl)
+    fit(pl, plain, 4)
+    assert not torch.equal(params(plain)["head.weight"], params(ours)["head.weight"])  # not the live weights
 
 
 def test_validation_runs_on_the_ema_and_training_on_the_live_weights(torch_path):
@@ -93,28 +102,25 @@ def test_no_swap_before_the_first_update(torch_path):
         assert torch.equal(v.cpu(), before[k]), k
 
 
-def test_test_runs_on_the_ema(torch_path):
+def test_test_after_fit_runs_on_the_ema(torch_path):
+    """Both callbacks leave the average in the module: a test after the fit, with the fit's
+    callback, runs on it and leaves the module as it was."""
     pl = package()
-    stock, ours, cb = stock_and_ours(pl)
-    # after a GPU fit, Lightning's teardown .cpu() and the test's .to(device) give the module new
-    # buffer tensors (its Parameters stay): the swap must reach the module's tensors of now.
-    # .double().float() does the same on the CPU (same values, new buffers)
-    old_mean = ours.norm.running_mean
-    ours.double().float()
-    assert ours.norm.running_mean is not old_mean
-    results = {}
-    live = params(ours)
-    for name, module in (("stock", stock), ("ours", ours)):
+    results, before, after = {}, {}, {}
+    for name in ("stock", "ours"):
+        module = make_module(pl)
+        cb = ema_callback(pl, name)
+        fit(pl, module, 4, callbacks=[cb])
         trainer = pl.Trainer(accelerator=ACCELERATOR, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[cb] if name == "ours" else [])
+                             enable_model_summary=False, callbacks=[cb])
         module.test_step = module.validation_step
         module.val_losses.clear()
+        before[name] = params(module)
         trainer.test(module, torch.utils.data.DataLoader(data(1, seed=7), batch_size=BATCH), verbose=False)
-        results[name] = module.val_losses[0]
-    # stock holds the average in its weights after fit; ours swaps it in for the test
+        results[name], after[name] = module.val_losses[0], params(module)
     torch.testing.assert_close(results["ours"], results["stock"], atol=1e-6, rtol=0)
-    for k, v in params(ours).items():  # the live weights are back after the test epoch
-        assert torch.equal(v, live[k]), k
+    for k, v in before["ours"].items():
+        assert torch.equal(after["ours"][k], v), k
 
 
 def test_ema_on_kernels_matches_ema_weight_averaging(kernels):
@@ -124,9 +130,8 @@ def test_ema_on_kernels_matches_ema_weight_averaging(kernels):
     cb = FusedTraining(verbose=False, ema_decay=DECAY, mlp=False, losses=False)
     fit(pl, ours, 2, callbacks=[cb], precision="bf16-mixed")
     assert {r.kind: r.action for r in cb.report}["casts"] == "on"
-    ema = ema_cpu(cb)
-    for k, v in float_keys(stock.state_dict()).items():
-        torch.testing.assert_close(ema[k], v, atol=kernel_tol("bf16-mixed"), rtol=0, msg=k)
+    assert {p.dtype for p in ours.parameters()} == {torch.float32}
+    assert_same_average(ours, stock, kernel_tol("bf16-mixed"))
 
 
 @pytest.mark.parametrize("averaging", ["EMAWeightAveraging", "WeightAveraging"])
@@ -154,6 +159,55 @@ def test_skipped_step_under_16_mixed_matches_ema_weight_averaging(kernels):
     assert not torch.isfinite(ours.losses[1]) and not torch.isfinite(stock.losses[1])
     assert trainer.precision_plugin.scaler.get_scale() == stock_trainer.precision_plugin.scaler.get_scale()
     assert {float(s["step"]) for s in trainer.optimizers[0].state.values()} == {3.0}
-    ema = ema_cpu(cb)
-    for k, v in float_keys(stock.state_dict()).items():  # EMAWeightAveraging leaves the average in
-        torch.testing.assert_close(ema[k], v, atol=kernel_tol("16-mixed"), rtol=0, msg=k)
+    assert_same_average(ours, stock, kernel_tol("16-mixed"))
+
+
+@pytest.mark.parametrize("where", ["the fit's Trainer", "a fresh Trainer"])
+def test_validating_a_checkpoint_runs_on_that_checkpoints_ema(torch_path, tmp_path, where):
+    """``trainer.validate(ckpt_path=...)`` evaluates the EMA the checkpoint was saved with, as under
+    EMAWeightAveraging: on the Trainer that ran the fit (whose own EMA has moved on since) and in a
+    fresh Trainer with a fresh callback."""
+    pl = package()
+    losses = {}
+    for name in ("stock", "ours"):
+        root = tmp_path / name
+        saver = pl.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_last=True,
+                                             filename="{epoch}")
+        module = make_module(pl)
+        trainer = fit(pl, module, 2, epochs=3, val_every=2, callbacks=[ema_callback(pl, name, 0.6), saver])
+        for ckpt in ("epoch=0.ckpt", "last.ckpt"):
+            if where == "a fresh Trainer":
+                module = make_module(pl, seed=5)
+                trainer = make_trainer(pl, [ema_callback(pl, name, 0.6)], val_every=2)
+            module.val_losses.clear()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", ".*(num_workers|outside the 'fit' stage).*")
+                trainer.validate(module, loaders(2, val=True)[1], ckpt_path=root / ckpt, verbose=False)
+            losses[name, ckpt] = torch.stack(module.val_losses)
+    for ckpt in ("epoch=0.ckpt", "last.ckpt"):
+        torch.testing.assert_close(losses["ours", ckpt], losses["stock", ckpt], atol=EMA_TOL, rtol=0,
+                                   msg=ckpt)
+    assert not torch.allclose(losses["stock", "epoch=0.ckpt"], losses["stock", "last.ckpt"])
+
+
+def test_after_fit_the_module_holds_the_ema(torch_path, tmp_path):
+    """EMAWeightAveraging copies the average into the module when training ends: its state_dict,
+    ``trainer.predict``, a weights-only checkpoint and ``load_from_checkpoint`` all give the EMA.
+    So do FusedTraining's."""
+    pl = package()
+    out = {}
+    inputs = torch.utils.data.DataLoader(data(2, seed=7).tensors[0], batch_size=BATCH)
+    for name in ("stock", "ours"):
+        module = make_module(pl)
+        trainer = fit(pl, module, 4, callbacks=[ema_callback(pl, name)])
+        predicted = torch.cat(trainer.predict(module, inputs))
+        path = tmp_path / f"{name}.ckpt"
+        trainer.save_checkpoint(path, weights_only=True)
+        loaded = type(module).load_from_checkpoint(path, map_location="cpu", weights_only=False)
+        out[name] = (float_keys(module.state_dict()), predicted, float_keys(loaded.state_dict()))
+    (stock, stock_predicted, stock_loaded), (ours, ours_predicted, ours_loaded) = out["stock"], out["ours"]
+    assert set(ours) == set(stock)
+    for k in stock:
+        torch.testing.assert_close(ours[k], stock[k], atol=EMA_TOL, rtol=0, msg=k)
+        torch.testing.assert_close(ours_loaded[k], stock_loaded[k], atol=EMA_TOL, rtol=0, msg=k)
+    torch.testing.assert_close(ours_predicted, stock_predicted, atol=1e-5, rtol=0)

@@ -6,7 +6,7 @@ from torch import nn
 
 import trainfuse
 from tests.conftest import DEVICE
-from tests.lightning.helpers import PACKAGES, fit, make_module, package
+from tests.lightning.helpers import PACKAGES, fit, float16_mixed, make_module, package
 from trainfuse.lightning import FusedTraining, Row, SkipError
 
 
@@ -37,6 +37,31 @@ def test_report_rows_and_printed_table(torch_path, pkg, capsys):
     assert "FusedTraining: 3 swapped, 0 skipped" in printed
     for r in cb.report:
         assert r.detail in printed
+
+
+# what the rows of the kernel path promise, and torch's path does not do
+KERNEL_WORDS = ("kernel", "launch", "no host sync", "one pass")
+
+
+@pytest.mark.parametrize("path", ["torch_path", "kernels"])
+def test_rows_describe_what_runs_on_the_backend(request, path):
+    """On torch's path (no GPU, or TRAINFUSE_BACKEND=torch) no row promises kernels, launches or
+    the absence of host syncs: each says what runs there, torch's own math."""
+    request.getfixturevalue(path)
+    pl = package()
+    cb = FusedTraining(verbose=False, ema_decay=0.9)
+    fit(pl, make_module(pl), 1, callbacks=[cb], clip=1.0, plugins=[float16_mixed(pl)])
+    rows = {r.kind: r for r in cb.report}
+    kinds = ("mlp", "loss", "optimizer", "clipping", "ema", "scaler")
+    assert [rows[k].action for k in kinds] == ["swapped", "swapped", "swapped", "on", "on", "swapped"]
+    for k in kinds:
+        promised = [w for w in KERNEL_WORDS if w in rows[k].detail]
+        if path == "kernels":
+            assert promised, (k, rows[k].detail)
+        else:
+            assert not promised and "torch" in rows[k].detail, (k, rows[k].detail)
+    assert rows["backend"].detail.startswith("Triton kernels" if path == "kernels" else
+                                             ("no GPU: torch path" if DEVICE.type == "cpu" else "torch path"))
 
 
 def test_mixing_packages_is_accepted_by_both_trainers():

@@ -203,3 +203,38 @@ def test_learning_rate_monitor_follows_the_new_optimizer(torch_path, tmp_path):
     assert list(logged["ours"]) == [k.replace("AdamW", "FusedAdamW") for k in logged["stock"]]
     assert list(logged["ours"].values()) == list(logged["stock"].values())
     assert len(logged["stock"]["lr-AdamW/pg1"]) == 4
+
+
+def test_sparse_gradient_model_keeps_its_optimizer():
+    """nn.Embedding(sparse=True) gets sparse grads, which the fused step does not take: the
+    optimizer stays torch's, with the reason, and the run trains as without the callback."""
+    pl = package()
+
+    class Sparse(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(16, 8, sparse=True)
+            self.head = torch.nn.Linear(8, 4)
+            self.losses = []
+
+        def training_step(self, batch, i):
+            x, y = batch
+            ids = (x[:, 0].abs() * 8).long().clamp(max=15)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(self.head(self.embed(ids)), y)
+            self.losses.append(loss.detach().clone())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ref, ours = Sparse(), Sparse()
+    fit(pl, ref, 3)
+    cb = FusedTraining(verbose=False)
+    trainer = fit(pl, ours, 3, callbacks=[cb])
+    row = next(r for r in cb.report if r.kind == "optimizer")
+    assert (row.name, row.action) == ("optimizer 0 (SGD)", "skipped")
+    assert "embed (sparse=True) gets sparse gradients" in row.detail
+    assert type(trainer.optimizers[0]) is torch.optim.SGD
+    assert torch.equal(torch.stack(ours.losses), torch.stack(ref.losses))
+    assert_params_equal(params(ref), params(ours))

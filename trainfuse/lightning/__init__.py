@@ -3,7 +3,7 @@
 
 Works with ``lightning.pytorch`` and ``pytorch_lightning`` (whichever are installed)."""
 
+from trainfuse.clients import Row, SkipError
 from trainfuse.lightning.callback import FusedTraining
-from trainfuse.lightning.report import Row, SkipError
 
 __all__ = ["FusedTraining", "Row", "SkipError"]

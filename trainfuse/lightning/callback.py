@@ -2,56 +2,72 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-import trainfuse
+from trainfuse._runtime.backend import use_triton
+from trainfuse.clients import OFF, SKIPPED, Report
 from trainfuse.graphs import GraphedModule, StepStats
-from trainfuse.lightning import _compat, graphs
-from trainfuse.lightning.checkpoint import plain_checkpoint
-from trainfuse.lightning.ema import WeightEMA
-from trainfuse.lightning.modules import fuse_chains, fuse_losses
-from trainfuse.lightning.optimizers import repoint_schedulers, swap_optimizer, why_not_swappable
-from trainfuse.lightning.precision import PRECISIONS, CastState, precision_of, restore_scaler, swap_scaler
-from trainfuse.lightning.report import OFF, ON, SKIPPED, SWAPPED, Report
+from trainfuse.lightning import _compat
+from trainfuse.lightning.changes import (
+    EMA,
+    Backend,
+    Casts,
+    Change,
+    Clipping,
+    EvaluateOnEMA,
+    Graphs,
+    LossFusion,
+    MLPFusion,
+    OptimizerSwap,
+    Precision,
+    Run,
+    Scaler,
+    Strategy,
+)
+from trainfuse.lightning.checkpoint import plain_checkpoint, saved_average
 
-
-def _log_step(trainer: Any) -> bool:
-    """Whether the Trainer writes this step's logs (its ``log_every_n_steps`` cadence, as its
-    logger connector decides it, read from public attributes; automatic optimization steps one
-    optimizer a batch, so ``global_step`` after the step is the batch count it uses)."""
-    every = trainer.log_every_n_steps
-    if trainer.fast_dev_run:
-        return True
-    return bool(every) and (trainer.global_step % every == 0 or trainer.should_stop)
-
-
-def _kernels_on(device: torch.device) -> bool:
-    """Whether the fused optimizers run their Triton kernels for tensors on ``device``."""
-    name = trainfuse.backend()
-    return name == "triton" or (name == "auto" and device.type == "cuda")
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 class FusedTraining(*_compat.callback_bases()):
     """Runs a Lightning fit on trainfuse's fused kernels.
 
     At fit start (after Lightning restored a checkpoint's optimizer when ``ckpt_path=`` is given)
-    it swaps ``torch.optim.AdamW``/``Adam``/``SGD`` for FusedAdamW/FusedAdam/FusedSGD (same param
-    groups, state and schedulers), folds ``Trainer(gradient_clip_val=...)`` into their step (by
-    norm: ``max_grad_norm``; by value: ``max_grad_value``), under 16-mixed/bf16-mixed makes the
-    weights 16-bit with float32 masters in the optimizer (:func:`trainfuse.amp.fuse_casts`), swaps
-    Linear/activation Sequentials for FusedMLP and ``nn.BCEWithLogitsLoss`` for the fused loss,
-    and keeps an EMA inside the optimizer step.
-    Checkpoints stay plain (float32 weights, torch.optim state layout). Every change, and every
-    thing it left alone with the reason, is a row of :attr:`report`, printed on rank zero.
+    it makes its changes in this order, each a :class:`~trainfuse.lightning.changes.Change` with
+    a row in :attr:`report` (what runs now, or why it was left alone):
+
+    1. ``backend``: which code runs, the Triton kernels or torch's path (nothing changes);
+    2. ``precision``, ``strategy``: any precision but 32-true/16-mixed/bf16-mixed, or a strategy
+       but single-device/DDP, leaves the run stock;
+    3. ``mlp``: Linear/activation ``nn.Sequential`` chains -> ``trainfuse.nn.FusedMLP``;
+    4. ``loss``: ``nn.BCEWithLogitsLoss`` -> ``trainfuse.losses.BCEWithLogitsLoss``;
+    5. ``optimizer``: ``torch.optim.AdamW``/``Adam``/``SGD`` -> FusedAdamW/FusedAdam/FusedSGD
+       (same param groups, state and schedulers), unless the step cannot take them (sparse
+       gradients, step hooks, manual optimization...);
+    6. ``clipping``: ``Trainer(gradient_clip_val=...)`` inside the fused step (by norm:
+       ``max_grad_norm``; by value: ``max_grad_value``), the Trainer's own clipping off meanwhile;
+    7. ``ema``: an EMA inside the optimizer step, with EMAWeightAveraging's semantics;
+    8. ``casts``: under 16-mixed/bf16-mixed, 16-bit weights with float32 masters in the
+       optimizer (:func:`trainfuse.amp.fuse_casts`);
+    9. ``scaler``: under 16-mixed, trainfuse's GradScaler for Lightning's;
+    10. ``graphs``: forward and backward replayed from CUDA graphs;
+    11. validation inside the fit on the EMA.
+
+    When training ends, and on an exception (Lightning then calls ``on_exception``, not
+    ``teardown``), the changes are undone in reverse order: the weights are float32 again, the
+    Trainer has its clipping and its scaler back, the modules their own forward; after a fit that
+    ended the module holds the EMA, as under EMAWeightAveraging. Checkpoints stay plain (float32
+    weights, torch.optim state layout; with an EMA, WeightAveraging's layout). The report is
+    printed on rank zero.
 
     Args:
         fuse_casts: under 16-mixed/bf16-mixed, 16-bit weights with float32 masters (the optimizer
             writes the weights the forward reads; autocast no longer re-casts them at each use).
         ema_decay: keep an EMA of the weights and buffers with this decay (Lightning's
-            EMAWeightAveraging schedule: the first update copies); validation and test run on it.
-            None: no EMA.
+            EMAWeightAveraging schedule: the first update copies); validation inside the fit runs
+            on it, the module holds it after the fit, and checkpoints save it as their
+            ``state_dict`` (the live weights as ``current_model_state``). None: no EMA.
         mlp: swap Linear/activation ``nn.Sequential`` chains for ``trainfuse.nn.FusedMLP``.
         losses: swap ``nn.BCEWithLogitsLoss`` modules for ``trainfuse.losses.BCEWithLogitsLoss``.
         strict: raise :class:`trainfuse.lightning.SkipError` instead of skipping anything.
@@ -98,21 +114,16 @@ class FusedTraining(*_compat.callback_bases()):
         self.log_grad_norm = log_grad_norm
         self.verbose = verbose
         self.cuda_graphs = cuda_graphs
-        self.report = Report(strict)
+        self.report = Report("FusedTraining", strict)
         self._graphs: dict[str, GraphedModule] = {}
-        self._ema: WeightEMA | None = None
-        self._ema_stash: dict[str, Any] | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self._applied = False
+        self._run: Run | None = None  # set when the changes are made, for the fit's duration
+        self._applied: list[Change] = []
         self._deferred = False
-        self._casts: CastState | None = None
-        self._saved_clip: tuple[Any, Any] | None = None
-        self._norm_optimizer: torch.optim.Optimizer | None = None
-        self._old_scaler = None
-        self._ema_steps = False  # the EMA is updated after the step, not inside it
-        self._last_step = 0
+        self._resumed: tuple[dict, int] | None = None  # the average of the checkpoint resumed from
+        self._ema: EMA | None = None  # the fit's EMA, once made (kept after the fit for checkpoints)
 
     @property
     def graph_stats(self) -> dict[str, StepStats]:
@@ -126,8 +137,62 @@ class FusedTraining(*_compat.callback_bases()):
         capture, with why."""
         return {name: g.reasons for name, g in self._graphs.items() if g.reasons}
 
+    # ---- the changes -----------------------------------------------------------------------------
+    def _changes(self, run: Run) -> list[Change]:
+        """This run's changes, in the order they are made."""
+        changes: list[Change] = [Backend(), Precision(), Strategy()]
+        if self.mlp:
+            changes.append(MLPFusion())
+        if self.losses:
+            changes.append(LossFusion())
+        ema = EMA(self.ema_decay, self._resumed)
+        changes += [OptimizerSwap(), Clipping(self.log_grad_norm), ema, Casts(self.fuse_casts)]
+        if run.precision == "16-mixed":
+            changes.append(Scaler())
+        changes.append(Graphs(self.cuda_graphs, self._graphs))
+        if self.ema_decay is not None:
+            changes.append(EvaluateOnEMA(ema))
+        return changes
+
+    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Make every change that applies, with its rows; print the report."""
+        device = trainer.strategy.root_device
+        run = Run(trainer, pl_module, device, use_triton(device), str(trainer.precision),
+                  _compat.strategy_kind(trainer.strategy))
+        self._run = run
+        for change in self._changes(run):
+            off = change.why_off(run)
+            reason = change.why_not(run) if off is None else None
+            if off is not None or reason is not None:
+                action = OFF if reason is None else SKIPPED
+                self.report.add(change.kind, change.name(run), action, off or reason)
+                if reason is not None and change.ends_run:
+                    break
+                continue
+            change.apply(run)
+            self._applied.append(change)
+            if isinstance(change, EMA):
+                self._ema = change
+            for row in change.rows(run):
+                self.report.add(row.kind, row.name, row.action, row.detail)
+        if self.verbose and trainer.is_global_zero:
+            print(self.report)
+
+    def _end(self, *, failed: bool) -> None:
+        """Undo the applied changes in reverse order (each one, even when another raises)."""
+        applied, self._applied = self._applied, []
+        errors = []
+        for change in reversed(applied):
+            try:
+                change.restore(self._run, failed=failed)
+            except Exception as e:  # the others are undone first, then it is raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
     # ---- when it acts ----------------------------------------------------------------------------
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Fit begins: refuse a second average of the weights, and forget the last fit's state."""
         if stage != "fit":
             return
         averaging = _compat.weight_averaging_callbacks(trainer.callbacks)
@@ -137,261 +202,82 @@ class FusedTraining(*_compat.callback_bases()):
                 f"average of the weights: remove {type(averaging[0]).__name__} (FusedTraining's EMA follows "
                 "its schedule inside the optimizer step) or drop ema_decay")
         self._reset()
-        self._graphs = {}
+        self._graphs.clear()
         self.report.clear()
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        # with ckpt_path, Lightning loads the optimizer state after this hook: the swap then waits
-        # for on_train_start and carries the restored state over
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Make the changes, unless the fit resumes from a checkpoint: Lightning loads its optimizer
+        state after this hook, so the swap waits for ``on_train_start`` and carries it over."""
         if trainer.ckpt_path is not None:
             self._deferred = True
             return
-        self._apply(trainer, pl_module)
+        self._start(trainer, pl_module)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._deferred and not self._applied:
-            self._apply(trainer, pl_module)
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Make the changes of a resumed fit (its checkpoint is fully loaded now)."""
+        if self._deferred and self._run is None:
+            self._start(trainer, pl_module)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit" or not self._applied:
-            return
-        graphs.uninstall(self._graphs)  # before the casts change the params' storage
-        if self._ema is not None:
-            self._ema.swap_out(pl_module)
-        if self._casts is not None:
-            self._casts.restore()
-        if self._saved_clip is not None:
-            trainer.gradient_clip_val, trainer.gradient_clip_algorithm = self._saved_clip
-        if self._old_scaler is not None:
-            restore_scaler(trainer.precision_plugin, self._old_scaler)
-        self._reset()
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        """After each batch: the EMA update when no optimizer step does it, ``grad_norm``'s log."""
+        for change in self._applied:
+            change.after_batch(self._run)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        graphs.uninstall(self._graphs)  # the module's own forward back, whatever happens next
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Validation inside the fit begins: the EMA goes into the module."""
+        for change in self._applied:
+            change.validation_starts(self._run)
 
-    # ---- the changes -----------------------------------------------------------------------------
-    def _apply(self, trainer: Any, pl_module: Any) -> None:
-        self._applied = True
-        report = self.report
-        strategy = trainer.strategy
-        device = strategy.root_device
-        kernels = _kernels_on(device)
-        setting = f"TRAINFUSE_BACKEND={trainfuse.backend()}"
-        if kernels:
-            report.add("backend", str(device), ON, f"Triton kernels ({setting})")
-        elif not torch.cuda.is_available():
-            report.add("backend", str(device), ON, "no GPU: torch path (torch.optim's math, same results)")
-        else:
-            report.add("backend", str(device), ON, f"torch path for {device.type} tensors ({setting})")
-        precision = precision_of(trainer)
-        if precision not in PRECISIONS:
-            report.add("precision", f"precision={precision!r}", SKIPPED,
-                       f"FusedTraining takes precision {', '.join(map(repr, PRECISIONS))}: nothing changed")
-            return self._print(trainer)
-        kind = _compat.strategy_kind(strategy)
-        if kind not in ("single", "ddp"):
-            report.add("strategy", kind, SKIPPED, "FusedTraining acts under single-device and DDP strategies "
-                       "(sharded or engine-managed optimizers): nothing changed")
-            return self._print(trainer)
-        averaging = _compat.weight_averaging_callbacks(trainer.callbacks)
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Validation inside the fit ended: the live weights come back."""
+        for change in self._applied:
+            change.validation_ends(self._run)
 
-        if self.mlp:
-            if fuse_chains(pl_module, report) == 0 and not any(r.kind == "mlp" for r in report):
-                report.add("mlp", "-", OFF, "no nn.Sequential of Linear + activation in the module")
-        if self.losses:
-            if fuse_losses(pl_module, report) == 0 and not any(r.kind == "loss" for r in report):
-                report.add("loss", "-", OFF, "no nn.BCEWithLogitsLoss module")
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Training ended: undo the changes (the module holds the EMA from now on, as under
+        EMAWeightAveraging, whose ``on_train_end`` copies it in)."""
+        self._end(failed=False)
 
-        clip_val = trainer.gradient_clip_val
-        clip = float(clip_val) if clip_val is not None and clip_val > 0 else None
-        algorithm = trainer.gradient_clip_algorithm
-        algorithm = getattr(algorithm, "value", algorithm) or "norm"
-        by_norm = algorithm == "norm"  # the fused step clips by norm or by value (kernels and torch path)
-        swapped = self._swap_optimizers(trainer, pl_module, kernels, clip if by_norm else None,
-                                        None if by_norm else clip)
-        all_swapped = bool(swapped) and len(swapped) == len(strategy.optimizers)
-        self._set_clipping(trainer, clip, algorithm, all_swapped, by_norm)
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Fit ends: undo what a fit without a training loop (nothing left to train) still holds."""
+        if stage == "fit":
+            self._end(failed=False)
 
-        if self.ema_decay is not None:  # before the casts: the EMA copies the float32 weights
-            self._start_ema(pl_module, swapped, all_swapped)
-        else:
-            report.add("ema", "-", OFF, "ema_decay=None")
-        self._set_casts(pl_module, precision, kind, kernels, swapped, all_swapped, averaging)
-        if precision == "16-mixed" and swapped:
-            self._old_scaler = swap_scaler(trainer.precision_plugin)
-            if self._old_scaler is not None:
-                report.add("scaler", "GradScaler", SWAPPED, "trainfuse.amp.GradScaler: the inf check is "
-                           "the step's statistics pass; unscale and inf skip run in the step, no host sync")
-        self._start_graphs(pl_module, kind, device)
-        self._print(trainer)
-
-    def _swap_optimizers(self, trainer: Any, pl_module: Any, kernels: bool, max_norm: float | None,
-                         max_value: float | None) -> list:
-        strategy = trainer.strategy
-        manual = not pl_module.automatic_optimization
-        own_clipping = _compat.is_overridden("configure_gradient_clipping", pl_module)
-        result, swapped = [], []
-        for i, opt in enumerate(strategy.optimizers):
-            name = f"optimizer {i} ({type(opt).__name__})"
-            if manual:
-                reason = ("manual optimization: training_step steps and clips it through Lightning, which "
-                          "refuses to clip optimizers that unscale inside their step")
-            elif own_clipping:
-                reason = ("configure_gradient_clipping is overridden: it clips through Lightning, which "
-                          "refuses to clip optimizers that unscale inside their step")
-            else:
-                reason = why_not_swappable(opt, kernels)
-            if reason is not None:
-                self.report.add("optimizer", name, SKIPPED, reason)
-                result.append(opt)
-                continue
-            new = swap_optimizer(opt, max_norm, max_value)
-            moved = repoint_schedulers(strategy.lr_scheduler_configs, opt, new)
-            detail = f"{type(new).__name__}: one multi-tensor launch per step"
-            if moved:
-                detail += f"; {moved} LR scheduler{'s' if moved > 1 else ''} re-pointed"
-            self.report.add("optimizer", name, SWAPPED, detail)
-            result.append(new)
-            swapped.append(new)
-        if swapped:
-            strategy.optimizers = result  # rebuilds the LightningOptimizer wrappers the loop steps
-        return swapped
-
-    def _set_clipping(self, trainer: Any, clip: float | None, algorithm: str, all_swapped: bool,
-                      by_norm: bool) -> None:
-        name = f"gradient_clip_val={trainer.gradient_clip_val}, algorithm={algorithm}"
-        if clip is None:
-            self.report.add("clipping", "gradient_clip_val", OFF, "not set")
-            return
-        if not all_swapped:
-            self.report.add("clipping", name, SKIPPED, "an optimizer was not swapped: Lightning clips as "
-                            "before")
-            return
-        self._saved_clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-        trainer.gradient_clip_val = None  # Lightning's clipping refuses fused optimizers; ours runs instead
-        off = "Trainer clipping off for the run"
-        if by_norm:
-            self._norm_optimizer = trainer.strategy.optimizers[0]
-            self.report.add("clipping", name, ON, "by norm inside the fused step (statistics pass + update, "
-                            f"no host sync); pre-clip norm logged as grad_norm; {off}")
-        else:
-            self.report.add("clipping", name, ON, "by value inside the fused step (the update clamps the "
-                            f"unscaled grads: no extra launch, no host sync); {off}")
-
-    def _start_ema(self, pl_module: Any, swapped: list, all_swapped: bool) -> None:
-        ema = WeightEMA(pl_module, self.ema_decay)
-        if self._ema_stash is not None:
-            ema.load_state_dict(self._ema_stash)
-            self._ema_stash = None
-        self._ema = ema
-        n = len(ema.pairs)
-        if len(swapped) == 1 and all_swapped:
-            swapped[0].attach_ema(ema.fused)
-            self.report.add("ema", f"decay={self.ema_decay}", ON, f"{n} tensors averaged inside the "
-                            "optimizer step; validation/test run on the EMA; saved in the checkpoint")
-        else:
-            self._ema_steps = True
-            self.report.add("ema", f"decay={self.ema_decay}", ON, f"{n} tensors averaged in one launch "
-                            "after each optimizer step (not one swapped optimizer to fold it into); "
-                            "validation/test run on the EMA; saved in the checkpoint")
-
-    def _set_casts(self, pl_module, precision, kind, kernels, swapped, all_swapped, averaging) -> None:
-        dtype = PRECISIONS[precision]
-        if dtype is None:
-            self.report.add("casts", precision, OFF, "32-true: nothing is cast")
-            return
-        if not self.fuse_casts:
-            self.report.add("casts", precision, OFF, "fuse_casts=False: autocast casts every weight at each "
-                            "use")
-            return
-        reason = None
-        if kind != "single":
-            reason = "DDP wrapped the model before on_fit_start; its gradient buckets keep the float32 dtype"
-        elif not kernels:
-            reason = "torch path: only the optimizer kernel writes the 16-bit weights"
-        elif not (len(swapped) == 1 and all_swapped):
-            reason = "needs one swapped optimizer to hold the float32 masters"
-        elif averaging:
-            reason = (f"{type(averaging[0]).__name__} copies its average into the weights at train end, "
-                      "which the float32 masters would overwrite")
-        if reason is not None:
-            self.report.add("casts", precision, SKIPPED, reason)
-            return
-        self._casts = CastState(pl_module, swapped[0], dtype)
-        self.report.add("casts", precision, ON, f"{len(self._casts.cast)} params {str(dtype)[6:]} with "
-                        "float32 masters; the step writes the 16-bit weights the forward reads (norms and "
-                        "embeddings stay float32)")
-
-    def _start_graphs(self, pl_module: Any, kind: str, device: torch.device) -> None:
-        if not self.cuda_graphs:
-            self.report.add("graphs", "cuda_graphs", OFF, "cuda_graphs=False: forward and backward launch "
-                            "every kernel")
-            return
-        reason = graphs.why_no_graphs(kind, device)
-        targets = graphs.graph_targets(pl_module) if reason is None else []
-        if reason is None and not targets:
-            reason = "no forward on the LightningModule and no child module with trainable params"
-        if reason is not None:
-            self.report.add("graphs", "cuda_graphs", SKIPPED, reason)
-            return
-        self._graphs = graphs.install(targets)
-        names = ", ".join(name for name, _ in targets)
-        self.report.add("graphs", names, ON, "forward + backward replayed from CUDA graphs per input shape "
-                        "(first batch of a shape eager, second captured); loss, logging, hooks and "
-                        "optimizer step eager")
-
-    def _print(self, trainer: Any) -> None:
-        if self.verbose and trainer.is_global_zero:
-            print(self.report)
-
-    # ---- every step ------------------------------------------------------------------------------
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if self._ema_steps and trainer.global_step > self._last_step:
-            self._ema.update()
-            self._last_step = trainer.global_step
-        if not self.log_grad_norm or self._norm_optimizer is None or not _log_step(trainer):
-            return
-        norm = self._norm_optimizer.grad_norm
-        if norm is not None:
-            pl_module.log("grad_norm", norm, on_step=True, on_epoch=False, logger=bool(trainer.loggers))
-
-    # ---- evaluation on the EMA -------------------------------------------------------------------
-    def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._ema is not None:
-            self._ema.swap_in(pl_module)
-
-    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._ema is not None:
-            self._ema.swap_out(pl_module)
-
-    def on_test_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._ema is not None:
-            self._ema.swap_in(pl_module)
-
-    def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._ema is not None:
-            self._ema.swap_out(pl_module)
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """The fit raised (Lightning calls no ``teardown`` then): undo every change, the module
+        keeps its live weights."""
+        self._end(failed=True)
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        # the live weights, also when a save happens while validation runs on the EMA
-        weights = {} if self._ema is None else dict(self._ema.live_values())
-        if self._casts is not None:
-            weights.update(self._casts.float32_weights())
-        plain_checkpoint(checkpoint, weights)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {} if self._ema is None else {"ema": self._ema.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        ema = state_dict.get("ema")
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A checkpoint: float32 weights, torch.optim's layout, and with the fit's EMA,
+        EMAWeightAveraging's layout (see :mod:`trainfuse.lightning.checkpoint`), also for a save
+        after the fit (ModelCheckpoint's at train end or on an exception)."""
+        live: dict = {}
+        ema, casts = self._ema, next((c for c in self._applied if isinstance(c, Casts)), None)
+        if ema is not None:  # the live weights where the module holds the average
+            live.update(ema.live_values())
+        if casts is not None:
+            live.update(casts.float32_weights())
         if ema is None:
+            plain_checkpoint(checkpoint, live)
+        else:
+            plain_checkpoint(checkpoint, live, ema.ema.values(), ema.ema.updates)
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """A fit resumes: with the EMA on and a checkpoint in WeightAveraging's layout, the
+        average continues from its ``state_dict`` and the module takes the live weights (Lightning
+        has just loaded the average into it). Outside a fit the module keeps the average."""
+        if self.ema_decay is None or trainer.state.fn != "fit":
             return
-        if self._ema is not None and self._applied:
-            self._ema.load_state_dict(ema)
-        else:  # the EMA is made at fit start, after Lightning restores callbacks
-            self._ema_stash = ema
+        found = saved_average(checkpoint)
+        if found is not None:
+            self._resumed = found
+            pl_module.load_state_dict(checkpoint["current_model_state"], strict=pl_module.strict_loading)
 
 
 __all__ = ["FusedTraining"]

@@ -1,9 +1,15 @@
-"""Plain checkpoints: what FusedTraining writes loads without trainfuse.
+"""What FusedTraining's checkpoints hold: stock Lightning's layout, loadable without trainfuse.
 
 ``state_dict`` holds float32 weights (the masters of cast params), which a plain model loads with
 ``strict=True``; ``optimizer_states`` are in torch.optim's layout (no float32 master entries, no
 ``master_weights`` group key, ``step`` a CPU float32 scalar), which torch's AdamW/Adam/SGD load.
 Nothing is lost: on resume the masters are made again from the float32 weights.
+
+With an EMA the layout is Lightning's ``WeightAveraging`` one: ``state_dict`` holds the average
+(what ``validate``/``test``/``predict`` with ``ckpt_path=``, ``load_from_checkpoint`` and a run
+without the callback load), ``current_model_state`` the live weights and ``averaging_state`` the
+number of updates (``n_averaged``). A fit resumed under FusedTraining or under
+``EMAWeightAveraging`` continues the live weights and the average from there.
 """
 
 from __future__ import annotations
@@ -12,27 +18,39 @@ from typing import Any
 
 import torch
 
-from trainfuse.optim import MASTER_KEY
-from trainfuse.optim.portable import MASTER_GROUP_KEY, torch_state_dict
-
-# torch.optim's layout of a fused optimizer's state_dict (shared with the ultralytics trainer)
-torch_optimizer_state = torch_state_dict
+from trainfuse.optim.portable import torch_state_dict
 
 
-def plain_checkpoint(checkpoint: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
-    """Rewrite a Lightning checkpoint dict in place so it holds the live float32 weights and
-    torch-layout optimizer states.
+def plain_checkpoint(checkpoint: dict[str, Any], live: dict[str, torch.Tensor],
+                     average: dict[str, torch.Tensor] | None = None, updates: int = 0) -> None:
+    """Rewrite a Lightning checkpoint dict in place into the layout above.
 
     Args:
         checkpoint: the dict ``on_save_checkpoint`` receives.
-        weights: state_dict key -> the value to save instead of the module's: the float32 masters
-            of params fuse_casts made 16-bit, the live values while the EMA is swapped in.
+        live: state_dict key -> the live value to save instead of the module's: the float32
+            masters of params fuse_casts made 16-bit, the live values while the EMA is swapped in.
+        average: the EMA under state_dict keys, or None without one.
+        updates: the EMA updates done so far.
     """
-    if weights and "state_dict" in checkpoint:
-        checkpoint["state_dict"] = {k: weights.get(k, v) for k, v in checkpoint["state_dict"].items()}
+    if "state_dict" in checkpoint:
+        state = {k: live.get(k, v) for k, v in checkpoint["state_dict"].items()}
+        if average is not None:
+            checkpoint["current_model_state"] = state
+            state = {k: average.get(k, v) for k, v in state.items()}
+            checkpoint["averaging_state"] = {"n_averaged": torch.tensor(updates, dtype=torch.long)}
+        checkpoint["state_dict"] = state
     states = checkpoint.get("optimizer_states")
     if states:
-        checkpoint["optimizer_states"] = [torch_optimizer_state(s) for s in states]
+        checkpoint["optimizer_states"] = [torch_state_dict(s) for s in states]
 
 
-__all__ = ["MASTER_GROUP_KEY", "MASTER_KEY", "plain_checkpoint", "torch_optimizer_state"]
+def saved_average(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int] | None:
+    """The average a checkpoint in WeightAveraging's layout holds (written by FusedTraining or by
+    Lightning's averaging callbacks): ``(its state_dict, updates)``, or None for another layout."""
+    if "current_model_state" not in checkpoint or "averaging_state" not in checkpoint:
+        return None
+    updates = checkpoint["averaging_state"].get("n_averaged", 0)
+    return checkpoint["state_dict"], int(updates)
+
+
+__all__ = ["plain_checkpoint", "saved_average"]

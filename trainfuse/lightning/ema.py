@@ -8,11 +8,13 @@ so the two differ only by rounding (lerp against multiply-add). A step GradScale
 the EMA toward the unchanged weights in both (the fused kernel folds the EMA on skipped steps too).
 The FusedEMA is built over a holder module whose entries are the LightningModule's own tensors: no
 copy of the module object (its Trainer, datasets, metrics), only of its tensors.
+
+Also as EMAWeightAveraging: validation inside the fit runs on the average, the module holds it
+after the fit, and checkpoints save it as their ``state_dict`` (see
+:mod:`trainfuse.lightning.checkpoint`).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
@@ -109,23 +111,35 @@ class WeightEMA:
             return {}
         return {k: saved for (k, _, _), saved in zip(self.pairs, self._saved)}
 
+    @torch.no_grad()
+    def copy_to(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Put the EMA values into ``module``'s tensors for good, as EMAWeightAveraging does when
+        training ends (nothing before the first update). Returns state_dict key -> the live value
+        each one displaced (copies)."""
+        if self.updates == 0:
+            return {}
+        displaced = {}
+        for (k, e, _), w in zip(self.pairs, self._current(module)):
+            displaced[k] = w.detach().clone()
+            w.copy_(e)
+        return displaced
+
     # ---- checkpoint ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The averaged tensors under the module's own state_dict keys (a partial state_dict of
-        the plain module, float32), the update count and the decay."""
-        return {"state_dict": {k: e.detach().clone() for k, e, _ in self.pairs},
-                "updates": self.updates, "decay": self.decay}
+    def values(self) -> dict[str, torch.Tensor]:
+        """The averaged tensors under the module's own state_dict keys (copies, float32)."""
+        return {k: e.detach().clone() for k, e, _ in self.pairs}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["state_dict"]
-        missing = [k for k, _, _ in self.pairs if k not in saved]
+    def load(self, values: dict[str, torch.Tensor], updates: int) -> None:
+        """Continue from a saved average: ``values`` under the module's state_dict keys (a
+        checkpoint's ``state_dict`` in EMAWeightAveraging's layout), after ``updates`` updates."""
+        missing = [k for k, _, _ in self.pairs if k not in values]
         if missing:
-            raise KeyError(f"FusedTraining: the checkpoint's EMA lacks {missing[0]} (and {len(missing) - 1} "
-                           "more): it was saved from another model")
+            raise KeyError(f"FusedTraining: the checkpoint's average lacks {missing[0]} (and "
+                           f"{len(missing) - 1} more): it was saved from another model")
         for k, e, _ in self.pairs:
-            e.copy_(saved[k])
-        self.fused.updates = int(state["updates"])
+            e.copy_(values[k])
+        self.fused.updates = int(updates)
 
 
 __all__ = ["WeightEMA"]

@@ -16,25 +16,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
+from trainfuse._runtime import compat
 from trainfuse.graphs import GraphedModule, GraphPool
 from trainfuse.lightning import _compat
 
 
-def why_no_graphs(kind: str, device: torch.device) -> str | None:
-    """Why the run cannot replay its modules from CUDA graphs, or None when it can."""
-    if device.type != "cuda":
-        return f"the run is on {device.type}: CUDA graphs need a CUDA device"
-    if kind != "single":
-        return (f"{kind} strategy: its gradient all-reduce runs from hooks during the backward, which a "
-                "replayed backward would skip")
-    return None
-
-
 def _compiled(module: nn.Module) -> bool:
-    return hasattr(module, "_orig_mod")  # torch.compile's OptimizedModule
+    return compat.compiled_original(module) is not None  # torch.compile's OptimizedModule
 
 
 def graph_targets(pl_module: Any) -> list[tuple[str, nn.Module]]:
@@ -63,4 +53,4 @@ def uninstall(graphed: dict[str, GraphedModule]) -> None:
         g.uninstall()
 
 
-__all__ = ["graph_targets", "install", "uninstall", "why_no_graphs"]
+__all__ = ["graph_targets", "install", "uninstall"]

@@ -1,0 +1,56 @@
+"""``FusedTraining(cuda_graphs=True)``: the model's forward and backward replayed from CUDA graphs
+(:mod:`trainfuse.lightning.graphs` says which modules and why)."""
+
+from __future__ import annotations
+
+from trainfuse.clients import ON, Row
+from trainfuse.graphs import GraphedModule
+from trainfuse.lightning import graphs
+from trainfuse.lightning.changes.base import Change, Run
+
+
+class Graphs(Change):
+    """A GraphedModule in place of each target's forward; the module's own forward back at the end,
+    on every path (first in the undo order, before the casts change the params' storage).
+
+    Args:
+        enabled: ``cuda_graphs``.
+        installed: where the graphed modules go, by name (the callback keeps their statistics
+            after the fit).
+    """
+
+    kind = "graphs"
+
+    def __init__(self, enabled: bool, installed: dict[str, GraphedModule]) -> None:
+        self.enabled = enabled
+        self.installed = installed
+
+    def name(self, run: Run) -> str:
+        return "cuda_graphs"
+
+    def why_off(self, run: Run) -> str | None:
+        return None if self.enabled else "cuda_graphs=False: forward and backward run eagerly"
+
+    def why_not(self, run: Run) -> str | None:
+        if run.device.type != "cuda":
+            return f"the run is on {run.device.type}: CUDA graphs need a CUDA device"
+        if run.strategy != "single":
+            return (f"{run.strategy} strategy: its gradient all-reduce runs from hooks during the backward, "
+                    "which a replayed backward would skip")
+        if not graphs.graph_targets(run.module):
+            return "no forward on the LightningModule and no child module with trainable params"
+        return None
+
+    def apply(self, run: Run) -> None:
+        self.installed.update(graphs.install(graphs.graph_targets(run.module)))
+
+    def rows(self, run: Run) -> list[Row]:
+        return [Row(self.kind, ", ".join(self.installed), ON, "forward + backward replayed from CUDA graphs "
+                    "per input shape (first batch of a shape eager, second captured); loss, logging, hooks "
+                    "and optimizer step eager")]
+
+    def restore(self, run: Run, *, failed: bool) -> None:
+        graphs.uninstall(self.installed)
+
+
+__all__ = ["Graphs"]
