@@ -123,6 +123,10 @@ class FusedSGD(FusedOptimizer):
     ):
         if differentiable:
             raise RuntimeError(f"{type(self).__name__} does not support differentiable=True")
+        # torch checks this once, here: a schedule or warmup that later writes momentum 0 into a
+        # nesterov group steps as plain SGD (the update ignores nesterov without momentum)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = {
             "lr": scalar(lr, "lr"),
             "momentum": momentum,
@@ -162,8 +166,6 @@ class FusedSGD(FusedOptimizer):
             raise ValueError(f"Invalid momentum value: {group['momentum']}")
         if group["weight_decay"] < 0.0:
             raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
-        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
     def state_keys(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
