@@ -6,7 +6,7 @@ references on odd shapes; the label padding helpers. Kernels run through the int
 
 Where several anchors of a ground truth share the k-th largest alignment metric, which ones
 top-k keeps is unspecified (ultralytics' choice is torch.topk's): the inputs here are redrawn
-until no such tie decides the assignment (``_tie_free``)."""
+until no such tie decides the assignment (``tie_free``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests._helpers import cuda
-from trainfuse.ultralytics import FusedDetectionLoss, add_padded_targets, pad_targets, sums, target_capacity
+from trainfuse.ultralytics import FusedDetectionLoss, add_padded_targets, pad_targets, target_capacity
 from trainfuse.ultralytics import assigner as tal
 from trainfuse.ultralytics.loss import DetectionLossFunction, LossConstants, loss_terms_torch
 from trainfuse.ultralytics.targets import PADDED_KEY, anchor_grid
@@ -37,42 +37,6 @@ def model():
     m = DetectionModel("yolov5n.yaml", nc=NC, verbose=False).to(DEVICE)
     m.args = get_cfg()
     return m
-
-
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks small enough that the interpreter runs several programs on a 64 px image."""
-    for name, value in (("box", 64), ("assign", 64), ("scores", 64), ("cls", 64)):
-        monkeypatch.setattr(sums.blocks, name, value)
-
-
-@pytest.fixture
-def garbage_empty(monkeypatch):
-    """``torch.empty`` and ``torch.empty_like`` filled with garbage (NaN, 0x5A bytes in integers,
-    a huge index in int32): an output element that no kernel program writes shows up."""
-    fills = {1: 0x5A, 2: 0x5A5A, 4: 0x5A5A5A5A, 8: 0x5A5A5A5A5A5A5A5A}
-
-    def garbage(make):
-        def filled(*args, **kwargs):
-            out = make(*args, **kwargs)
-            if out.dtype != torch.bool:
-                out.fill_(float("nan") if out.is_floating_point() else fills[out.element_size()])
-            return out
-        return filled
-
-    monkeypatch.setattr(torch, "empty", garbage(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", garbage(torch.empty_like))
-
-
-@pytest.fixture(params=["kernels", "torch"])
-def path(request, monkeypatch):
-    """The Triton kernels (the interpreter on CPU) or the dense torch path."""
-    if request.param == "kernels":
-        request.getfixturevalue("kernels")
-        request.getfixturevalue("small_blocks")
-    else:
-        monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
-    return request.param
 
 
 def make_inputs(counts, imgsz=(64, 64), dtype=torch.float32):
@@ -100,7 +64,7 @@ def on_device(batch):
     return {k: v.to(DEVICE) for k, v in batch.items()}
 
 
-def _tie_free(loss: FusedDetectionLoss, preds, batch) -> bool:
+def tie_free(loss: FusedDetectionLoss, preds, batch) -> bool:
     """Whether top-k's choice is unique in every label's row: the k-th largest metric beats the
     next, or every in-box anchor has a positive metric (zeros outside boxes are dropped anyway)."""
     B, _, A = preds["scores"].shape
@@ -118,7 +82,7 @@ def _tie_free(loss: FusedDetectionLoss, preds, batch) -> bool:
 def draw(loss, counts, **kw):
     for _ in range(50):
         preds, batch = make_inputs(counts, **kw)
-        if _tie_free(loss, preds, batch):
+        if tie_free(loss, preds, batch):
             return preds, batch
     raise AssertionError("no tie-free inputs in 50 draws")
 
@@ -174,7 +138,7 @@ def test_non_square_grid_and_class_weights_match(path, model):
 
 
 def test_second_topk_matches(kernels, small_blocks, model):
-    """``tal_topk2 < tal_topk`` (the torch assigner, then the loss kernels)."""
+    """``tal_topk2 < tal_topk`` (the assigner's topk2 kernel after the first four)."""
     fused = FusedDetectionLoss(model, tal_topk=10, tal_topk2=4)
     preds, batch = draw(fused, [3, 5])
     want = run(ultralytics_loss.v8DetectionLoss(model, tal_topk=10, tal_topk2=4), preds, batch)
@@ -240,23 +204,31 @@ def test_loss_kernels_match_torch_float64_reference(weighted, kernels, small_blo
     """The box+DFL and BCE kernels against the dense torch terms computed in float64."""
     fused = FusedDetectionLoss(model)
     preds, batch = draw(fused, [4, 3, 0])
+    assert_kernels_match_float64_reference(fused, preds, batch, (64.0, 64.0), tal.assign_torch, weighted)
+
+
+def assert_kernels_match_float64_reference(fused: FusedDetectionLoss, preds, batch, imgsz, assign,
+                                           weighted: bool) -> torch.Tensor:
+    """DetectionLossFunction (the box and class loss kernels) against :func:`loss_terms_torch` in
+    float64 on ``assign``'s assignment: terms within 1e-5 relative, grads of both prediction
+    tensors within 1e-5 of their largest, for gains and an upstream grad other than ones (class
+    weights if ``weighted``). Returns the float64 terms."""
     B, _, A = preds["scores"].shape
     sizes = tuple((f.shape[2], f.shape[3]) for f in preds["feats"])
     anchors, strides = anchor_grid(sizes, fused._strides, DEVICE)
     gt = fused.targets(batch, B, DEVICE)
-    asg = tal.assign_torch(preds["boxes"], preds["scores"], gt, (64.0, 64.0), anchors, strides.view(-1),
-                           fused.assign_config)
+    asg = assign(preds["boxes"], preds["scores"], gt, imgsz, anchors, strides.view(-1), fused.assign_config)
     cw = torch.tensor([0.3, 1.0, 2.5], device=DEVICE) if weighted else None
     gains, up = (7.5, 0.5, 1.5), torch.tensor([0.7, 1.3, 0.9], device=DEVICE)
     b = preds["boxes"].clone().requires_grad_()
     s = preds["scores"].clone().requires_grad_()
-    k = LossConstants(64.0, 64.0, gains, float(B), 16 - 1.01)
+    k = LossConstants(*imgsz, gains, float(B), fused.reg_max - 1 - 0.01)
     out, items = DetectionLossFunction.apply(b, s, asg, gt, anchors, strides.view(-1), cw, k)
     (out * up).sum().backward()
     b64 = preds["boxes"].double().requires_grad_()
     s64 = preds["scores"].double().requires_grad_()
     asg64 = asg._replace(t=asg.t.double(), tss=asg.tss.double())
-    terms = loss_terms_torch(b64, s64, asg64, gt.double(), (64.0, 64.0), anchors.double(),
+    terms = loss_terms_torch(b64, s64, asg64, gt.double(), imgsz, anchors.double(),
                              strides.view(-1).double(), None if cw is None else cw.double())
     terms = terms * torch.tensor(gains, dtype=torch.float64, device=DEVICE)
     (terms * B * up.double()).sum().backward()
@@ -265,6 +237,7 @@ def test_loss_kernels_match_torch_float64_reference(weighted, kernels, small_blo
     for g, w in ((b.grad, b64.grad), (s.grad, s64.grad)):
         torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-5 * w.abs().max().item())
     assert b.grad.abs().max() > 0 and s.grad.abs().max() > 0
+    return terms.detach()
 
 
 @pytest.mark.parametrize("anchors", [84, 37, 300])

@@ -8,17 +8,23 @@ box) and anchor ``a`` (centre in pixels)::
     align  = sigmoid(score[b, label_g, a])^alpha ov^beta     on cand, else 0
     pos    = a among the top-k anchors of g by align, and cand
     gidx_a = the g with pos, or where several, the g of largest ov (first on ties); -1: none
+    gidx_a = -1 where a is not among g's top-k2 positives by align  (only if topk2 != topk)
     t_a    = align[gidx, a] * max_a' ov[gidx, a'] / (max_a' align[gidx, a'] + eps)
              (maxima over g's positives)                    0 on background
     tss    = max(sum t, 1)
 
 which is ultralytics' assignment, its ``(B, A, nc)`` target scores being ``t`` at ``label[gidx]``.
+The predicted box is the DFL decode of the box logits, or for a head without DFL (``reg_max = 1``,
+YOLO26) the box outputs themselves as distances.
 
-Four launches on a GPU: ``metric`` (per anchor block: the DFL decode of the predicted box, then
+Four launches on a GPU: ``metric`` (per anchor block: the decode of the predicted box, then
 over the ground truths the in-box test, the CIoU, the score gather and the metric), ``topk`` (a
 row of anchors per program: k rounds of argmax), ``resolve`` (positives, the multi-assignment
 fix, the per-gt maxima by float atomic max, which is order-free) and ``scores`` (t, labels and
-``tss`` in one launch). The torch path (CPU, and ``topk2 != topk``) runs the same math densely.
+``tss`` in one launch). A second k (``topk2 != topk``: the one-to-one branch of YOLOv10 and
+YOLO26 trains with 7 and 1) adds ``topk2`` between the last two: a ground truth's row per program,
+k2 rounds of argmax over its positives, which drops the others and writes the maxima anew. The
+torch path (CPU) runs the same math densely.
 
 Ties: where several anchors of a ground truth share the k-th largest metric, the top-k kernel
 keeps the lowest anchor indices; ultralytics (and the torch path) keep whichever ``torch.topk``
@@ -26,7 +32,9 @@ returns, which is unspecified. With float predictions such ties are metrics of e
 ground truth with fewer than k anchors of positive metric). A pick of metric 0 gets ``t = 0``,
 so it adds nothing to any loss term, except where it makes an anchor positive for a second
 ground truth: then the largest-overlap rule may hand the anchor to another one. Where that
-argmax meets equal overlaps, ultralytics and the kernels both take the first ground truth.
+argmax meets equal overlaps, ultralytics and the kernels both take the first ground truth. The
+second k ranks a ground truth's positives only (ultralytics ranks the row with zeros elsewhere):
+the two differ only in which positives of metric 0 stay positive, and those have ``t = 0``.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import triton.language as tl
 from trainfuse._runtime.reduce import last_to_arrive
 from trainfuse.losses.box_math import ciou_xyxy
 from trainfuse.losses.iou import bbox_iou_reference
-from trainfuse.ultralytics.box_loss import CIOU_EPS, label_box, side_softmax
+from trainfuse.ultralytics.box_loss import CIOU_EPS, label_box, side_distance
 from trainfuse.ultralytics.sums import arrive, blocks, gather_sum, launcher, scratch
 from trainfuse.ultralytics.targets import label_pixels
 
@@ -89,19 +97,19 @@ def power_steps(p: float) -> int:
 def metric_kernel(boxes, scores, gt_ptr, anc_ptr, stride_ptr, align_ptr, ov_ptr, cand_ptr, pos_align, pos_ov,
                   A, M, NC, W, H, stride_val, eps, ciou_eps, R: tl.constexpr, ALPHA: tl.constexpr,
                   ALPHA_N: tl.constexpr, BETA: tl.constexpr, BETA_N: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``b * cdiv(A, BLOCK) + block``: decode the block's predicted boxes once, then for
-    every ground truth of image ``b`` write ``align``, ``ov`` and ``cand`` (``(B, M, A)``); block 0
-    zeroes the per-gt maxima that :func:`resolve_kernel` accumulates."""
+    """Program ``b * cdiv(A, BLOCK) + block``: decode the block's predicted boxes once (``R``:
+    reg_max), then for every ground truth of image ``b`` write ``align``, ``ov`` and ``cand``
+    (``(B, M, A)``); block 0 zeroes the per-gt maxima that :func:`resolve_kernel` accumulates."""
     nblk = tl.cdiv(A, BLOCK)
     b = tl.program_id(0) // nblk
     blk = tl.program_id(0) % nblk
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     am = offs < A
     base = boxes + b.to(tl.int64) * (4 * R) * A
-    _, _, _, d0 = side_softmax(base, 0, offs, am, A, R)
-    _, _, _, d1 = side_softmax(base, 1, offs, am, A, R)
-    _, _, _, d2 = side_softmax(base, 2, offs, am, A, R)
-    _, _, _, d3 = side_softmax(base, 3, offs, am, A, R)
+    d0 = side_distance(base, 0, offs, am, A, R)
+    d1 = side_distance(base, 1, offs, am, A, R)
+    d2 = side_distance(base, 2, offs, am, A, R)
+    d3 = side_distance(base, 3, offs, am, A, R)
     s = tl.load(stride_ptr + offs, mask=am, other=1.0)
     ax = tl.load(anc_ptr + offs * 2, mask=am, other=0.0)
     ay = tl.load(anc_ptr + offs * 2 + 1, mask=am, other=0.0)
@@ -187,6 +195,33 @@ def resolve_kernel(sel_ptr, cand_ptr, align_ptr, ov_ptr, gidx_ptr, pos_align, po
 
 
 @triton.jit
+def topk2_kernel(gidx_ptr, align_ptr, ov_ptr, pos_align, pos_ov, A, M, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``row = b * M + g``: of the anchors assigned to ``g``, keep the ``K`` of largest
+    metric (the lowest anchor index on ties), set the others' ``gidx`` to -1, and write ``g``'s
+    maxima of the metric and overlap over those kept. Each program writes only anchors assigned to
+    its own ``g``, so a concurrent read by another row's program sees -1 or ``g``: neither is its
+    own, so the result does not depend on the order."""
+    row = tl.program_id(0)
+    b = row // M
+    g = row % M
+    offs = tl.arange(0, BLOCK)
+    m = offs < A
+    at = row.to(tl.int64) * A + offs
+    mine = tl.load(gidx_ptr + b * A + offs, mask=m, other=-1) == g
+    align = tl.load(align_ptr + at, mask=mine, other=0.0)
+    v = tl.where(mine, align, -1.0)  # metrics are >= 0: another gt's anchor is never taken first
+    kept = offs < 0
+    for _ in tl.static_range(K):
+        hit = offs == tl.argmax(v, 0, tie_break_left=True)
+        kept = kept | hit
+        v = tl.where(hit, -2.0, v)
+    kept = kept & mine
+    tl.store(gidx_ptr + b * A + offs, tl.full([BLOCK], -1, tl.int32), mask=mine & ~kept)
+    tl.store(pos_align + row, tl.max(tl.where(kept, align, 0.0), 0))
+    tl.store(pos_ov + row, tl.max(tl.where(kept, tl.load(ov_ptr + at, mask=kept, other=0.0), 0.0), 0))
+
+
+@triton.jit
 def scores_kernel(gidx_ptr, align_ptr, pos_align, pos_ov, gt_ptr, t_ptr, label_ptr, tss_ptr, partials,
                   counter, A, M, n, eps, BLOCK: tl.constexpr):
     """Per anchor: ``t`` and the label; the last program writes ``tss = max(sum t, 1)``."""
@@ -250,6 +285,32 @@ def topk_mask(align: torch.Tensor, k: int) -> torch.Tensor:
     return sel
 
 
+def keep_topk2_torch(gidx: torch.Tensor, align: torch.Tensor, k: int) -> torch.Tensor:
+    """``gidx`` (``(B, A)``, -1 on background) with each ground truth's positives outside its top
+    ``k`` by ``align`` (``(B, M, A)``) set to -1: ultralytics' second k, ``torch.topk``'s choice on
+    ties."""
+    M = align.shape[1]
+    one = gidx[:, None] == torch.arange(M, device=gidx.device).view(1, M, 1)
+    kept = torch.topk(align * one, k, dim=-1).indices
+    one &= torch.zeros_like(one).scatter_(-1, kept, True)
+    return torch.where(one.any(1), gidx, -1)
+
+
+def keep_topk2(gidx, align, ov, pos_align, pos_ov, k: int) -> None:
+    """The second k in place on the kernels' ``gidx`` and per-gt maxima (one launch; rows of more
+    than ``TOPK_ROW_MAX`` anchors, or ``k`` above the anchors, take :func:`keep_topk2_torch`)."""
+    B, M, A = align.shape
+    block = triton.next_power_of_2(A)
+    if block > TOPK_ROW_MAX or k > A:
+        gidx.copy_(keep_topk2_torch(gidx, align, k))
+        one = gidx[:, None] == torch.arange(M, device=gidx.device).view(1, M, 1)
+        torch.amax(align * one, -1, out=pos_align)
+        torch.amax(ov * one, -1, out=pos_ov)
+        return
+    launcher(topk2_kernel, (B * M,), gidx, align, ov, pos_align, pos_ov, A, M, K=k, BLOCK=block,
+             num_warps=16 if block >= 8192 else 4)
+
+
 def resolve(sel, cand, align, ov, pos_align, pos_ov) -> torch.Tensor:
     B, M, A = align.shape
     gidx = torch.empty(B, A, dtype=torch.int32, device=align.device)
@@ -280,19 +341,28 @@ def assign_kernels(boxes, scores, gt, imgsz, anchors, strides, cfg: AssignConfig
     align, ov, cand, pos_align, pos_ov = metric(boxes, scores, gt, imgsz, anchors, strides, cfg)
     sel = topk_mask(align, cfg.topk)
     gidx = resolve(sel, cand, align, ov, pos_align, pos_ov)
+    if cfg.topk2 != cfg.topk:
+        keep_topk2(gidx, align, ov, pos_align, pos_ov, cfg.topk2)
     return target_scores(gidx, align, pos_align, pos_ov, gt, cfg)
 
 
 # ---- torch ----------------------------------------------------------------------------------------
-def decode(boxes: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """ultralytics' ``bbox_decode``: ``(B, 4R, A)`` DFL logits to ``(B, A, 4)`` xyxy boxes in grid
-    units (differentiable)."""
+def distances(boxes: torch.Tensor) -> torch.Tensor:
+    """The ``(B, A, 4)`` predicted ltrb distances in grid units of the ``(B, 4R, A)`` box outputs:
+    the DFL expectation, or for ``R = 1`` the outputs themselves (differentiable)."""
     B, C, A = boxes.shape
     R = C // 4
     ct = torch.promote_types(boxes.dtype, torch.float32)
+    if R == 1:
+        return boxes.to(ct).transpose(1, 2)
     p = boxes.to(ct).view(B, 4, R, A).softmax(2)
-    dist = (p * torch.arange(R, dtype=ct, device=boxes.device).view(1, 1, R, 1)).sum(2)
-    lt, rb = dist.transpose(1, 2).chunk(2, -1)
+    return (p * torch.arange(R, dtype=ct, device=boxes.device).view(1, 1, R, 1)).sum(2).transpose(1, 2)
+
+
+def decode(boxes: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """ultralytics' ``bbox_decode``: ``(B, 4R, A)`` box outputs to ``(B, A, 4)`` xyxy boxes in grid
+    units (differentiable)."""
+    lt, rb = distances(boxes).chunk(2, -1)
     return torch.cat((anchors - lt, anchors + rb), -1)
 
 
@@ -328,13 +398,10 @@ def assign_torch(boxes, scores, gt, imgsz, anchors, strides, cfg: AssignConfig) 
         pos = topk_mask_torch(align, cfg.topk).bool() & cand
         count = pos.sum(1)
         gidx = torch.where(count > 1, ov.max(1).indices, pos.byte().max(1).indices)
-        fg = count > 0
+        gidx = torch.where(count > 0, gidx, -1)
         if cfg.topk2 != cfg.topk:
-            one = torch.zeros_like(pos).scatter_(1, gidx[:, None], True) & fg[:, None]
-            kept = torch.topk(align * one, cfg.topk2, dim=-1).indices
-            one &= torch.zeros_like(one).scatter_(-1, kept, True)
-            fg = one.any(1)
-        gidx = torch.where(fg, gidx, -1)
+            gidx = keep_topk2_torch(gidx, align, cfg.topk2)
+        fg = gidx >= 0
         one = torch.zeros_like(pos).scatter_(1, gidx.clamp(0)[:, None], True) & fg[:, None]
         pos_align = (align * one).amax(-1, keepdim=True)
         pos_ov = (ov * one).amax(-1, keepdim=True)
@@ -344,6 +411,7 @@ def assign_torch(boxes, scores, gt, imgsz, anchors, strides, cfg: AssignConfig) 
         return Assignment(gidx.int(), label.int(), t, t.sum().clamp(min=1))
 
 
-__all__ = ["AssignConfig", "Assignment", "assign_kernels", "assign_torch", "decode", "metric",
-           "metric_kernel", "metric_torch", "power_steps", "resolve", "resolve_kernel", "scores_kernel",
-           "target_scores", "topk_kernel", "topk_mask", "topk_mask_torch"]
+__all__ = ["AssignConfig", "Assignment", "assign_kernels", "assign_torch", "decode", "distances",
+           "keep_topk2", "keep_topk2_torch", "metric", "metric_kernel", "metric_torch", "power_steps",
+           "resolve", "resolve_kernel", "scores_kernel", "target_scores", "topk2_kernel", "topk_kernel",
+           "topk_mask", "topk_mask_torch"]

@@ -1,16 +1,21 @@
-"""YOLOv8's box losses over the foreground, straight from the DFL logits: CIoU and DFL, forward and
-backward, one launch each, masked (no gathers), the reductions inside.
+"""YOLOv8's box losses over the foreground, straight from the head's box outputs: CIoU and DFL (or,
+for a head without DFL, YOLO26's L1), forward and backward, one launch each, masked (no gathers),
+the reductions inside.
 
 For anchor ``a`` of image ``b`` with assigned ground truth ``g`` (``gidx[b, a] >= 0``) and target
 score ``t = t[b, a]``, in grid units (``s`` the anchor's stride, ``R = reg_max``)::
 
     p_k   = softmax(logits[b, k*R:(k+1)*R, a])            k = left, top, right, bottom
-    d_k   = sum_j j p_kj                                   (ultralytics' bbox_decode)
+    d_k   = sum_j j p_kj                                   (ultralytics' bbox_decode; R = 1: the output)
     pred  = (ax - d_0, ay - d_1, ax + d_2, ay + d_3)       (xyxy)
     box   = label_xyxy[b, g] / s                          (pixels from the normalized labels)
     iou   = sum_a t (1 - CIoU(pred, box)) / tss
     y_k   = clamp(bbox2dist(anchor, box)_k, 0, R - 1.01),  l = floor(y_k), w_l = l + 1 - y_k
-    dfl   = sum_a t mean_k -(w_l log p_k,l + (1 - w_l) log p_k,l+1) / tss
+    dfl   = sum_a t mean_k -(w_l log p_k,l + (1 - w_l) log p_k,l+1) / tss            R > 1
+    l1    = sum_a t mean_k |d_k s / n_k - bbox2dist(anchor, box)_k s / n_k| / tss    R = 1
+
+with ``n_k`` the image's width for left and right, its height for top and bottom. ``R`` is a
+compile-time constant: a DFL head's kernels hold no trace of the L1 branch, and the other way round.
 
 ``tss`` (``target_scores_sum``, on the device) divides in the kernel: no host sync. Background
 anchors load nothing and get a zero grad. The CIoU is ultralytics' ``bbox_iou(..., xywh=False,
@@ -44,6 +49,25 @@ def side_softmax(base, k, offs, mask, A, R: tl.constexpr):
     p = e / z[:, None]
     dist = tl.sum(p * j[None, :].to(tl.float32), 1)
     return x, p, m + tl.log(z), dist
+
+
+@triton.jit
+def side_distance(base, k, offs, mask, A, R: tl.constexpr):
+    """Side ``k``'s predicted distance (grid units) of the anchors ``offs``: the DFL expectation
+    for ``R > 1``, the output itself for ``R = 1`` (ultralytics' ``bbox_decode``)."""
+    if R == 1:
+        d = tl.load(base + k * A + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        _, _, _, d = side_softmax(base, k, offs, mask, A, R)
+    return d
+
+
+@triton.jit
+def _side_l1(d, y, s, n):
+    """One side's L1 term on the scale ultralytics takes it: distances in pixels over the image's
+    side ``n``, op for op; and the difference, whose sign is the term's subgradient."""
+    diff = d * s / n - y * s / n
+    return tl.abs(diff), diff
 
 
 @triton.jit
@@ -83,7 +107,7 @@ def _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs, A, M, W,
     ay = tl.load(anc_ptr + offs * 2 + 1, mask=am, other=0.0)
     s = tl.load(stride_ptr + offs, mask=am, other=1.0)
     X1, Y1, X2, Y2 = label_box(gt_ptr + (b * M + gi) * 5, fg, W, H)
-    return am, fg, t, ax, ay, X1 / s, Y1 / s, X2 / s, Y2 / s
+    return am, fg, t, ax, ay, s, X1 / s, Y1 / s, X2 / s, Y2 / s
 
 
 @triton.jit
@@ -91,27 +115,39 @@ def box_loss_fwd_kernel(boxes, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss
                         partials, counter, A, M, W, H, nparts, hi, eps, box_gain, dfl_gain, batch,
                         R: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``pid``: anchors ``[ab * BLOCK, ...)`` of image ``b``; the last program writes
-    ``items[0] = iou * box_gain``, ``items[2] = dfl * dfl_gain`` and ``out = items * batch``."""
+    ``items[0] = iou * box_gain``, ``items[2] = dfl * dfl_gain`` (``l1 * dfl_gain`` for
+    ``R = 1``) and ``out = items * batch``."""
     pid = tl.program_id(0)
     nblk = tl.cdiv(A, BLOCK)
     b = pid // nblk
     offs = (pid % nblk) * BLOCK + tl.arange(0, BLOCK)
-    am, fg, t, ax, ay, X1, Y1, X2, Y2 = _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs, A,
-                                                     M, W, H)
+    am, fg, t, ax, ay, s, X1, Y1, X2, Y2 = _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs,
+                                                        A, M, W, H)
     base = boxes + b.to(tl.int64) * (4 * R) * A
-    x0, p0, lse0, d0 = side_softmax(base, 0, offs, fg, A, R)
-    x1, p1, lse1, d1 = side_softmax(base, 1, offs, fg, A, R)
-    x2, p2, lse2, d2 = side_softmax(base, 2, offs, fg, A, R)
-    x3, p3, lse3, d3 = side_softmax(base, 3, offs, fg, A, R)
+    if R == 1:
+        d0 = side_distance(base, 0, offs, fg, A, R)
+        d1 = side_distance(base, 1, offs, fg, A, R)
+        d2 = side_distance(base, 2, offs, fg, A, R)
+        d3 = side_distance(base, 3, offs, fg, A, R)
+        l0, _ = _side_l1(d0, ax - X1, s, W)
+        l1, _ = _side_l1(d1, ay - Y1, s, H)
+        l2, _ = _side_l1(d2, X2 - ax, s, W)
+        l3, _ = _side_l1(d3, Y2 - ay, s, H)
+        dfl_part = tl.sum(tl.where(fg, (l0 + l1 + l2 + l3) / 4 * t, 0.0), 0)
+    else:
+        x0, p0, lse0, d0 = side_softmax(base, 0, offs, fg, A, R)
+        x1, p1, lse1, d1 = side_softmax(base, 1, offs, fg, A, R)
+        x2, p2, lse2, d2 = side_softmax(base, 2, offs, fg, A, R)
+        x3, p3, lse3, d3 = side_softmax(base, 3, offs, fg, A, R)
+        lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
+        lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
+        lo2, wl2, wr2 = _dfl_target(X2 - ax, hi)
+        lo3, wl3, wr3 = _dfl_target(Y2 - ay, hi)
+        ll = (_side_dfl(x0, lse0, lo0, wl0, wr0, R) + _side_dfl(x1, lse1, lo1, wl1, wr1, R)
+              + _side_dfl(x2, lse2, lo2, wl2, wr2, R) + _side_dfl(x3, lse3, lo3, wl3, wr3, R))
+        dfl_part = tl.sum(tl.where(fg, -(ll / 4) * t, 0.0), 0)
     val, _ = ciou_xyxy(ax - d0, ay - d1, ax + d2, ay + d3, X1, Y1, X2, Y2, eps)
     iou_part = tl.sum(tl.where(fg, (1.0 - val) * t, 0.0), 0)
-    lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
-    lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
-    lo2, wl2, wr2 = _dfl_target(X2 - ax, hi)
-    lo3, wl3, wr3 = _dfl_target(Y2 - ay, hi)
-    ll = (_side_dfl(x0, lse0, lo0, wl0, wr0, R) + _side_dfl(x1, lse1, lo1, wl1, wr1, R)
-          + _side_dfl(x2, lse2, lo2, wl2, wr2, R) + _side_dfl(x3, lse3, lo3, wl3, wr3, R))
-    dfl_part = tl.sum(tl.where(fg, -(ll / 4) * t, 0.0), 0)
     arrive(partials, nparts, 0, iou_part)
     arrive(partials, nparts, 1, dfl_part)
     if last_to_arrive(counter, nparts):
@@ -136,22 +172,36 @@ def _side_grad(g_base, k, offs, am, fg, p, dist, g_dist, c_dfl, lo, wl, wr, A, R
 
 
 @triton.jit
+def _side_l1_grad(g_base, k, offs, am, fg, g_dist, c_l1, d, y, s, n, A):
+    _, diff = _side_l1(d, y, s, n)
+    sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))  # torch's l1 subgradient: 0 at 0
+    g = tl.where(fg, g_dist + c_l1 * sign * s / n, 0.0)
+    tl.store(g_base + k * A + offs, g.to(g_base.dtype.element_ty), mask=am)
+
+
+@triton.jit
 def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss_ptr, go_ptr, go_stride,
                         A, M, W, H, hi, eps, box_gain, dfl_gain, batch, R: tl.constexpr, BLOCK: tl.constexpr):
-    """The grad of ``go . out`` (``out`` from :func:`box_loss_fwd_kernel`) for the logits; zeros
-    on background anchors."""
+    """The grad of ``go . out`` (``out`` from :func:`box_loss_fwd_kernel`) for the box outputs;
+    zeros on background anchors."""
     pid = tl.program_id(0)
     nblk = tl.cdiv(A, BLOCK)
     b = pid // nblk
     offs = (pid % nblk) * BLOCK + tl.arange(0, BLOCK)
-    am, fg, t, ax, ay, X1, Y1, X2, Y2 = _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs, A,
-                                                     M, W, H)
+    am, fg, t, ax, ay, s, X1, Y1, X2, Y2 = _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs,
+                                                        A, M, W, H)
     base = boxes + b.to(tl.int64) * (4 * R) * A
     g_base = grad + b.to(tl.int64) * (4 * R) * A
-    _, p0, _, d0 = side_softmax(base, 0, offs, fg, A, R)
-    _, p1, _, d1 = side_softmax(base, 1, offs, fg, A, R)
-    _, p2, _, d2 = side_softmax(base, 2, offs, fg, A, R)
-    _, p3, _, d3 = side_softmax(base, 3, offs, fg, A, R)
+    if R == 1:
+        d0 = side_distance(base, 0, offs, fg, A, R)
+        d1 = side_distance(base, 1, offs, fg, A, R)
+        d2 = side_distance(base, 2, offs, fg, A, R)
+        d3 = side_distance(base, 3, offs, fg, A, R)
+    else:
+        _, p0, _, d0 = side_softmax(base, 0, offs, fg, A, R)
+        _, p1, _, d1 = side_softmax(base, 1, offs, fg, A, R)
+        _, p2, _, d2 = side_softmax(base, 2, offs, fg, A, R)
+        _, p3, _, d3 = side_softmax(base, 3, offs, fg, A, R)
     inv = 1.0 / tl.load(tss_ptr).to(tl.float32)
     c_box = tl.load(go_ptr).to(tl.float32) * (batch * box_gain) * inv * t
     c_dfl = tl.load(go_ptr + 2 * go_stride).to(tl.float32) * (batch * dfl_gain) * inv * t / 4
@@ -162,15 +212,21 @@ def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_pt
     _, saved = ciou_xyxy(px1, py1, px2, py2, X1, Y1, X2, Y2, eps)
     # loss = c_box (1 - CIoU): grads of -c_box CIoU
     gx1, gy1, gx2, gy2 = ciou_xyxy_grad1(-c_box, px1, py1, px2, py2, X1, Y1, X2, Y2, saved)
-    lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
-    lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
-    lo2, wl2, wr2 = _dfl_target(X2 - ax, hi)
-    lo3, wl3, wr3 = _dfl_target(Y2 - ay, hi)
-    _side_grad(g_base, 0, offs, am, fg, p0, d0, -gx1, c_dfl, lo0, wl0, wr0, A, R)
-    _side_grad(g_base, 1, offs, am, fg, p1, d1, -gy1, c_dfl, lo1, wl1, wr1, A, R)
-    _side_grad(g_base, 2, offs, am, fg, p2, d2, gx2, c_dfl, lo2, wl2, wr2, A, R)
-    _side_grad(g_base, 3, offs, am, fg, p3, d3, gy2, c_dfl, lo3, wl3, wr3, A, R)
+    if R == 1:
+        _side_l1_grad(g_base, 0, offs, am, fg, -gx1, c_dfl, d0, ax - X1, s, W, A)
+        _side_l1_grad(g_base, 1, offs, am, fg, -gy1, c_dfl, d1, ay - Y1, s, H, A)
+        _side_l1_grad(g_base, 2, offs, am, fg, gx2, c_dfl, d2, X2 - ax, s, W, A)
+        _side_l1_grad(g_base, 3, offs, am, fg, gy2, c_dfl, d3, Y2 - ay, s, H, A)
+    else:
+        lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
+        lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
+        lo2, wl2, wr2 = _dfl_target(X2 - ax, hi)
+        lo3, wl3, wr3 = _dfl_target(Y2 - ay, hi)
+        _side_grad(g_base, 0, offs, am, fg, p0, d0, -gx1, c_dfl, lo0, wl0, wr0, A, R)
+        _side_grad(g_base, 1, offs, am, fg, p1, d1, -gy1, c_dfl, lo1, wl1, wr1, A, R)
+        _side_grad(g_base, 2, offs, am, fg, p2, d2, gx2, c_dfl, lo2, wl2, wr2, A, R)
+        _side_grad(g_base, 3, offs, am, fg, p3, d3, gy2, c_dfl, lo3, wl3, wr3, A, R)
 
 
-__all__ = ["CIOU_EPS", "box_loss_bwd_kernel", "box_loss_fwd_kernel", "label_box",
+__all__ = ["CIOU_EPS", "box_loss_bwd_kernel", "box_loss_fwd_kernel", "label_box", "side_distance",
            "side_softmax"]

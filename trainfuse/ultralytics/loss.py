@@ -8,7 +8,10 @@ gain-scaled terms (``hyp.box``, ``hyp.cls``, ``hyp.dfl``; ``model.class_weights`
     dfl = sum_fg t DFL(logits, target) / tss
     cls = sum_{b, a, c} w_c BCE(score, t one_hot(label)) / tss   (see cls_loss.py)
 
-with the TaskAlignedAssigner's ``t``, labels and ``tss = max(sum t, 1)`` (see assigner.py).
+with the TaskAlignedAssigner's ``t``, labels and ``tss = max(sum t, 1)`` (see assigner.py). A
+head without DFL (``reg_max = 1``: YOLO26) predicts the distances themselves, and its third term
+is ultralytics' ``l1_loss`` (the L1 distance of the ltrb distances over the image size, same
+weights, ``hyp.dfl`` gain), named so in the items.
 
 No ``.nonzero()``, boolean indexing or ``.item()`` inside, and every shape depends only on the
 batch size, the anchors and the ground-truth capacity, so a step can be captured in a CUDA graph.
@@ -17,9 +20,10 @@ The capacity comes from ``batch["padded_targets"]`` when the trainer has put it 
 sync (the largest label count, read from ``batch_idx``) when ``batch_idx`` is on the GPU.
 
 On CUDA tensors (or ``TRAINFUSE_BACKEND=triton``) the work is 6 launches forward (the assigner's
-metric, top-k, resolve and target scores; box+DFL; BCE) and 2 backward, nothing else; elsewhere
-the same math runs as dense torch operations (there float64 predictions stay float64; so they
-do on a GPU, and a reg_max that is not a power of two, 16 in every YOLO, takes that path too).
+metric, top-k, resolve and target scores; box+DFL or box+L1; BCE; a second k adds the assigner's
+``topk2``) and 2 backward, nothing else; elsewhere the same math runs as dense torch operations
+(there float64 predictions stay float64; so they do on a GPU, and a reg_max that is not a power
+of two takes that path too: YOLOv8 to YOLO11 and YOLOv10 have 16, YOLO26 has 1).
 The kernels compute in float32 whatever the predictions' dtype (ultralytics runs parts of the
 loss in float16 under AMP); grads come back in the predictions' dtypes.
 """
@@ -33,7 +37,14 @@ import torch
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
 from trainfuse.losses.iou import bbox_iou_reference
-from trainfuse.ultralytics.assigner import AssignConfig, Assignment, assign_kernels, assign_torch, decode
+from trainfuse.ultralytics.assigner import (
+    AssignConfig,
+    Assignment,
+    assign_kernels,
+    assign_torch,
+    decode,
+    distances,
+)
 from trainfuse.ultralytics.box_loss import CIOU_EPS, box_loss_bwd_kernel, box_loss_fwd_kernel
 from trainfuse.ultralytics.cls_loss import cls_loss_bwd_kernel, cls_loss_fwd_kernel, cls_tiles
 from trainfuse.ultralytics.sums import blocks, launcher, persistent_grid, scratch
@@ -48,7 +59,8 @@ from trainfuse.ultralytics.targets import (
 
 class LossConstants(NamedTuple):
     """What the loss kernels take besides tensors: the image size in pixels, the gains, the batch
-    size (the result is ``terms * batch``) and the DFL target's upper bound ``reg_max - 1.01``."""
+    size (the result is ``terms * batch``) and the DFL target's upper bound ``reg_max - 1.01``
+    (unused without DFL)."""
 
     height: float
     width: float
@@ -58,9 +70,9 @@ class LossConstants(NamedTuple):
 
 
 class DetectionLossFunction(torch.autograd.Function):
-    """The loss terms on the kernels: forward two launches (box+DFL, BCE) writing ``out`` (the
-    terms times the batch size) and ``items`` (the terms), backward two (the grads of the DFL
-    logits and of the class logits)."""
+    """The loss terms on the kernels: forward two launches (box+DFL or box+L1, BCE) writing ``out``
+    (the terms times the batch size) and ``items`` (the terms), backward two (the grads of the box
+    outputs and of the class logits)."""
 
     @staticmethod
     def forward(ctx, boxes, scores, asg: Assignment, gt, anchors, strides, class_weights, k: LossConstants):
@@ -117,7 +129,8 @@ _apply_detection_loss = applier(DetectionLossFunction)
 def loss_terms_torch(boxes, scores, asg: Assignment, gt, imgsz, anchors, strides, class_weights
                      ) -> torch.Tensor:
     """The three terms (before gains) as dense, masked torch operations: the CPU path and the
-    kernels' reference. ``(3,)``: box, cls, dfl (float32, or float64 from float64 inputs)."""
+    kernels' reference. ``(3,)``: box, cls, dfl (l1 for ``reg_max = 1``) (float32, or float64
+    from float64 inputs)."""
     B, C, A = boxes.shape
     R = C // 4
     ct = torch.promote_types(boxes.dtype, torch.float32)  # float32, or float64 for a float64 reference
@@ -127,20 +140,34 @@ def loss_terms_torch(boxes, scores, asg: Assignment, gt, imgsz, anchors, strides
     pred = decode(boxes, anchors)
     iou = bbox_iou_reference(pred, target, xywh=False, CIoU=True).squeeze(-1)
     box = torch.where(fg, (1.0 - iou) * asg.t, 0.0).sum() / asg.tss
-    y = torch.cat((anchors - target[..., :2], target[..., 2:] - anchors), -1).clamp(0, R - 1 - 0.01)
-    lo = y.long()
-    wl = (lo + 1) - y
-    logp = boxes.to(ct).view(B, 4, R, A).log_softmax(2)
-    lo = lo.transpose(1, 2)[:, :, None]  # (B, 4, 1, A)
-    pick = logp.gather(2, lo).squeeze(2) * wl.transpose(1, 2) + logp.gather(2, lo + 1).squeeze(2) * (
-        1 - wl.transpose(1, 2))
-    dfl = torch.where(fg, -pick.mean(1) * asg.t, 0.0).sum() / asg.tss
+    y = torch.cat((anchors - target[..., :2], target[..., 2:] - anchors), -1)
+    if R == 1:
+        # ultralytics' L1: the ltrb distances in pixels over the image's (w, h, w, h)
+        size = strides.new_empty(4)
+        size[0::2], size[1::2] = imgsz[1], imgsz[0]
+        s = strides[:, None]
+        l1 = (distances(boxes) * s / size - y * s / size).abs().mean(-1)
+        third = torch.where(fg, l1 * asg.t, 0.0).sum() / asg.tss
+    else:
+        third = _dfl_term(boxes.to(ct).view(B, 4, R, A), y.clamp(0, R - 1 - 0.01), fg, asg)
     onehot = torch.zeros(B, scores.shape[1] + 1, A, dtype=asg.t.dtype, device=scores.device)
     onehot.scatter_(1, (asg.label.long() + 1)[:, None], asg.t[:, None])  # row 0: background
     bce = torch.nn.functional.binary_cross_entropy_with_logits(scores.to(ct), onehot[:, 1:], reduction="none")
     if class_weights is not None:
         bce = bce * class_weights.view(1, -1, 1)
-    return torch.stack((box, bce.sum() / asg.tss, dfl))
+    return torch.stack((box, bce.sum() / asg.tss, third))
+
+
+def _dfl_term(logits: torch.Tensor, y: torch.Tensor, fg: torch.Tensor, asg: Assignment) -> torch.Tensor:
+    """The DFL term of :func:`loss_terms_torch`: logits ``(B, 4, R, A)``, clamped targets ``y``
+    ``(B, A, 4)``."""
+    lo = y.long()
+    wl = (lo + 1) - y
+    logp = logits.log_softmax(2)
+    lo = lo.transpose(1, 2)[:, :, None]  # (B, 4, 1, A)
+    pick = logp.gather(2, lo).squeeze(2) * wl.transpose(1, 2) + logp.gather(2, lo + 1).squeeze(2) * (
+        1 - wl.transpose(1, 2))
+    return torch.where(fg, -pick.mean(1) * asg.t, 0.0).sum() / asg.tss
 
 
 class FusedDetectionLoss:
@@ -151,7 +178,8 @@ class FusedDetectionLoss:
             ``dfl`` gains), ``model.model[-1]`` (``nc``, ``reg_max``, ``stride``), the device of
             its parameters and ``model.class_weights`` if set.
         tal_topk: the assigner's k.
-        tal_topk2: its second k (None: ``tal_topk``); a different value takes the torch assigner.
+        tal_topk2: its second k (None: ``tal_topk``): of the anchors each ground truth keeps,
+            only its ``tal_topk2`` best stay positive (one more assigner launch).
 
     Example:
         >>> from ultralytics.nn.tasks import DetectionModel                      # doctest: +SKIP
@@ -162,17 +190,14 @@ class FusedDetectionLoss:
     def __init__(self, model: torch.nn.Module, tal_topk: int = 10, tal_topk2: int | None = None) -> None:
         device = next(model.parameters()).device
         head = model.model[-1]
-        if head.reg_max <= 1:
-            raise ValueError(f"FusedDetectionLoss: the Detect head has reg_max={head.reg_max}; only the DFL "
-                             "box loss (reg_max > 1) is implemented (use ultralytics' v8DetectionLoss)")
         self.hyp = model.args
         self.stride = head.stride
         self.nc = head.nc
         self.no = head.nc + head.reg_max * 4
         self.reg_max = head.reg_max
         self.device = device
-        self.use_dfl = True
-        self.loss_names = "box_loss", "cls_loss", "dfl_loss"
+        self.use_dfl = head.reg_max > 1
+        self.loss_names = "box_loss", "cls_loss", "dfl_loss" if self.use_dfl else "l1_loss"
         cw = getattr(model, "class_weights", None)
         self.class_weights = None if cw is None else cw.to(device=device, dtype=torch.float32).reshape(-1)
         strides = [float(s) for s in self.stride.tolist()]
@@ -203,9 +228,10 @@ class FusedDetectionLoss:
                              f"capacity, 5), got {tuple(padded.shape)}")
         return padded.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
 
-    def loss(self, preds: dict[str, Any], batch: dict[str, torch.Tensor]
+    def loss(self, preds: dict[str, Any], batch: dict[str, torch.Tensor], gt: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of ``preds`` (``boxes (B, 4 reg_max, A)``, ``scores (B, nc, A)``, ``feats``)."""
+        """The loss of ``preds`` (``boxes (B, 4 reg_max, A)``, ``scores (B, nc, A)``, ``feats``);
+        ``gt``: the padded labels :meth:`targets` gives for ``batch``, where the caller has them."""
         boxes, scores, feats = preds["boxes"], preds["scores"], preds["feats"]
         B, _, A = scores.shape
         if boxes.shape != (B, 4 * self.reg_max, A) or scores.shape[1] != self.nc:
@@ -217,18 +243,16 @@ class FusedDetectionLoss:
         anchors, stride_col = anchor_grid(sizes, self._strides, dev)
         strides = stride_col.view(-1)
         imgsz = (sizes[0][0] * self._strides[0], sizes[0][1] * self._strides[0])
-        gt = self.targets(batch, B, dev)
+        if gt is None:
+            gt = self.targets(batch, B, dev)
         gains = (float(self.hyp.box), float(self.hyp.cls), float(self.hyp.dfl))
         boxes, scores = boxes.contiguous(), scores.contiguous()
         # the kernels compute in float32: float64 predictions stay float64 on the torch path
         fused = (use_triton(dev) and boxes.dtype != torch.float64 and scores.dtype != torch.float64
                  and self.reg_max & (self.reg_max - 1) == 0)
         with torch.autocast(dev.type, enabled=False):
-            cfg = self.assign_config
-            if fused and cfg.topk2 == cfg.topk:
-                asg = assign_kernels(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, cfg)
-            else:
-                asg = assign_torch(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, cfg)
+            assign = assign_kernels if fused else assign_torch
+            asg = assign(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, self.assign_config)
             if fused:
                 k = LossConstants(float(imgsz[0]), float(imgsz[1]), gains, float(B), self.reg_max - 1 - 0.01)
                 out, items = _apply_detection_loss(boxes, scores, asg, gt, anchors, strides,

@@ -1,0 +1,45 @@
+"""Fixtures the loss tests share: the kernels' small blocks, garbage-filled outputs, and the
+kernel-or-torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainfuse.ultralytics import sums
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks small enough that the interpreter runs several programs on a 64 px image."""
+    for name, value in (("box", 64), ("assign", 64), ("scores", 64), ("cls", 64)):
+        monkeypatch.setattr(sums.blocks, name, value)
+
+
+@pytest.fixture
+def garbage_empty(monkeypatch):
+    """``torch.empty`` and ``torch.empty_like`` filled with garbage (NaN, 0x5A bytes in integers,
+    a huge index in int32): an output element that no kernel program writes shows up."""
+    fills = {1: 0x5A, 2: 0x5A5A, 4: 0x5A5A5A5A, 8: 0x5A5A5A5A5A5A5A5A}
+
+    def garbage(make):
+        def filled(*args, **kwargs):
+            out = make(*args, **kwargs)
+            if out.dtype != torch.bool:
+                out.fill_(float("nan") if out.is_floating_point() else fills[out.element_size()])
+            return out
+        return filled
+
+    monkeypatch.setattr(torch, "empty", garbage(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", garbage(torch.empty_like))
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request, monkeypatch):
+    """The Triton kernels (the interpreter on CPU) or the dense torch path."""
+    if request.param == "kernels":
+        request.getfixturevalue("kernels")
+        request.getfixturevalue("small_blocks")
+    else:
+        monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
+    return request.param
