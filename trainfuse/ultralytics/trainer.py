@@ -33,8 +33,9 @@ What it changes, and nothing else (ultralytics itself is not patched):
   grad back (about 120 launches an iteration on yolov5n). See :mod:`trainfuse.ultralytics.casts`.
 - **Loss**: :func:`_criterion` picks the detection loss the model trains with:
   :class:`~trainfuse.ultralytics.FusedDetectionLoss` (ultralytics' ``v8DetectionLoss`` without host
-  syncs), with the labels padded to a bucketed capacity on the CPU in ``preprocess_batch``, before
-  ultralytics moves the batch to the GPU.
+  syncs) or, for end-to-end heads (YOLO26, YOLOv10), :class:`~trainfuse.ultralytics.FusedE2ELoss`
+  (``E2ELoss``'s two branches and its decaying weights), with the labels padded to a bucketed
+  capacity on the CPU in ``preprocess_batch``, before ultralytics moves the batch to the GPU.
 - **CUDA graphs** (``cuda_graphs=True``, the default where it is safe): the forward, the loss and
   the backward run from a CUDA graph per image shape and label capacity
   (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`); the optimizer phase stays its two eager
@@ -75,6 +76,7 @@ from trainfuse.clients import (
 )
 from trainfuse.optim import FusedEMA, FusedOptimizer
 from trainfuse.ultralytics.casts import TorchLayoutOptimizer, cast_dtype
+from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
 from trainfuse.ultralytics.graphed import GraphedLoss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
 from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets
@@ -85,16 +87,20 @@ _PREFIX = colorstr("trainfuse:")
 
 
 def _takes_fused_loss(model: torch.nn.Module) -> bool:
-    """Whether FusedDetectionLoss implements ``model``'s loss: a plain DetectionModel whose head
-    has DFL (``reg_max > 1``) and is not end-to-end (those train with ultralytics' E2ELoss)."""
-    head = model.model[-1] if type(model) is DetectionModel else None
-    return head is not None and getattr(head, "one2one_cv2", None) is None and getattr(head, "reg_max", 1) > 1
+    """Whether a fused loss implements ``model``'s: a plain DetectionModel, end-to-end (YOLO26,
+    YOLOv10: :class:`FusedE2ELoss`) or not (:class:`FusedDetectionLoss`)."""
+    if type(model) is not DetectionModel:
+        return False
+    return takes_fused_e2e_loss(model) or getattr(model.model[-1], "one2one_cv2", None) is None
 
 
 def _criterion(model: torch.nn.Module) -> Any:
     """The detection loss :class:`FusedDetectionTrainer` installs on ``model``: the one place to
-    switch it. :class:`~trainfuse.ultralytics.FusedDetectionLoss` where it applies
-    (:func:`_takes_fused_loss`), else ultralytics' own ``model.init_criterion()``."""
+    switch it. :class:`~trainfuse.ultralytics.FusedE2ELoss` for end-to-end heads,
+    :class:`~trainfuse.ultralytics.FusedDetectionLoss` for the others (:func:`_takes_fused_loss`),
+    else ultralytics' own ``model.init_criterion()``."""
+    if takes_fused_e2e_loss(model):
+        return FusedE2ELoss(model)
     return FusedDetectionLoss(model) if _takes_fused_loss(model) else model.init_criterion()
 
 
@@ -240,15 +246,17 @@ class FusedDetectionTrainer(DetectionTrainer):
         self._install_ema()
         model = unwrap_model(self.model)
         if self.fused_loss and isinstance(model, DetectionModel):  # segment, pose, ... keep their own
-            model.criterion = _criterion(model)
-            self._pad_targets = isinstance(model.criterion, FusedDetectionLoss)
+            old, model.criterion = getattr(model, "criterion", None), _criterion(model)
+            if isinstance(model.criterion, FusedE2ELoss) and old is not None:
+                model.criterion.copy_schedule(old)  # a resume set ultralytics' E2ELoss to its epoch
+            self._pad_targets = isinstance(model.criterion, (FusedDetectionLoss, FusedE2ELoss))
             if self._pad_targets:
-                self._note("loss", type(model).__name__, SWAPPED,
-                           "FusedDetectionLoss, labels padded on the CPU (no host sync in the loss)")
+                self._note("loss", type(model).__name__, SWAPPED, f"{type(model.criterion).__name__}, "
+                           "labels padded on the CPU (no host sync in the loss)")
             else:
                 self._note("loss", type(model).__name__, SKIPPED,
-                           f"ultralytics' own {type(model.criterion).__name__}: FusedDetectionLoss "
-                           "implements v8DetectionLoss (DFL heads that are not end-to-end)")
+                           f"ultralytics' own {type(model.criterion).__name__}: the fused losses implement "
+                           "v8DetectionLoss and E2ELoss of plain detection models")
         self._apply_casts()
         self._setup_graphs()
 
