@@ -120,24 +120,31 @@ class Record:
         self.scales.append(trainer.scaler.get_scale())
 
 
-def _gpu_run(data: str, project: Path, graphs: bool) -> tuple[YOLO, Record, dict]:
-    model = YOLO("yolov5n.yaml")
+def _gpu_run(data: str, project: Path, graphs: bool, model: str = "yolov5n.yaml",
+             optimizer: str = "auto") -> tuple[YOLO, Record, dict]:
+    name = f"{Path(model).stem}-{optimizer}-graphs-{graphs}"
+    model = YOLO(model)
     record = Record(model)
     metrics: dict = {}
     model.add_callback("on_fit_epoch_end", lambda t: metrics.update({t.epoch: t.label_loss_items(t.tloss)}))
     model.train(data=data, epochs=20, imgsz=64, batch=4, nbs=16, workers=0, device=0, plots=False, val=False,
-                seed=0, deterministic=True, verbose=False, project=str(project), name=f"graphs-{graphs}",
-                exist_ok=True, trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=graphs))
+                seed=0, deterministic=True, verbose=False, project=str(project), name=name,
+                optimizer=optimizer, exist_ok=True,
+                trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=graphs))
     return model, record, metrics
 
 
 @cuda
-def test_graph_replay_trains_exactly_like_eager(tmp_path_factory):
+@pytest.mark.parametrize("model,optimizer", [("yolov5n.yaml", "auto"), ("yolo26n.yaml", "auto"),
+                                             ("yolov5n.yaml", "MuSGD")])
+def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimizer):
+    """The fused optimizer (auto: AdamW here) or a stock one (MuSGD, what auto picks past 10k
+    iterations), a v8 head or an end-to-end one (FusedE2ELoss): the replay trains as eagerly."""
     root = tmp_path_factory.mktemp("shapes200")
     data = str(make_shapes_dataset(root, n_train=40, n_val=8, imgsz=64, seed=1))
     project = tmp_path_factory.mktemp("runs")
-    eager, eager_rec, eager_metrics = _gpu_run(data, project, graphs=False)
-    graphed, graphed_rec, graphed_metrics = _gpu_run(data, project, graphs=True)
+    eager, eager_rec, eager_metrics = _gpu_run(data, project, False, model, optimizer)
+    graphed, graphed_rec, graphed_metrics = _gpu_run(data, project, True, model, optimizer)
     te, tg = eager.trainer, graphed.trainer
     assert te.graphs_reason == "cuda_graphs=False" and tg.graphs_reason == ""
     stats = tg.graph_stats
@@ -150,7 +157,8 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory):
 
     assert torch.equal(torch.stack(graphed_rec.losses), torch.stack(eager_rec.losses))
     assert graphed_rec.scales == eager_rec.scales
-    assert min(eager_rec.scales) < eager_rec.scales[0]  # the run did skip steps
+    if (model, optimizer) == ("yolov5n.yaml", "auto"):
+        assert min(eager_rec.scales) < eager_rec.scales[0]  # the run did skip steps
     assert tg.ema.updates == te.ema.updates
     for name, a, b in ((("model", tg.model, te.model)), ("ema", tg.ema.ema, te.ema.ema)):
         sa, sb = a.state_dict(), b.state_dict()

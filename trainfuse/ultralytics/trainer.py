@@ -41,8 +41,9 @@ What it changes, and nothing else (ultralytics itself is not patched):
   (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`); the optimizer phase stays its two eager
   launches, and the grads are kept and zeroed inside the next replay instead of freed. The
   progress bar's losses are read back without a host sync (a few iterations late);
-  each epoch's logged means are exact. Off, with the reason logged, on CPU, under DDP, with
-  ``compile``, or without the fused optimizer and loss. Choose with
+  each epoch's logged means are exact. Whatever the optimizer: a stock one (``MuSGD``, ``NAdam``...)
+  runs its own phase eagerly between replays. Off, with the reason logged, on CPU, under DDP, with
+  ``compile``, or without a fused loss. Choose with
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)``.
 
 Checkpoints stay stock: the optimizer state_dict has torch's layout (no masters), the EMA is a
@@ -120,6 +121,11 @@ def fused_optimizer(stock: torch.optim.Optimizer, max_grad_norm: float | None = 
     if reason is not None:
         return None, reason
     return swap_optimizer(stock, max_grad_norm=max_grad_norm), ""
+
+
+def _keep_grads(set_to_none: bool = True) -> None:
+    """``zero_grad`` of a stock optimizer while the graphs keep its grads (the next replay zeroes
+    them inside its graph)."""
 
 
 def _check_task(args: Any) -> None:
@@ -218,9 +224,19 @@ class FusedDetectionTrainer(DetectionTrainer):
     def optimizer_step(self):
         """Unscale, clip at 10, step, EMA update, scale update and zero_grad: two launches when
         fused (statistics with GradScaler's update, then the update with the EMA folded in), else
-        stock. With CUDA graphs, zero_grad is left to the next replay (``keeps_grads``)."""
+        ultralytics' own phase. With CUDA graphs, zero_grad is left to the next replay
+        (``keeps_grads``)."""
         if not self.fused:
-            return super().optimizer_step()
+            if not self.keeps_grads:
+                return super().optimizer_step()
+            # ultralytics' own phase as its version runs it, with the grads kept for the replay
+            self.optimizer.zero_grad = _keep_grads  # this call only: the instance's, over the class's
+            try:
+                super().optimizer_step()
+            finally:
+                del self.optimizer.zero_grad
+            self._graphed.zero_first = True
+            return
         if isinstance(self.scaler, GradScaler):
             self.scaler.step_and_update(self.optimizer)
         else:  # a scaler of another kind (NPU) keeps its own two calls
@@ -270,8 +286,8 @@ class FusedDetectionTrainer(DetectionTrainer):
             return "DDP (the graphs would need the gradient all-reduce captured)"
         if self.args.compile:
             return "compile is on"
-        if not self.fused or not isinstance(self.scaler, GradScaler):
-            return f"the optimizer stays stock ({self.fused_reason})"
+        if not isinstance(self.scaler, GradScaler):
+            return f"the scaler is {type(self.scaler).__name__}, not torch's GradScaler"
         if not self._pad_targets:
             return "the model trains with ultralytics' own loss, which syncs with the host"
         return ""
