@@ -9,9 +9,16 @@ import pytest
 import torch
 
 import trainfuse
-from tests.optim.reference import SHAPES, TOL, TORCH_CLASS, assert_step_matches, random_hparams, snapshot
+from tests.optim.reference import (
+    OPTIMIZERS,
+    SHAPES,
+    TOL,
+    TORCH_CLASS,
+    assert_step_matches,
+    random_hparams,
+    snapshot,
+)
 
-OPTIMIZERS = [trainfuse.FusedAdam, trainfuse.FusedAdamW, trainfuse.FusedSGD]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -96,7 +103,7 @@ def test_thousand_tiny_tensors_in_one_launch(cls, kernels, device):
     grads = _fresh_grads(params)
     opt.step()
     assert_step_matches(opt, *before, grads, dtype)
-    (plan,) = opt._engine._plans.values()
+    plan = opt.engine.plans.get(params[0].device).plan
     assert plan.nchunks == len(shapes)
 
 
@@ -284,7 +291,7 @@ def test_a_moved_grad_in_another_memory_order_is_not_patched_in(cls, kernels, de
         before = snapshot(opt)
         opt.step()
         assert_step_matches(opt, *before, grads, torch.float32)
-        plan = next(iter(opt._engine._plans.values()))
+        plan = opt.engine.plans.get(params[0].device).plan
         assert plan.volatile == (order != "same")  # conformed copies for the other orders
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
 def test_unaligned_param_views(cls, kernels, device):
@@ -294,7 +301,7 @@ def test_unaligned_param_views(cls, kernels, device):
     before = snapshot(opt)
     grads = _fresh_grads(params)
     opt.step()
-    assert not next(iter(opt._engine._plans.values())).aligned
+    assert not opt.engine.plans.get(params[0].device).plan.aligned
     assert_step_matches(opt, *before, grads, torch.float32)
 
 
@@ -304,14 +311,14 @@ def test_tables_are_reused_and_rebuilt_when_storage_moves(cls, kernels, device):
     opt = cls(params, lr=0.05)
     _fresh_grads(params)
     opt.step()
-    (plan,) = opt._engine._plans.values()
+    plan = opt.engine.plans.get(params[0].device).plan
     opt.step()  # same grads, same addresses
-    assert next(iter(opt._engine._plans.values())) is plan
+    assert opt.engine.plans.get(params[0].device).plan is plan
     params[2].data = params[2].data.clone()  # the param's storage moves
     before = snapshot(opt)
     grads = [p.grad for p in params]
     opt.step()
-    assert next(iter(opt._engine._plans.values())) is not plan
+    assert opt.engine.plans.get(params[0].device).plan is not plan
     assert_step_matches(opt, *before, grads, torch.float32)
 
 
@@ -323,18 +330,18 @@ def test_grads_at_new_addresses_patch_the_tables_in_place(cls, kernels, device):
     opt = cls(params, lr=0.05, **({"momentum": 0.9} if cls is trainfuse.FusedSGD else {}))
     _fresh_grads(params)
     opt.step()
-    (plan,) = opt._engine._plans.values()
-    rows = plan.rows
+    entry = opt.engine.plans.get(params[0].device)
+    plan, rows = entry.plan, entry.plan.rows
     hold = []
     for _ in range(3):
         hold.append(torch.empty(7, device=device))  # shifts where the next grads land
         _fresh_grads(params)
         before = snapshot(opt)
         grads = [p.grad for p in params]
-        old_key = list(plan.hot_gkey)
+        old_addresses = list(entry.grad_addresses)
         opt.step()
-        assert next(iter(opt._engine._plans.values())) is plan and plan.rows is rows
-        assert plan.hot_gkey != old_key  # the grads did move: the column was patched
+        assert opt.engine.plans.get(params[0].device) is entry and entry.plan is plan and plan.rows is rows
+        assert entry.grad_addresses == [g.data_ptr() for g in grads] != old_addresses  # patched
         assert_step_matches(opt, *before, grads, torch.float32)
 
 
@@ -346,11 +353,11 @@ def test_hparams_change_in_place_and_refresh_writes_them(cls, kernels, device):
     opt = cls(params, lr=0.05)
     _fresh_grads(params)
     opt.step()
-    (values, table), = opt._engine._hp.values()
+    (values, table), = opt.engine.hparams.by_device.values()
     address = table.data_ptr()
     opt.param_groups[0]["lr"] = 0.01
     opt.refresh_hparams()
-    (values, table), = opt._engine._hp.values()
+    (values, table), = opt.engine.hparams.by_device.values()
     assert table.data_ptr() == address and 0.01 in values
     assert float(table[values.index(0.01)]) == 0.01  # on the device
     before = snapshot(opt)
@@ -366,7 +373,7 @@ def test_multi_chunk_tensors_bump_step_exactly_once(kernels, device):
         _fresh_grads(params)
         opt.step()
         assert [float(opt.state[p]["step"]) for p in params] == [n, n, n]
-    assert int(next(iter(opt._engine._plans.values())).arrivals.abs().sum()) == 0
+    assert int(opt.engine.plans.get(params[0].device).plan.arrivals.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -379,7 +386,7 @@ def test_mixed_dtypes_share_one_launch(dtype, kernels, device):
         grads = _fresh_grads(params)
         opt.step()
         assert_step_matches(opt, *before, grads, dtype)
-    (plan,) = opt._engine._plans.values()
+    plan = opt.engine.plans.get(params[0].device).plan
     assert plan.codes == 0b1 | (0b10 if dtype == torch.bfloat16 else 0b100)
 
 

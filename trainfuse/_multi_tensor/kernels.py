@@ -2,7 +2,7 @@
 
 A launch walks *work items*: one program per (tensor, chunk of ``NB`` blocks of ``BLOCK`` elements;
 each program loads block b + 1 before it computes and stores block b, so the scalar work of a
-program and the latency of its loads overlap). The host side (``table.py``) writes
+program and the latency of its loads overlap). The host side (``tables.py``) writes
 two int64 tables on the device:
 
 - ``rows[t, :]`` — one row per tensor: operand addresses by slot (param, grad, float32 master,

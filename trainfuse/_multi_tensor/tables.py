@@ -2,11 +2,11 @@
 
 A *plan* (:class:`Plan`) is an int64 row per tensor (operand addresses, step address, numel,
 group, row code) and one work item per (tensor, chunk), both on the device (:class:`RowBuilder`
-builds it). :func:`launch_update` runs a client's chunk function over every row in one launch;
-:func:`launch_stats` takes the gradient norm and inf/NaN check in one launch. What a plan points
-at, and when it must be rebuilt, is its caller's business: the optimizers' step driver
-(``trainfuse/optim/engine.py``) and :class:`TensorListPlans` (lists keyed by every tensor's
-address, size and dtype) both keep that promise.
+collects the rows, :class:`Plan` lays them out). :func:`launch_update` runs a client's chunk
+function over every row in one launch; :func:`launch_stats` takes the gradient norm and inf/NaN
+check in one launch. What a plan points at, and when it must be rebuilt, is its caller's
+business: the optimizers' plan cache (``trainfuse/optim/plans.py``) and :class:`TensorListPlans`
+(lists keyed by every tensor's address, size and dtype) both keep that promise.
 """
 
 from __future__ import annotations
@@ -108,13 +108,52 @@ def conform(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class Plan:
-    """The device tables of one list of tensors and what the launches and their callers cache
-    beside them (see the module docstring)."""
+    """The device tables of one list of tensors, and what the launches cache beside them.
 
-    __slots__ = ("pkey", "gkey", "ekey", "host", "rows", "chunks", "arrivals", "nchunks", "ngrad",
-                 "launch", "ntensors", "codes", "param_dtypes", "aligned", "volatile", "keepalive",
-                 "copy_back", "slots", "glayout", "partials", "flags", "counter", "with_grad",
-                 "without_grad", "hot_gkey", "fixed", "fixed_key", "eflat", "tkey", "host_rows", "direct")
+    Built from :class:`RowBuilder`'s rows: the row table and the work-item table in one device
+    buffer (``rows``, ``chunks``; ``host``/``host_rows`` the host copy), the launch shape, and
+    per-launch facts (``codes``: the row codes present; ``param_dtypes``; ``aligned``: every
+    operand address 16-byte aligned; ``ngrad``: the work items of the rows with a gradient, which
+    come first). ``keepalive``: what the rows address, alive as long as the plan; ``copy_back``:
+    ``(grad, conformed copy)`` pairs, a row reading the copy in the grad's place (the plan is then
+    ``volatile``: its caller rebuilds it every step); ``glayout``: what :func:`patch_grads`
+    checks new grads against. The launches fill ``partials``, ``flags``, ``counter`` (the
+    statistics pass's buffers) and ``kernel_key`` on first use.
+    """
+
+    __slots__ = ("launch", "ntensors", "nchunks", "ngrad", "codes", "param_dtypes", "aligned", "host",
+                 "host_rows", "rows", "chunks", "arrivals", "keepalive", "copy_back", "volatile",
+                 "glayout", "partials", "flags", "counter", "kernel_key")
+
+    def __init__(self, builder: RowBuilder, device: torch.device, *, keepalive: list | None = None,
+                 copy_back: list | None = None, glayout: tuple | None = None) -> None:
+        self.launch = launch = builder.launch()
+        nchunks = [max(1, -(-n // launch.chunk)) for n in builder.numels]  # empty tensors count a step
+        for row, k in zip(builder.rows, nchunks):
+            row[COL_NCHUNKS] = k
+        self.ngrad = sum(nchunks[: builder.grad_rows])
+        self.codes, self.param_dtypes, self.aligned = builder.codes, builder.param_dtypes, builder.aligned
+        self.keepalive = [] if keepalive is None else keepalive
+        self.copy_back = [] if copy_back is None else copy_back
+        self.volatile = bool(self.copy_back)
+        self.glayout = glayout
+        self.partials = self.flags = self.counter = self.kernel_key = None
+        self.ntensors = ntensors = len(builder.rows)
+        self.nchunks = total = sum(nchunks)
+        if ntensors == 0:
+            self.host = self.host_rows = self.rows = self.chunks = self.arrivals = None
+            return
+        counts = torch.tensor(nchunks, dtype=torch.int64)
+        tensor_of = torch.repeat_interleave(torch.arange(ntensors, dtype=torch.int64), counts)
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
+        self.host = torch.cat([torch.tensor(builder.rows, dtype=torch.int64).flatten(), items])
+        self.host_rows = self.host[: ntensors * ROW].view(ntensors, ROW).numpy()  # writes land in host
+        # a fresh device buffer per plan: a launch on the plan this one replaces may still read its own
+        buf = upload(self.host, device) if device.type != "cpu" else self.host.clone()
+        self.rows = buf[: ntensors * ROW]
+        self.chunks = buf[ntensors * ROW :]
+        self.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -157,44 +196,10 @@ class RowBuilder:
         masters = any(self.codes >> c & 1 for c in range(kernels.NCODES.value) if c & CODE_MASTER)
         return master_config if masters else config
 
-    def build(self, device: torch.device) -> Plan:
-        plan = Plan()
-        plan.launch = launch = self.launch()
-        nchunks = [max(1, -(-n // launch.chunk)) for n in self.numels]  # empty tensors count a step
-        for row, k in zip(self.rows, nchunks):
-            row[COL_NCHUNKS] = k
-        self.ngrad = sum(nchunks[: self.grad_rows])
-        plan.volatile = False
-        plan.with_grad, plan.without_grad, plan.hot_gkey = [], [], None
-        plan.fixed, plan.fixed_key, plan.eflat = [], None, None
-        plan.keepalive = []
-        plan.copy_back = []
-        plan.codes, plan.param_dtypes = self.codes, self.param_dtypes
-        plan.aligned, plan.ngrad = self.aligned, self.ngrad
-        plan.ntensors = ntensors = len(self.rows)
-        plan.partials = plan.flags = plan.counter = plan.tkey = plan.direct = None
-        if ntensors == 0:
-            plan.nchunks = 0
-            return plan
-        counts = torch.tensor(nchunks, dtype=torch.int64)
-        total = int(counts.sum())
-        tensor_of = torch.repeat_interleave(torch.arange(ntensors, dtype=torch.int64), counts)
-        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        items = (tensor_of << 32) | (torch.arange(total, dtype=torch.int64) - first)
-        plan.host = torch.cat([torch.tensor(self.rows, dtype=torch.int64).flatten(), items])
-        plan.host_rows = plan.host[: ntensors * ROW].view(ntensors, ROW).numpy()  # writes land in host
-        plan.nchunks = total
-        place(plan, plan.host, device)
-        plan.arrivals = torch.zeros(ntensors, dtype=torch.int32, device=device)
-        return plan
-
-
-def place(plan: Plan, host: torch.Tensor, device: torch.device) -> None:
-    """Upload the tables (a fresh device buffer: the previous launch may still read the old)."""
-    buf = upload(host, device) if device.type != "cpu" else host.clone()
-    plan.rows = buf[: plan.ntensors * ROW]
-    plan.chunks = buf[plan.ntensors * ROW :]
-    plan.tkey = plan.direct = None  # both hold the old buffers' addresses
+    def build(self, device: torch.device, *, keepalive: list | None = None, copy_back: list | None = None,
+              glayout: tuple | None = None) -> Plan:
+        """The plan of the rows added so far, on ``device`` (the keyword arguments: :class:`Plan`'s)."""
+        return Plan(self, device, keepalive=keepalive, copy_back=copy_back, glayout=glayout)
 
 
 def patch_column(plan: Plan, col: int, values: list[int]) -> None:
@@ -213,17 +218,6 @@ def patch_column(plan: Plan, col: int, values: list[int]) -> None:
     plan.host_rows[:n, col] = values
     dst, src = plan.rows[: n * ROW], plan.host[: n * ROW]
     dst.copy_(src, non_blocking=dst.device.type != "cpu")
-
-
-def full_grad_key(plan: Plan) -> list[int]:
-    """``plan.gkey`` (every param's grad address, 0 without a grad), rebuilt from ``hot_gkey``
-    where a patch of the grad column on the hot path left it None."""
-    if plan.gkey is None:
-        full = [0] * len(plan.pkey)
-        for pos, a in zip(plan.slots, plan.hot_gkey):
-            full[pos] = a
-        plan.gkey = full
-    return plan.gkey
 
 
 def grad_layouts(params: list[torch.Tensor]) -> tuple:
@@ -255,7 +249,7 @@ def patch_grads(plan: Plan, grads: list[torch.Tensor], addrs: list[int]) -> bool
     if others and not all(same_layout(grads[k], p) for k, p in others):
         return False
     if plan.aligned and any(a & 15 for a in addrs):  # the launch's cache key changes with it
-        plan.aligned, plan.tkey = False, None
+        plan.aligned, plan.kernel_key = False, None
     patch_column(plan, OP_GRAD, addrs)
     return True
 
@@ -280,18 +274,18 @@ def _ptr_class(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
 
 
-def _tables_key(plan: Plan) -> tuple:
+def kernel_key(plan: Plan) -> tuple:
     """The part of a launch's cache key that the plan fixes: its own buffers' alignment (made by
     the allocator: aligned, but the chunk table starts after the rows), the element-alignment
     flag and the launch shape. Passed as ``key=``, it spares the launcher keying every argument
     and constexpr on every step (a tenth of the yolov5n optimizer phase's host time). Kept on the
-    plan until :func:`place` uploads new tables."""
-    if plan.tkey is None:
+    plan (``plan.kernel_key``) until :func:`patch_grads` clears the alignment flag."""
+    if plan.kernel_key is None:
         launch = plan.launch
-        plan.tkey = (plan.rows.data_ptr() % 16 == 0, plan.chunks.data_ptr() % 16 == 0,
-                     plan.arrivals.data_ptr() % 16 == 0, plan.aligned, launch.block, launch.unroll,
-                     launch.num_warps)
-    return plan.tkey
+        plan.kernel_key = (plan.rows.data_ptr() % 16 == 0, plan.chunks.data_ptr() % 16 == 0,
+                           plan.arrivals.data_ptr() % 16 == 0, plan.aligned, launch.block, launch.unroll,
+                           launch.num_warps)
+    return plan.kernel_key
 
 
 def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tensor | None = None, *,
@@ -310,7 +304,7 @@ def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tens
     clip = clip if clip is not None else clip_value
     dummy = plan.rows  # stands in for absent pointers; never read (the HAS_* flags are off)
     launch = plan.launch
-    key = ("update", chunk_fn, wide16, _tables_key(plan), plan.codes, _ptr_class(hp), _ptr_class(grad_scale),
+    key = ("update", chunk_fn, wide16, kernel_key(plan), plan.codes, _ptr_class(hp), _ptr_class(grad_scale),
            _ptr_class(clip), mode, _ptr_class(found_inf), width)
     launcher(
         kernels.update_kernel, (plan.nchunks,), plan.rows, plan.chunks, dummy if hp is None else hp,
@@ -352,7 +346,7 @@ def launch_stats(launcher: CachedLauncher, plan: Plan, out: torch.Tensor, *,
         tracker, growth, backoff, interval = plan.rows, 1.0, 1.0, 0
     else:
         tracker, growth, backoff, interval = scale_update
-    key = ("stats", _tables_key(plan), plan.param_dtypes, _ptr_class(grad_scale), _ptr_class(out), norm,
+    key = ("stats", kernel_key(plan), plan.param_dtypes, _ptr_class(grad_scale), _ptr_class(out), norm,
            scale_update is not None and (_ptr_class(tracker), interval == 1, interval % 16 == 0,
                                           interval < 2**31))
     launcher(
@@ -387,5 +381,5 @@ class TensorListPlans:
 
 
 __all__ = ["DTYPE_CODES", "UPDATE_EMA_W_ARG", "LaunchConfig", "Plan", "RowBuilder", "TensorListPlans",
-           "code_of", "config", "conform", "is_dense", "launch_stats", "launch_update", "master_config",
-           "place", "same_layout", "upload"]
+           "code_of", "config", "conform", "grad_layouts", "is_dense", "kernel_key", "launch_stats",
+           "launch_update", "master_config", "patch_grads", "same_layout", "upload"]

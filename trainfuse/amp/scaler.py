@@ -23,11 +23,10 @@ take torch's path unchanged.
 from __future__ import annotations
 
 import struct
-from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 from trainfuse.optim._base import FusedOptimizer
 
@@ -84,7 +83,7 @@ class GradScaler(torch.amp.GradScaler):
                           self._growth_interval)
                 if (self._scale.dtype == torch.float32 and self._growth_tracker.dtype == torch.int32
                         and optimizer.scaled_step(self._scale, update)):
-                    self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+                    self._per_optimizer_states.clear()  # what update() leaves: no optimizer seen
                     return None
         retval = self.step(optimizer, *args, **kwargs)
         self.update()

@@ -3,10 +3,11 @@
 A subclass supplies the per-param state (:meth:`state_keys`, :meth:`init_state`,
 :meth:`step_tensor`), its per-group hyperparameters as a fixed-width row (:meth:`hparams_row`,
 checked by :meth:`validate_group`), its per-chunk Triton math (``chunk_fn``, written with
-``trainfuse._multi_tensor.kernels`` and launched by its ``update_kernel``) and the torch reference
-step (:meth:`torch_group_step`).
-Tables, caching, AMP, validation and state_dict live here and in :mod:`trainfuse.optim.engine`,
-which drives the step through these methods.
+``trainfuse._multi_tensor.kernels`` and run by ``kernels.update_kernel``; ``wide16``) and the
+torch reference step (:meth:`torch_group_step`). :class:`FusedOptimizer` turns them into what the
+step driver (:class:`trainfuse.optim.engine.MultiTensorEngine`) needs of an optimizer, the
+:class:`trainfuse.optim.contract.OptimizerClient` protocol; tables, caching, AMP, validation and
+state_dict live here and in the driver.
 """
 
 from __future__ import annotations
@@ -41,12 +42,20 @@ def _as_float(value: float | torch.Tensor) -> float:
 
 
 class FusedOptimizer(Optimizer):
-    """Base class: a ``torch.optim.Optimizer`` whose step is one multi-tensor kernel launch."""
+    """Base class: a ``torch.optim.Optimizer`` whose step is one multi-tensor kernel launch.
+
+    ``engine`` is its step driver (:class:`~trainfuse.optim.engine.MultiTensorEngine`, whose
+    ``plans`` are the cached tables), rebuilt on copy and unpickle.
+    """
 
     # GradScaler hands us ``grad_scale`` / ``found_inf`` instead of unscaling and checking itself.
     _step_supports_amp_scaling = True
     # Width of one group's row in the float64 hyperparameter table the kernel reads.
     HP_WIDTH = 8
+    # The subclass's per-chunk update (a @triton.jit function, kernels.run's contract), and whether
+    # its 16-bit rows take blocks twice as long.
+    chunk_fn: Any
+    wide16: bool
     # Set once the constructor has validated the first groups; later groups are checked on add.
     _hparams_checked = False
     # The process group whose ranks each hold a shard of the params (FSDP): set it, and the
@@ -66,7 +75,7 @@ class FusedOptimizer(Optimizer):
         self._clip_values: dict[torch.device, tuple[float, torch.Tensor]] = {}
         self._ema = None
         self.ema_weight: float | None = None
-        self._engine = MultiTensorEngine(self)
+        self.engine = MultiTensorEngine(self)
         super().__init__(params, defaults)
         self.track_mutations()
         self.check_hparams()
@@ -87,7 +96,7 @@ class FusedOptimizer(Optimizer):
             self.param_groups.pop()
             raise
         self.param_groups[-1]["params"] = ParamList(self.param_groups[-1]["params"])
-        self._engine.invalidate()
+        self.engine.invalidate()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict()``, with plain dicts as per-param states (``torch.load`` with
@@ -112,7 +121,7 @@ class FusedOptimizer(Optimizer):
         for p, st in keep.items():
             for k, v in st.items():
                 self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
-        self._engine.invalidate()
+        self.engine.invalidate()
 
     def __getstate__(self) -> dict[str, Any]:
         # torch keeps defaults, state and param_groups; a copy must also clip, fold its EMA and
@@ -130,7 +139,7 @@ class FusedOptimizer(Optimizer):
         self._clip_values = {}
         self.__dict__.setdefault("_ema", None)
         self.__dict__.setdefault("ema_weight", None)
-        self._engine = MultiTensorEngine(self)
+        self.engine = MultiTensorEngine(self)
         self.track_mutations()
 
     def track_mutations(self) -> None:
@@ -183,7 +192,7 @@ class FusedOptimizer(Optimizer):
         """The total gradient norm the last step clipped with (``max_grad_norm``): a device
         tensor, read without a host sync; None when no step has computed a norm (no
         ``max_grad_norm``, or no step yet)."""
-        return self._engine.grad_norm()
+        return self.engine.grad_norm()
 
     def refresh_hparams(self) -> None:
         """Write the groups' current hyperparameters (lr, momentum, betas, weight decay...) into
@@ -192,7 +201,7 @@ class FusedOptimizer(Optimizer):
         A step does this itself; a step replayed from a CUDA graph does not run the host code, so
         a caller that changes ``lr`` between replays (a scheduler, a warmup) calls this before each
         replay. The table keeps its address while the groups keep their number and layout."""
-        self._engine.refresh_hparams()
+        self.engine.refresh_hparams()
 
     def check_grads(self, grad_scale: torch.Tensor) -> dict[torch.device, torch.Tensor] | None:
         """GradScaler's inf/NaN check of the scaled grads, done by the statistics pass the step
@@ -200,12 +209,12 @@ class FusedOptimizer(Optimizer):
         ``{device: found_inf}`` without a host sync, or None where the kernels do not run (params
         on several devices, the torch path): the caller then checks as torch does. The next
         :meth:`step` consumes the result; :meth:`discard_grad_check` drops it."""
-        return self._engine.check_grads(grad_scale)
+        return self.engine.check_grads(grad_scale)
 
     def discard_grad_check(self) -> None:
         """Forget a :meth:`check_grads` result that no step consumed (the step raised), so the
         next step validates its grads again."""
-        self._engine.forget_check()
+        self.engine.forget_check()
 
     def attach_ema(self, ema) -> None:
         """Fold ``ema`` (a :class:`trainfuse.optim.FusedEMA` of the model these params belong to)
@@ -222,7 +231,7 @@ class FusedOptimizer(Optimizer):
                                  "optimizer")
             ema.attached = self
         self._ema = ema
-        self._engine.invalidate()
+        self.engine.invalidate()
 
     def ema_target(self, p: torch.Tensor) -> torch.Tensor | None:
         return None if self._ema is None else self._ema.target_of(p)
@@ -253,7 +262,7 @@ class FusedOptimizer(Optimizer):
         for group in self.param_groups:
             if any(q is p for q in group["params"]):
                 group["master_weights"] = True
-        self._engine.invalidate()
+        self.engine.invalidate()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; with ``set_to_none`` (the default) and no profiler running it
@@ -289,7 +298,7 @@ class FusedOptimizer(Optimizer):
         else:
             self.ema_weight = None
         if closure is None and not self._hooked():
-            self._engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            self.engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
             return None
         return self._step_with_hooks(closure)
 
@@ -314,7 +323,7 @@ class FusedOptimizer(Optimizer):
     def _scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
         ema = self._ema if self._ema is not None and self._ema.enabled else None
         self.ema_weight = None if ema is None else 1.0 - ema.decay(ema.updates + 1)
-        if not self._engine.scaled_step(scale, update):
+        if not self.engine.scaled_step(scale, update):
             return False
         if ema is not None:
             ema.updates += 1
@@ -344,7 +353,7 @@ class FusedOptimizer(Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             with torch.no_grad():
-                self._engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+                self.engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
             self._optimizer_step_code()
             for hook in post_hooks:
                 hook(self, args, kwargs)

@@ -12,9 +12,10 @@ away, saving the keying and, per pointer, the launcher's ``data_ptr`` call and d
 What a launch's arguments depend on besides the plan is the entry's ``key``: the scaler's scale
 and tracker tensors (by identity; passed as tensors, so their addresses are read each launch),
 its growth and backoff factors and interval, the clipping settings, the hyperparameter table's
-identity and the plan's launch key (``plan.tkey``: buffer and grad alignment). The engine compares
-it each step and falls back to the normal launches on any difference; ``place`` drops the entry
-with the tables it points at.
+identity and the plan's kernel key (``plan.kernel_key``: buffer and grad alignment, launch shape).
+The engine compares it each step and falls back to the normal launches on any difference. An
+entry lives on its plan's cache entry (``CachedPlan.direct``, :mod:`trainfuse.optim.plans`), so
+it is dropped with the tables it points at.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from trainfuse._multi_tensor.tables import UPDATE_EMA_W_ARG
 from trainfuse._runtime.launch import Compiled, DirectLaunch
+from trainfuse.optim.contract import OptimizerClient
 
 
 class DirectStep:
@@ -46,12 +48,12 @@ class DirectStep:
         self.update(ema_w)
 
 
-def step_key(client, scale: torch.Tensor, update: tuple, hp: torch.Tensor, tkey: tuple | None,
-             out: torch.Tensor | None) -> tuple:
+def step_key(client: OptimizerClient, scale: torch.Tensor, update: tuple, hp: torch.Tensor,
+             kernel_key: tuple | None, out: torch.Tensor | None) -> tuple:
     """What a scaled step's launch arguments depend on besides its plan's tables: equal keys,
     equal launches (tensors by identity: an entry keeps the ones its key names alive)."""
     return (id(scale), id(update[0]), *update[1:], client.max_grad_norm, client.max_grad_value,
-            client.wide16, id(hp), tkey, id(out))
+            client.wide16, id(hp), kernel_key, id(out))
 
 
 __all__ = ["DirectStep", "step_key"]

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainfuse.optim.contract import OptimizerClient
+
 
 def combine_stats_(out: torch.Tensor, group: Any, max_norm: float | None, norm_type: float | None) -> None:
     """Turn a statistics pass's ``out`` for this rank's grads into the one for every rank's.
@@ -47,7 +49,7 @@ def combine_stats_(out: torch.Tensor, group: Any, max_norm: float | None, norm_t
     out[2:3].copy_(flag)
 
 
-def combine_client_stats_(client: Any, out: torch.Tensor, clipping: bool) -> None:
+def combine_client_stats_(client: OptimizerClient, out: torch.Tensor, clipping: bool) -> None:
     """:func:`combine_stats_` for a fused optimizer's statistics pass, where its params are
     sharded over its ``shard_group`` (nothing to do where that is None)."""
     group = client.shard_group
