@@ -210,3 +210,31 @@ def test_triton_allocator_query_follows_set_allocator():
     assert seen == [True]
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
     assert compat.triton_allocator_is_null() is False
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_grad_scaler_keeps_the_state_trainfuses_subclass_reads(enabled):
+    from torch.amp.grad_scaler import OptState
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=2, enabled=enabled)
+    if not enabled:  # a disabled scaler sets nothing else: trainfuse's checks _enabled first
+        assert scaler._enabled is False
+        return
+    for name in compat.GRAD_SCALER_STATE:
+        assert hasattr(scaler, name), name
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(p.sum()).backward()
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    assert scale.dtype == torch.float32 and tracker.dtype == torch.int32 and float(scale) == 16.0
+    assert (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval) == (2.0, 0.5, 2)
+    scaler.unscale_(opt)
+    assert compat.scaler_optimizer_states(scaler)[id(opt)]["stage"] is OptState.UNSCALED
+    compat.scaler_optimizer_states(scaler).clear()  # unscale_ may run again
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    assert compat.scaler_optimizer_states(scaler)[id(opt)]["stage"] is OptState.STEPPED
+    scaler.update()
+    assert not compat.scaler_optimizer_states(scaler) and int(scaler._growth_tracker) == 1
+    with pytest.raises(AssertionError, match="step but _scale is None"):
+        torch.amp.GradScaler("cpu")._check_scale_growth_tracker("step")

@@ -51,6 +51,20 @@ functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transf
 # torch.profiler has no query for it.
 profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
 
+# ---- torch.amp.GradScaler -------------------------------------------------------------------------
+# trainfuse.amp.GradScaler subclasses torch's and reads this state of its own (the scale and growth
+# tracker tensors, the growth settings, the per-optimizer stage torch's step/unscale_/update keep):
+# the names are pinned here, and tests/_runtime/test_compat.py checks each against torch.
+GRAD_SCALER_STATE = ("_enabled", "_scale", "_growth_tracker", "_growth_factor", "_backoff_factor",
+                     "_growth_interval", "_per_optimizer_states", "_check_scale_growth_tracker")
+
+
+def scaler_optimizer_states(scaler: torch.amp.GradScaler) -> dict[int, dict[str, Any]]:
+    """``id(optimizer)`` -> the stage torch's GradScaler keeps for it between ``unscale_``/``step``
+    and ``update`` (cleared by ``update``; clearing it lets ``unscale_`` run again)."""
+    return scaler._per_optimizer_states
+
+
 # ---- nn.Module and Parameter hooks ------------------------------------------------------------------
 # nn.Module keeps its hooks in these dicts; the public register_*_hook calls have no query.
 _MODULE_HOOKS = {"forward": "_forward_hooks", "forward_pre": "_forward_pre_hooks",
@@ -157,9 +171,9 @@ def triton_allocator_is_null() -> bool:
     return isinstance(current, _allocation.NullAllocator)
 
 
-__all__ = ["NormBase", "STEP_PATCH_METHOD", "addmm_activation", "compiled_original", "current_device_index",
-           "current_raw_stream", "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
-           "global_step_post_hooks", "global_step_pre_hooks", "has_step_hooks", "inner_schedulers",
-           "mark_step_for_schedulers", "module_hooks", "parameters_of", "profiler_enabled",
-           "record_step_call", "scalar_dtype", "step_hooks", "tensor_grad_hooks", "triton_allocator_is_null",
-           "will_engine_execute_node"]
+__all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "addmm_activation", "compiled_original",
+           "current_device_index", "current_raw_stream", "end_allocate_to_pool", "function_c_apply",
+           "functorch_transforms_active", "global_step_post_hooks", "global_step_pre_hooks",
+           "has_step_hooks", "inner_schedulers", "mark_step_for_schedulers", "module_hooks", "parameters_of",
+           "profiler_enabled", "record_step_call", "scalar_dtype", "scaler_optimizer_states", "step_hooks",
+           "tensor_grad_hooks", "triton_allocator_is_null", "will_engine_execute_node"]

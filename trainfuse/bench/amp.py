@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import trainfuse
+from trainfuse._runtime import compat
 from trainfuse.bench._common import (
     add_row,
     bench_parser,
@@ -195,7 +196,7 @@ def _stock_pieces(model, opt, scaler, ema) -> list[float]:
     def unscale_clip():
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
-        scaler._per_optimizer_states.clear()
+        compat.scaler_optimizer_states(scaler).clear()
 
     return [kernel_ms(unscale_clip), kernel_ms(opt.step), kernel_ms(lambda: ema.update(model))]
 
@@ -231,7 +232,7 @@ def bench_yolo_phase(report, bw):
 
     def ours_step():  # the stock pieces in one call: unscale, clip, SGD, EMA
         scaler.step(opt)
-        scaler._per_optimizer_states.clear()
+        compat.scaler_optimizer_states(scaler).clear()
 
     set_grads()
     ours()
