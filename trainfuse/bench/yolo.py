@@ -38,7 +38,11 @@ ITERATION_GOALS = {"yolov5n.yaml": 3.0, "yolov5s.yaml": 2.0}  # speedup of the i
 def _parser():
     parser = bench_parser("yolo", __doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 epoch on 256 images")
-    parser.add_argument("--model", default="yolov5n.yaml")
+    parser.add_argument("--model", default="yolov5n.yaml",
+                        help="any detection model ultralytics builds offline (yolov5n.yaml, yolo11n.yaml, "
+                        "yolo26n.yaml, yolov10n.yaml, ...)")
+    parser.add_argument("--optimizer", default="auto",
+                        help="ultralytics' optimizer= (auto, SGD, AdamW, MuSGD, NAdam, ...)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--images", type=int, default=512, help="synthetic training images")
@@ -69,7 +73,8 @@ def _run(kind: str, args, data: str, project: Path, device: int | str = 0) -> di
     torch.cuda.reset_peak_memory_stats()
     model.train(data=data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, seed=args.seed,
                 workers=args.workers, cache="ram", deterministic=False, val=False, plots=False, device=device,
-                project=str(project), name=kind, exist_ok=True, verbose=False, **extra)
+                project=str(project), name=kind, exist_ok=True, verbose=False, optimizer=args.optimizer,
+                **extra)
     trainer = model.trainer
     summary = timer.summary(args.batch)
     summary["map50"], summary["map50_95"] = final_map(trainer)
@@ -114,6 +119,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     out = Path(args.out)
     stock, ours = runs["stock"], runs["trainfuse"]
     workload = f"{args.model} batch {args.batch} imgsz {args.imgsz}"
+    if args.optimizer != "auto":
+        workload += f" optimizer={args.optimizer}"
     print(f"\n{workload}, {args.epochs} epoch(s), ultralytics {version}")
     print(runs_table(runs))
     for kind, r in runs.items():
@@ -151,7 +158,7 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     print_table("goals", ["goal", "met"], [[k, "yes" if v else "NO"] for k, v in goals.items()])
     if args.quick:
         note(report, "--quick: 1 epoch; the quality goals need the full run")
-    png = plot_runs(runs, out / f"{family(args.model)}.png",
+    png = plot_runs(runs, out / f"{family(args.model, args.optimizer)}.png",
                     title=f"{workload}, {args.epochs} epoch(s), {report['device']}")
     print(f"plot: {png}")
     report["goals"] = goals
@@ -159,7 +166,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     report["runs"] = {k: {key: v for key, v in r.items() if key not in ("losses", "iter_ms_all")}
                       for k, r in runs.items()}
     report["curves"] = {k: {"losses": r["losses"], "iter_ms": r["iter_ms_all"]} for k, r in runs.items()}
-    report["settings"] = {"model": args.model, "batch": args.batch, "imgsz": args.imgsz,
+    report["settings"] = {"model": args.model, "optimizer": args.optimizer, "batch": args.batch,
+                          "imgsz": args.imgsz,
                           "epochs": args.epochs, "images": args.images, "val_images": args.val_images,
                           "workers": args.workers, "seed": args.seed, "ultralytics": version}
 
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     except ImportError:
         note(report, "ultralytics is not installed (pip install ultralytics): nothing measured")
         report["_bench"] = "yolo"
-        save_report(report, args.out, family(args.model))
+        save_report(report, args.out, family(args.model, args.optimizer))
         return report
     from trainfuse.ultralytics.shapes import make_shapes_dataset
 
@@ -194,10 +202,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)
     report["_bench"] = "yolo"
-    save_report(report, args.out, family(args.model))
+    save_report(report, args.out, family(args.model, args.optimizer))
     return report
 
 
-def family(model: str) -> str:
-    """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another."""
-    return "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
+def family(model: str, optimizer: str = "auto") -> str:
+    """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
+    ``-<optimizer>`` appended for an optimizer other than ``auto``."""
+    name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
+    return name if optimizer == "auto" else f"{name}-{optimizer}"
