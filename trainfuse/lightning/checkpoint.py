@@ -33,15 +33,24 @@ def plain_checkpoint(checkpoint: dict[str, Any], live: dict[str, torch.Tensor],
         updates: the EMA updates done so far.
     """
     if "state_dict" in checkpoint:
-        state = {k: live.get(k, v) for k, v in checkpoint["state_dict"].items()}
+        # on the module's device: a save after the fit finds the module moved to the CPU by
+        # Lightning's teardown, the average and the displaced live values still on the GPU
+        state = {k: _like(live.get(k), v) for k, v in checkpoint["state_dict"].items()}
         if average is not None:
             checkpoint["current_model_state"] = state
-            state = {k: average.get(k, v) for k, v in state.items()}
+            state = {k: _like(average.get(k), v) for k, v in state.items()}
             checkpoint["averaging_state"] = {"n_averaged": torch.tensor(updates, dtype=torch.long)}
         checkpoint["state_dict"] = state
     states = checkpoint.get("optimizer_states")
     if states:
         checkpoint["optimizer_states"] = [torch_state_dict(s) for s in states]
+
+
+def _like(value: torch.Tensor | None, saved: torch.Tensor) -> torch.Tensor:
+    """``value`` on ``saved``'s device (``saved`` itself when ``value`` is None)."""
+    if value is None:
+        return saved
+    return value if value.device == saved.device else value.to(saved.device)
 
 
 def saved_average(checkpoint: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int] | None:
