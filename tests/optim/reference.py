@@ -3,6 +3,7 @@ of our tensors, so each fused step is checked against one exact step (no drift b
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import torch
@@ -58,7 +59,9 @@ def reference_step(opt, params_before, states_before, grads):
             opts["lr"] = float(opts["lr"])
         groups.append(dict(opts, params=qs[k : k + n]))
         k += n
-    topt = tcls(groups, foreach=False)
+    # torch's single-tensor path (the one float64 reference); a stock class without the option
+    # (an optimizer from another package) has one path
+    topt = tcls(groups, **({"foreach": False} if "foreach" in inspect.signature(tcls).parameters else {}))
     for q, st, g in zip(qs, states_before, grads):
         if st:
             topt.state[q] = {key: (torch.tensor(float(v), dtype=torch.float64) if key == "step"
