@@ -1,0 +1,185 @@
+"""FusedMuSGD against ultralytics' MuSGD: the torch path bit for bit, the kernels (the interpreter on
+CPU) one step at a time within float32 tolerance, the state_dict both ways, and its errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trainfuse.optim.musgd import FusedMuSGD
+
+MuSGD = pytest.importorskip("ultralytics.optim").MuSGD
+
+# the kernels' float32 math against MuSGD's torch ops, from the same states and orthogonalized update
+KERNEL_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class _Net(torch.nn.Module):
+    """Convs (one channels_last), BatchNorm, a wide linear and a tall one, a head with its own lr."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.pw = torch.nn.Conv2d(8, 12, 1).to(memory_format=torch.channels_last)
+        self.fc = torch.nn.Linear(12 * 16, 6)
+        self.tall = torch.nn.Linear(6, 40)
+        self.head = torch.nn.Linear(40, 3)
+
+    def forward(self, x):
+        x = self.pw(torch.relu(self.bn(self.conv(x))))
+        return self.head(torch.tanh(self.tall(self.fc(x.flatten(1)))))
+
+
+def _groups(net: _Net) -> list[dict]:
+    """ultralytics' layout: Muon on the weights, SGD on biases and norms, the head at 3x lr."""
+    head = list(net.head.parameters())
+    weights = [p for n, p in net.named_parameters() if p.ndim >= 2 and not n.startswith("head")]
+    others = [p for n, p in net.named_parameters() if p.ndim < 2 and not n.startswith("head")]
+    return [{"params": weights, "use_muon": True}, {"params": others, "use_muon": False},
+            {"params": head, "use_muon": False, "lr": 0.03}]
+
+
+def _backward(net: _Net, x: torch.Tensor, drop: tuple[str, ...] = ()) -> None:
+    net(x).square().mean().backward()
+    for name, p in net.named_parameters():
+        if name in drop:
+            p.grad = None
+
+
+def _pair(hp: dict) -> tuple[_Net, MuSGD, _Net, FusedMuSGD]:
+    net = _Net()
+    ours = copy.deepcopy(net)
+    return net, MuSGD(_groups(net), **hp), ours, FusedMuSGD(_groups(ours), **hp)
+
+
+HPARAMS = [
+    dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4),
+    dict(lr=0.02, momentum=0.5, nesterov=False, weight_decay=0.0, muon=0.3, sgd=0.7),
+    dict(lr=0.01, momentum=0.937, nesterov=False, weight_decay=0.1),
+]
+# step -> params without a grad that step (a muon weight, an SGD bias, the head's bias)
+DROPS = {1: ("fc.weight", "bn.bias"), 2: ("head.bias",)}
+
+
+@pytest.mark.parametrize("hp", HPARAMS)
+def test_torch_path_equals_musgd_bit_for_bit(hp):
+    net, stock, ours, fused = _pair(hp)
+    for step in range(4):
+        x = torch.randn(4, 3, 6, 6)
+        for model, opt in ((net, stock), (ours, fused)):
+            opt.zero_grad()
+            _backward(model, x, DROPS.get(step, ()))
+            opt.step()
+        for (name, p), q in zip(net.named_parameters(), ours.parameters()):
+            assert torch.equal(p, q), (step, name)
+    for p, q in zip(net.parameters(), ours.parameters()):
+        assert stock.state[p].keys() == fused.state[q].keys()
+        for key, value in stock.state[p].items():
+            assert torch.equal(value, fused.state[q][key]), key
+
+
+@pytest.mark.parametrize("hp", HPARAMS)
+def test_kernels_step_matches_musgd_from_the_same_state(hp, kernels):
+    """Each step from identical weights and states (bfloat16 Newton-Schulz would magnify the
+    float32 rounding differences of earlier steps): every weight and state within float32 tolerance."""
+    net, stock, ours, fused = _pair(hp)
+    for step in range(4):
+        x = torch.randn(4, 3, 6, 6)
+        for model, opt in ((net, stock), (ours, fused)):
+            opt.zero_grad()
+            _backward(model, x, DROPS.get(step, ()))
+        fused.step()
+        stock.step()
+        for (name, p), q in zip(net.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(q, p, **KERNEL_TOL, msg=f"step {step} {name}")
+            assert stock.state[p].keys() == fused.state[q].keys()
+            for key, value in stock.state[p].items():
+                torch.testing.assert_close(fused.state[q][key], value, **KERNEL_TOL, msg=f"{name} {key}")
+        with torch.no_grad():  # both continue from our step
+            for p, q in zip(net.parameters(), ours.parameters()):
+                p.copy_(q)
+        stock.load_state_dict(copy.deepcopy(fused.state_dict()))  # load_state_dict aliases tensors
+    assert ours.pw.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def _train(pairs, steps: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(4, 3, 6, 6)
+        for model, opt in pairs:
+            opt.zero_grad()
+            _backward(model, x)
+            opt.step()
+
+
+@pytest.mark.parametrize("direction", ["ours_to_musgd", "musgd_to_ours"])
+def test_state_dict_round_trips_with_musgd(direction):
+    hp = HPARAMS[0]
+    net, stock, ours, fused = _pair(hp)
+    _train([(net, stock), (ours, fused)], 2)
+    source, target_net, target_cls = (fused, net, MuSGD) if direction == "ours_to_musgd" else \
+        (stock, ours, FusedMuSGD)
+    sd = source.state_dict()
+    target = target_cls(_groups(target_net), **hp)
+    target.load_state_dict(copy.deepcopy(sd))  # as from a checkpoint: no tensors shared
+    if direction == "ours_to_musgd":
+        stock = target
+    else:
+        fused = target
+    _train([(net, stock), (ours, fused)], 2)
+    for p, q in zip(net.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
+    assert fused.state_dict()["param_groups"] == stock.state_dict()["param_groups"]
+
+
+def test_kernels_continue_from_a_musgd_state_dict(kernels):
+    hp = HPARAMS[0]
+    net, stock, ours, _ = _pair(hp)
+    _train([(net, stock)], 2)
+    ours.load_state_dict(net.state_dict())
+    fused = FusedMuSGD(_groups(ours), **hp)
+    fused.load_state_dict(copy.deepcopy(stock.state_dict()))
+    _train([(net, stock), (ours, fused)], 1)
+    for p, q in zip(net.parameters(), ours.parameters()):
+        torch.testing.assert_close(q, p, **KERNEL_TOL)
+
+
+def test_kernels_skip_everything_on_found_inf(kernels):
+    """A step GradScaler skips leaves weights and both momenta as they were (the Muon momentum
+    is written by the launch, which the flag skips)."""
+    _, _, ours, fused = _pair(HPARAMS[0])
+    _train([(ours, fused)], 1)
+    before = [p.detach().clone() for p in ours.parameters()]
+    states = [{k: v.clone() for k, v in fused.state[p].items()} for p in ours.parameters()]
+    fused.zero_grad()
+    _backward(ours, torch.randn(4, 3, 6, 6))
+    fused.found_inf = torch.ones(1)
+    fused.step()
+    for p, b, saved in zip(ours.parameters(), before, states):
+        assert torch.equal(p, b)
+        assert saved.keys() == fused.state[p].keys()
+        for k, v in saved.items():
+            assert torch.equal(fused.state[p][k], v), k
+            assert v.abs().sum() > 0, k  # a trained state, not a fresh one
+
+
+def test_a_bias_in_a_muon_group_is_refused_with_its_index():
+    net = _Net()
+    with pytest.raises(ValueError, match="param 1 of a use_muon group has shape \\(8,\\)"):
+        FusedMuSGD([{"params": [net.conv.weight, net.conv.bias], "use_muon": True}])
+
+
+@pytest.mark.parametrize("key", ["lr", "momentum", "weight_decay"])
+def test_a_negative_hyperparameter_is_refused(key):
+    with pytest.raises(ValueError, match=f"{key} must be a number >= 0"):
+        FusedMuSGD(_Net().parameters(), **{key: -0.1})
+
+
+def test_clipping_in_the_step_is_refused_with_muon_groups(kernels):
+    _, _, ours, fused = _pair(HPARAMS[0])
+    fused.max_grad_norm = 1.0
+    _backward(ours, torch.randn(4, 3, 6, 6))
+    with pytest.raises(ValueError, match="max_grad_norm and max_grad_value are not supported"):
+        fused.step()

@@ -1,0 +1,383 @@
+r"""FusedMuSGD: ultralytics' ``MuSGD`` (Muon + SGD momentum) on the multi-tensor engine.
+
+Groups with ``use_muon: False`` take SGD with momentum (no dampening). For a param
+:math:`\theta` of a ``use_muon`` group, with gradient :math:`g`, learning rate :math:`\gamma`,
+momentum :math:`\mu` and the optimizer's factors ``muon`` :math:`\alpha` and ``sgd`` :math:`\beta`:
+
+.. math::
+    m &\leftarrow \mu m + (1-\mu) g \\
+    u &\leftarrow \mu m + (1-\mu) g \ \text{(Nesterov)} \quad\text{or}\quad u \leftarrow m \\
+    \theta &\leftarrow \theta - \gamma\alpha\, \sqrt{\max(1, d_{-2}/d_{-1})}\ \mathrm{NS}_5(u) \\
+    g &\leftarrow g + \lambda\theta \\
+    b &\leftarrow \mu b + g \\
+    \theta &\leftarrow \theta - \gamma\beta\, (g + \mu b \ \text{(Nesterov)} \ \text{or}\ b)
+
+:math:`\mathrm{NS}_5` is five quintic Newton-Schulz iterations in bfloat16 on :math:`u` flattened to
+two dims in its own memory order (channels_last too), :math:`d_{-2}, d_{-1}` the param's last two
+dims; plain SGD groups take the last three lines with :math:`\beta = 1`. The state_dict is
+MuSGD's: ``momentum_buffer`` (:math:`m`, or :math:`b` in SGD groups) and, in ``use_muon`` groups,
+``momentum_buffer_SGD`` (:math:`b`).
+
+On the kernels the Newton-Schulz part runs first, in torch (batched bfloat16 matmuls per bucket of
+equal columns, as MuSGD batches them), and writes :math:`\mathrm{NS}_5(u)` times its scale into a
+private per-param tensor; the one multi-tensor launch then does the rest of every param's update:
+the Muon momentum, applying the orthogonalized update, weight decay, the SGD momentum and step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from trainfuse._multi_tensor import kernels as mt
+from trainfuse._multi_tensor.tables import same_layout
+from trainfuse._runtime.backend import use_triton
+from trainfuse.optim._base import FusedOptimizer
+from trainfuse.optim.engine import MultiTensorEngine
+
+# hyperparameter row: momentum, weight_decay, nesterov, use_muon, -lr*muon, -lr*sgd (-lr without Muon)
+_MOM, _WD, _NEST, _MUON, _MUON_STEP, _SGD_STEP = (tl.constexpr(k) for k in range(6))
+
+# MuSGD's quintic Newton-Schulz coefficients, iteration count and norm epsilon
+_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+_NS_STEPS = 5
+_NS_EPS = 1e-7
+# a bucket's row counts span at most this factor (MuSGD's bound on the zero padding)
+_ROW_SPAN = 16
+
+
+@triton.jit
+def _musgd_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl.constexpr,
+                 STATE_DT: tl.constexpr, EMA_DT: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
+                 BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, WIDTH: tl.constexpr):
+    # states: OP_STATE the SGD buffer b (every row); OP_STATE + 1 the Muon momentum m and
+    # OP_STATE + 2 the orthogonalized update (rows of use_muon groups only)
+    hp_row = mt.hparams_row(hp, row, WIDTH)
+    muon = tl.load(hp_row + _MUON) != 0.0
+    offs = tl.arange(0, BLOCK)
+    w_ptr, p_ptr = mt.weight_ptrs(row, start, PARAM_DT, MASTER, ALIGNED)
+    g_ptr = mt.operand(row, mt.OP_GRAD, start, PARAM_DT, ALIGNED)
+    e_ptr = mt.operand(row, mt.OP_EMA, start, EMA_DT, ALIGNED)
+    b_ptr = mt.operand(row, mt.OP_STATE, start, STATE_DT, ALIGNED)
+    m_ptr = mt.operand(row, mt.OP_STATE + 1, start, STATE_DT, ALIGNED)
+    u_ptr = mt.operand(row, mt.OP_STATE + 2, start, STATE_DT, ALIGNED)
+    p = mt.load(w_ptr, offs, n, MASKED)
+    g = mt.load(g_ptr, offs, n, MASKED)
+    b = mt.load(b_ptr, offs, n, MASKED)
+    m = mt.load_if(m_ptr, offs, n, muon, MASKED)
+    u = mt.load_if(u_ptr, offs, n, muon, MASKED)
+    e = mt.load_opt(e_ptr, offs, n, EMA, MASKED)
+    momentum = tl.load(hp_row + _MOM)
+    mu = momentum.to(tl.float32)
+    one_minus_mu = (1.0 - momentum).to(tl.float32)  # MuSGD's alpha=1 - beta, rounded once
+    wd = tl.load(hp_row + _WD).to(tl.float32)
+    nesterov = tl.load(hp_row + _NEST) != 0.0
+    muon_step = tl.load(hp_row + _MUON_STEP).to(tl.float32)
+    sgd_step = tl.load(hp_row + _SGD_STEP).to(tl.float32)
+
+    for k in tl.static_range(NB):
+        o = offs + k * BLOCK
+        if k + 1 < NB:  # prefetch the next block before this one's math and stores
+            o_next = o + BLOCK
+            p_next = mt.load(w_ptr, o_next, n, MASKED)
+            g_next = mt.load(g_ptr, o_next, n, MASKED)
+            b_next = mt.load(b_ptr, o_next, n, MASKED)
+            m_next = mt.load_if(m_ptr, o_next, n, muon, MASKED)
+            u_next = mt.load_if(u_ptr, o_next, n, muon, MASKED)
+            e_next = mt.load_opt(e_ptr, o_next, n, EMA, MASKED)
+        g = mt.grad_in(g_ptr, o, n, g, scale, clip, False, HAS_SCALE, HAS_CLIP, MASKED)
+        # the Muon momentum the host orthogonalized from, recomputed here so a step GradScaler
+        # skips leaves it as it was
+        m = m * mu + one_minus_mu * g
+        mt.store_if(m_ptr, o, n, m, muon, MASKED)
+        p = tl.where(muon, p + muon_step * u, p)
+        g = tl.where(wd != 0.0, g + wd * p, g)  # from the weight the Muon step moved
+        b = b * mu + g
+        mt.store(b_ptr, o, n, b, MASKED)
+        d = tl.where(nesterov, g + mu * b, b)
+        p = p + sgd_step * d
+        mt.store_weight(w_ptr, p_ptr, o, n, p, MASTER, MASKED)
+        mt.ema_fold(e_ptr, o, n, e, p, ema_w, STATE_DT, EMA, MASKED)
+        if k + 1 < NB:
+            p, g, b, m, u, e = p_next, g_next, b_next, m_next, u_next, e_next
+
+
+# ---- Newton-Schulz ---------------------------------------------------------------------------------
+def _newton_schulz(G: torch.Tensor) -> torch.Tensor:
+    """``NS_5`` of each matrix of ``G`` (batch, rows, cols), in bfloat16: normalized to spectral
+    norm <= 1, transposed when it has more rows than columns (the smaller Gram matrix)."""
+    a, b, c = _NS_COEFFS
+    X = G.bfloat16()
+    X /= X.norm(dim=(-2, -1), keepdim=True) + _NS_EPS
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.transpose(-2, -1)
+    for _ in range(_NS_STEPS):
+        A = X @ X.transpose(-2, -1)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    return X.transpose(-2, -1) if tall else X
+
+
+def orthogonalized(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``sqrt(max(1, d[-2] / d[-1])) * NS_5(u)`` for each ``u`` of ``updates`` (2+ dims), in
+    ``u``'s dtype and memory layout, batched as ultralytics' ``muon_update`` batches them (so the
+    bits are its bits): ``u`` is flattened to ``(d[0], rest)`` in its own memory order (a view
+    for contiguous and channels_last tensors, else a row-major copy), the matrices with the same
+    column count, scale, device and dtype share one batch, zero-padded to its most rows (zero rows
+    stay zero through Newton-Schulz), split where the row counts would span more than 16x.
+
+    Args:
+        updates: the Muon momentum (or its Nesterov blend) of each param.
+
+    Returns:
+        The orthogonalized, scaled updates, in ``updates``' order.
+    """
+    buckets: dict[tuple, list] = {}
+    for i, u in enumerate(updates):
+        dense = u.is_contiguous()
+        nhwc = not dense and u.ndim == 4 and u.is_contiguous(memory_format=torch.channels_last)
+        if nhwc:
+            m = u.permute(0, 2, 3, 1).flatten(1)
+        else:
+            m = u.flatten(1) if u.ndim > 2 else u.contiguous()
+        scale = max(1, u.size(-2) / u.size(-1)) ** 0.5
+        buckets.setdefault((m.size(1), scale, m.device, m.dtype), []).append(
+            (i, m, u.stride() if dense or nhwc else None))
+    out: list[Any] = [None] * len(updates)
+    for (cols, scale, device, dtype), items in buckets.items():
+        items.sort(key=lambda t: -t[1].size(0))
+        start = 0
+        for j in range(1, len(items) + 1):
+            if j < len(items) and items[start][1].size(0) <= _ROW_SPAN * items[j][1].size(0):
+                continue
+            batch = items[start:j]
+            start = j
+            X = torch.zeros(len(batch), batch[0][1].size(0), cols, device=device, dtype=dtype)
+            torch._foreach_add_([X[k, : m.size(0)] for k, (_, m, _) in enumerate(batch)],
+                                [m for _, m, _ in batch])
+            X = _newton_schulz(X).contiguous().to(dtype).mul_(scale)
+            for k, (i, m, stride) in enumerate(batch):
+                x = X[k, : m.size(0)]
+                shape = updates[i].shape
+                out[i] = x.as_strided(shape, stride) if stride else x.reshape(shape)
+    return out
+
+
+def _muon_momentum(bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum: float, nesterov: bool,
+                   in_place: bool) -> list[torch.Tensor]:
+    """The matrices Newton-Schulz orthogonalizes: ``m = mu m + (1 - mu) g`` (into ``bufs`` when
+    ``in_place``, else new tensors) and its Nesterov blend, with MuSGD's ops in MuSGD's order."""
+    if in_place:
+        torch._foreach_mul_(bufs, momentum)
+        nxt = bufs
+    else:
+        nxt = list(torch._foreach_mul(bufs, momentum))
+    torch._foreach_add_(nxt, grads, alpha=1 - momentum)
+    if not nesterov:
+        return list(nxt)
+    blended = list(torch._foreach_mul(nxt, momentum))
+    torch._foreach_add_(blended, grads, alpha=1 - momentum)
+    return blended
+
+
+class _MuonEngine(MultiTensorEngine):
+    """The step driver with the Newton-Schulz part before each update launch."""
+
+    def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        self.client.orthogonalize_for_kernels(grad_scale)
+        super().step(grad_scale, found_inf)
+
+    def scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
+        # its statistics pass reads the scale on the device, after the Muon part would need it
+        if any(g["use_muon"] and g["params"] for g in self.client.param_groups):
+            return False
+        return super().scaled_step(scale, update)
+
+
+class FusedMuSGD(FusedOptimizer):
+    """Drop-in ``ultralytics.optim.MuSGD``: same arguments, defaults, param groups and state_dict.
+
+    Args:
+        params: iterable of params or param-group dicts (a group's ``use_muon`` picks its update).
+        lr: learning rate.
+        momentum: momentum factor (of the Muon momentum and the SGD buffer).
+        weight_decay: L2 penalty of the SGD part.
+        nesterov: Nesterov momentum.
+        use_muon: the default of the groups' ``use_muon``: Muon + SGD (params of 2+ dims) or SGD.
+        muon: the Muon part's factor on ``lr``.
+        sgd: the SGD part's factor on ``lr`` in ``use_muon`` groups.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> weights = [p for p in model.parameters() if p.ndim >= 2]
+        >>> biases = [p for p in model.parameters() if p.ndim < 2]
+        >>> opt = FusedMuSGD([{"params": weights, "use_muon": True}, {"params": biases}],
+        ...                  lr=0.01, momentum=0.9, nesterov=True)
+        >>> model(torch.randn(8, 4)).sum().backward()
+        >>> opt.step()
+    """
+
+    chunk_fn = _musgd_chunk
+    wide16 = True  # 16-bit rows in blocks twice as long: 16-byte accesses per thread
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        use_muon: bool = False,
+        muon: float = 0.5,
+        sgd: float = 0.5,
+    ):
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "use_muon": use_muon,
+        }
+        self.muon = muon
+        self.sgd = sgd
+        self._private()
+        super().__init__(params, defaults)
+        self.engine = _MuonEngine(self)
+
+    def _private(self) -> None:
+        # param -> its orthogonalized update, which the update launch reads (outside the state_dict)
+        self._updates: dict[torch.Tensor, torch.Tensor] = {}
+        # device -> the step counter every row points at: the update keeps no count
+        self._no_step: dict[torch.device, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["muon"], state["sgd"] = self.muon, self.sgd
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("muon", 0.5)
+        self.__dict__.setdefault("sgd", 0.5)
+        self._private()
+        self.engine = _MuonEngine(self)
+
+    def validate_group(self, group):
+        name = type(self).__name__
+        for key in ("lr", "momentum", "weight_decay"):
+            value = group[key]
+            if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)) or not value >= 0.0:
+                raise ValueError(f"{name}: {key} must be a number >= 0, got {value!r}")
+        for key in ("muon", "sgd"):
+            value = getattr(self, key)
+            if isinstance(value, torch.Tensor) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name}: {key} must be a number, got {value!r}")
+        if group["use_muon"]:
+            for k, p in enumerate(group["params"]):
+                if p.ndim < 2:
+                    raise ValueError(
+                        f"{name}: param {k} of a use_muon group has shape {tuple(p.shape)}; Muon "
+                        "orthogonalizes matrices, so use_muon groups take params of 2 or more dims "
+                        "(put biases and norms in a group with use_muon=False)")
+
+    def state_keys(self, group):
+        # kernel operand order: the SGD buffer first in every row
+        return ("momentum_buffer_SGD", "momentum_buffer") if group["use_muon"] else ("momentum_buffer",)
+
+    def init_state(self, p, group, state, like):
+        for key in ("momentum_buffer", "momentum_buffer_SGD") if group["use_muon"] else ("momentum_buffer",):
+            if state.get(key) is None:
+                state[key] = torch.zeros_like(like, memory_format=torch.preserve_format)
+
+    def step_tensor(self, p, state, kernels):
+        counter = self._no_step.get(p.device)
+        if counter is None:
+            counter = self._no_step[p.device] = self._new_step(p, True)
+        return counter
+
+    def prepare_state(self, p, group, kernels):
+        states, step, master = super().prepare_state(p, group, kernels)
+        if group["use_muon"]:
+            states = [*states, self._update_of(p, p if master is None else master)]
+        return states, step, master
+
+    def _update_of(self, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``p``'s orthogonalized-update tensor, laid out like ``like`` (made when missing or
+        unlike it; a replaced one drops the plans, which point at the old one)."""
+        u = self._updates.get(p)
+        if u is not None and u.dtype == like.dtype and u.device == like.device and same_layout(u, like):
+            return u
+        if u is not None:
+            self.engine.invalidate()
+        u = self._updates[p] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        return u
+
+    def hparams_row(self, group):
+        lr = group["lr"]
+        muon = group["use_muon"]
+        return [group["momentum"], group["weight_decay"], float(group["nesterov"]), float(muon),
+                -(lr * self.muon) if muon else 0.0, -(lr * self.sgd) if muon else -lr]
+
+    def orthogonalize_for_kernels(self, grad_scale: torch.Tensor | None) -> None:
+        """Write the orthogonalized update of every ``use_muon`` param with a grad on the kernels
+        into its private tensor, which the update launch reads. The Muon momentum is read, not
+        written (the launch writes it, unless GradScaler skips the step)."""
+        name = type(self).__name__
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            params = [p for p in group["params"] if p.grad is not None and use_triton(p.device)]
+            if not params:
+                continue
+            if self.max_grad_norm is not None or self.max_grad_value is not None:
+                raise ValueError(f"{name}: max_grad_norm and max_grad_value are not supported with "
+                                 "use_muon groups; clip the grads before the step")
+            grads = [p.grad for p in params]
+            for k, (p, g) in enumerate(zip(params, grads)):
+                if g.is_sparse or g.shape != p.shape or g.dtype != p.dtype:
+                    raise ValueError(f"{name}: param {k} of a use_muon group has a gradient of "
+                                     f"shape {tuple(g.shape)} ({g.dtype}, sparse={g.is_sparse}); "
+                                     f"expected a dense {p.dtype} gradient of shape {tuple(p.shape)}")
+            if grad_scale is not None:
+                grads = list(torch._foreach_div(grads, grad_scale.to(grads[0].device)))
+            likes = []
+            for p in params:
+                master = self.master_of(p, group)
+                like = p if master is None else master
+                state = self.state[p]
+                if state.get("momentum_buffer") is None or state.get("momentum_buffer_SGD") is None:
+                    self.init_state(p, group, state, like)
+                likes.append(like)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            updates = orthogonalized(_muon_momentum(bufs, grads, group["momentum"], group["nesterov"],
+                                                    in_place=False))
+            torch._foreach_copy_([self._update_of(p, like) for p, like in zip(params, likes)], updates)
+
+    def torch_group_step(self, group, params, grads, weights):
+        lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+        states = [self.state[p] for p in params]
+        for p, w, state in zip(params, weights, states):
+            if len(state) == 0:
+                self.init_state(p, group, state, w)
+        if group["use_muon"]:
+            updates = orthogonalized(_muon_momentum([s["momentum_buffer"] for s in states], grads, momentum,
+                                                    nesterov, in_place=True))
+            torch._foreach_add_(weights, updates, alpha=-(lr * self.muon))
+            buffers = [s["momentum_buffer_SGD"] for s in states]
+            lr *= self.sgd
+        else:
+            buffers = [s["momentum_buffer"] for s in states]
+        if group["weight_decay"] != 0:
+            grads = torch._foreach_add(grads, weights, alpha=group["weight_decay"])
+        torch._foreach_mul_(buffers, momentum)
+        torch._foreach_add_(buffers, grads)
+        updates = torch._foreach_add(grads, buffers, alpha=momentum) if nesterov else buffers
+        torch._foreach_add_(weights, updates, alpha=-lr)
+
+
+__all__ = ["FusedMuSGD", "orthogonalized"]
