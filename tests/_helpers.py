@@ -1,11 +1,34 @@
 """Markers and helpers shared by the test packages (import them: ``from tests._helpers import cuda``)."""
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Make any host synchronization in the block raise (torch's sync debug mode "error")."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def warm_on_side_stream(fn: Callable[..., Any], *args: Any) -> None:
+    """Call ``fn`` once on a side stream and wait for it: its kernels compile and the side stream's
+    workspaces exist before a CUDA-graph capture (which runs on a side stream too)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
 
 
 INF_STEPS = {1: math.inf, 3: math.nan}  # steps of a scaled run whose grads hold a non-finite value

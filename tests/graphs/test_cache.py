@@ -31,12 +31,17 @@ def test_keys_are_independent():
     assert [cache.lookup(k)[0] for k in ("a", "b", "a", "b")] == [EAGER, EAGER, CAPTURE, CAPTURE]
 
 
-def test_store_beyond_max_graphs_drops_the_least_recently_used():
-    cache = ShapeCache(max_graphs=2)
-    for key in ("a", "b"):
+def _captured(cache: ShapeCache, *keys: str) -> None:
+    """Each key seen (eager), then captured: its graph stored as ``"graph <key>"``."""
+    for key in keys:
         cache.lookup(key)
         cache.lookup(key)
         cache.store(key, f"graph {key}")
+
+
+def test_store_beyond_max_graphs_drops_the_least_recently_used():
+    cache = ShapeCache(max_graphs=2)
+    _captured(cache, "a", "b")
     cache.lookup("a")  # a is now the most recently used: b goes first
     cache.lookup("c")
     cache.lookup("c")
@@ -106,10 +111,7 @@ def test_forget_makes_a_key_unseen():
 
 def test_clear_makes_every_key_unseen_and_keeps_counting_evictions():
     cache = ShapeCache(max_graphs=1)
-    for key in ("a", "b"):
-        cache.lookup(key)
-        cache.lookup(key)
-        cache.store(key, f"graph {key}")
+    _captured(cache, "a", "b")
     cache.lookup("c")
     cache.fail("d", "why d")
     cache.clear()

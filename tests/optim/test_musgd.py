@@ -64,15 +64,21 @@ HPARAMS = [
 DROPS = {1: ("fc.weight", "bn.bias"), 2: ("head.bias",)}
 
 
+def _backward_all(pairs, drop: tuple[str, ...] = ()) -> None:
+    """One step's grads in every (model, optimizer) pair: the same batch, ``drop`` left without."""
+    x = torch.randn(4, 3, 6, 6)
+    for model, opt in pairs:
+        opt.zero_grad()
+        _backward(model, x, drop)
+
+
 @pytest.mark.parametrize("hp", HPARAMS)
 def test_torch_path_equals_musgd_bit_for_bit(hp):
     net, stock, ours, fused = _pair(hp)
     for step in range(4):
-        x = torch.randn(4, 3, 6, 6)
-        for model, opt in ((net, stock), (ours, fused)):
-            opt.zero_grad()
-            _backward(model, x, DROPS.get(step, ()))
-            opt.step()
+        _backward_all([(net, stock), (ours, fused)], DROPS.get(step, ()))
+        stock.step()
+        fused.step()
         for (name, p), q in zip(net.named_parameters(), ours.parameters()):
             assert torch.equal(p, q), (step, name)
     for p, q in zip(net.parameters(), ours.parameters()):
@@ -87,10 +93,7 @@ def test_kernels_step_matches_musgd_from_the_same_state(hp, kernels):
     float32 rounding differences of earlier steps): every weight and state within float32 tolerance."""
     net, stock, ours, fused = _pair(hp)
     for step in range(4):
-        x = torch.randn(4, 3, 6, 6)
-        for model, opt in ((net, stock), (ours, fused)):
-            opt.zero_grad()
-            _backward(model, x, DROPS.get(step, ()))
+        _backward_all([(net, stock), (ours, fused)], DROPS.get(step, ()))
         fused.step()
         stock.step()
         for (name, p), q in zip(net.named_parameters(), ours.parameters()):
@@ -107,10 +110,8 @@ def test_kernels_step_matches_musgd_from_the_same_state(hp, kernels):
 
 def _train(pairs, steps: int) -> None:
     for _ in range(steps):
-        x = torch.randn(4, 3, 6, 6)
-        for model, opt in pairs:
-            opt.zero_grad()
-            _backward(model, x)
+        _backward_all(pairs)
+        for _, opt in pairs:
             opt.step()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._helpers import cuda
+from tests._helpers import cuda, no_host_sync, warm_on_side_stream
 from tests.ultralytics.test_loss import assert_kernels_match_float64_reference, on_device, tie_free
 from trainfuse.ultralytics import FusedDetectionLoss, FusedE2ELoss, add_padded_targets, takes_fused_e2e_loss
 from trainfuse.ultralytics import assigner as tal
@@ -312,18 +312,11 @@ def test_no_host_sync_and_the_step_replays_as_a_cuda_graph_with_the_new_weights(
     weights without a new capture."""
     fused, step = _prepared_step(model)
     go = torch.rand(3, device=DEVICE) + 0.5
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(go)  # compile, and the workspaces of this stream
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    warm_on_side_stream(step, go)
+    with no_host_sync():
         eager = step(go)
         fused.update()
         updated = step(go)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     fused.updates, fused.o2m, fused.o2o = 0, fused.o2m_copy, fused.total - fused.o2m_copy  # the first epoch's
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

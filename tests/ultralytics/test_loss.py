@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests._helpers import cuda
+from tests._helpers import cuda, no_host_sync, warm_on_side_stream
 from trainfuse.ultralytics import FusedDetectionLoss, add_padded_targets, pad_targets, target_capacity
 from trainfuse.ultralytics import assigner as tal
 from trainfuse.ultralytics.loss import DetectionLossFunction, LossConstants, loss_terms_torch
@@ -306,16 +306,9 @@ def test_no_host_sync_and_the_step_replays_as_a_cuda_graph(model):
     whose replay gives the eager results."""
     step = _prepared_step(model)
     go = torch.rand(3, device=DEVICE) + 0.5
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(go)  # compile, and the workspaces of this stream
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    warm_on_side_stream(step, go)
+    with no_host_sync():
         eager = step(go)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step(go)

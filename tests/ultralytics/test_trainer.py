@@ -36,7 +36,7 @@ from ultralytics.models.yolo.detect import DetectionTrainer  # noqa: E402
 from ultralytics.utils.torch_utils import ModelEMA  # noqa: E402
 
 import trainfuse  # noqa: E402
-from tests._helpers import cuda  # noqa: E402
+from tests._helpers import cuda, no_host_sync  # noqa: E402
 from trainfuse.ultralytics import FusedDetectionLoss, FusedDetectionTrainer  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 from trainfuse.ultralytics.trainer import PadTargets  # noqa: E402
@@ -378,11 +378,8 @@ def test_warmup_changes_lr_and_momentum_without_host_syncs_or_recompiles(data, t
     triton.knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs.get("fn"))
     try:
         for k in range(1, 5):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with no_host_sync():
                 _step((fused,), k, grads)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             _step((stock,), k, grads)  # stock's unscale_ reads found_inf on the host
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
