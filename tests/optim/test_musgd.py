@@ -178,9 +178,44 @@ def test_a_negative_hyperparameter_is_refused(key):
         FusedMuSGD(_Net().parameters(), **{key: -0.1})
 
 
-def test_clipping_in_the_step_is_refused_with_muon_groups(kernels):
-    _, _, ours, fused = _pair(HPARAMS[0])
-    fused.max_grad_norm = 1.0
-    _backward(ours, torch.randn(4, 3, 6, 6))
-    with pytest.raises(ValueError, match="max_grad_norm and max_grad_value are not supported"):
+CLIPS = {"norm": dict(max_grad_norm=0.05), "value": dict(max_grad_value=0.01)}
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path, request):
+    """Scaled grads (GradScaler's ``grad_scale``) unscaled and clipped inside the step, against
+    MuSGD after ``clip_grad_norm_`` / ``clip_grad_value_``: bit for bit on the torch path, within
+    float32 tolerance on the kernels, each step from identical weights and states."""
+    if path == "kernels":
+        request.getfixturevalue("kernels")
+    hp = HPARAMS[0]
+    net, stock, ours, _ = _pair(hp)
+    fused = FusedMuSGD(_groups(ours), **hp, **CLIPS[clip])
+    scale = 1024.0  # a power of two: the scaled grads are the stock grads times it, exactly
+    for step in range(3):
+        x = torch.randn(4, 3, 6, 6)
+        stock.zero_grad()
+        fused.zero_grad()
+        _backward(net, x)
+        (ours(x).square().mean() * scale).backward()
+        if clip == "norm":
+            total = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            assert total > 0.05  # the clip is active
+        else:
+            assert max(p.grad.abs().max() for p in net.parameters()) > 0.01
+            torch.nn.utils.clip_grad_value_(net.parameters(), 0.01)
+        fused.grad_scale = torch.tensor(scale)
+        stock.step()
         fused.step()
+        for (name, p), q in zip(net.named_parameters(), ours.parameters()):
+            if path == "torch":
+                assert torch.equal(q, p), (step, name)
+            else:
+                torch.testing.assert_close(q, p, **KERNEL_TOL, msg=f"step {step} {name}")
+            for key, value in stock.state[p].items():
+                torch.testing.assert_close(fused.state[q][key], value, **KERNEL_TOL, msg=f"{name} {key}")
+        with torch.no_grad():  # both continue from our step
+            for p, q in zip(net.parameters(), ours.parameters()):
+                p.copy_(q)
+        stock.load_state_dict(copy.deepcopy(fused.state_dict()))

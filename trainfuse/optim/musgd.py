@@ -186,15 +186,38 @@ def _muon_momentum(bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum
 
 
 class _MuonEngine(MultiTensorEngine):
-    """The step driver with the Newton-Schulz part before each update launch."""
+    """The step driver with the Newton-Schulz part before each update launch. Clipping by norm
+    runs the statistics pass first: its clip coefficient scales the grads Newton-Schulz reads,
+    and the update launch reuses the pass (marked as checked) instead of running another."""
 
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        self.client.orthogonalize_for_kernels(grad_scale)
+        self.client.orthogonalize_for_kernels(grad_scale, self._clip_coefficient(grad_scale))
         super().step(grad_scale, found_inf)
+
+    def _clip_coefficient(self, grad_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The device tensor of ``max_grad_norm``'s clip coefficient for this step, or None
+        (no clipping by norm, no Muon group with a grad, or the params not on one kernel device)."""
+        client = self.client
+        if client.max_grad_norm is None or not client.muon_grads():
+            return None
+        found = self._kernel_plan()
+        if found is None:
+            return None
+        device, entry, _ = found
+        check = self.plans.peek_check(device)
+        if check is None or check[0] is not grad_scale or grad_scale is None:
+            # a statistics pass over this step's grads, which the update launch then takes
+            scale = grad_scale
+            if scale is not None and scale.device != device:
+                scale = scale.to(device, non_blocking=True)
+            self._run_stats(device, entry.plan, scale)
+            if grad_scale is not None:
+                self.plans.mark_checked(device, grad_scale, entry)
+        return self._views_of(self._stats_out(device))[1]
 
     def scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
         # its statistics pass reads the scale on the device, after the Muon part would need it
-        if any(g["use_muon"] and g["params"] for g in self.client.param_groups):
+        if self.client.muon_grads():
             return False
         return super().scaled_step(scale, update)
 
@@ -211,6 +234,9 @@ class FusedMuSGD(FusedOptimizer):
         use_muon: the default of the groups' ``use_muon``: Muon + SGD (params of 2+ dims) or SGD.
         muon: the Muon part's factor on ``lr``.
         sgd: the SGD part's factor on ``lr`` in ``use_muon`` groups.
+        master_weights, max_grad_norm, max_grad_value: as in :class:`trainfuse.optim.FusedAdam`.
+            Clipping applies to the gradients before both parts (the Muon momentum included), as
+            ``clip_grad_norm_`` / ``clip_grad_value_`` before ``MuSGD.step`` would.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
@@ -235,6 +261,10 @@ class FusedMuSGD(FusedOptimizer):
         use_muon: bool = False,
         muon: float = 0.5,
         sgd: float = 0.5,
+        *,
+        master_weights: bool = False,
+        max_grad_norm: float | None = None,
+        max_grad_value: float | None = None,
     ):
         defaults = {
             "lr": lr,
@@ -243,10 +273,12 @@ class FusedMuSGD(FusedOptimizer):
             "nesterov": nesterov,
             "use_muon": use_muon,
         }
+        if master_weights:  # a group key only when used: default state_dicts stay MuSGD's layout
+            defaults["master_weights"] = True
         self.muon = muon
         self.sgd = sgd
         self._private()
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, max_grad_norm, max_grad_value)
         self.engine = _MuonEngine(self)
 
     def _private(self) -> None:
@@ -323,10 +355,22 @@ class FusedMuSGD(FusedOptimizer):
         return [group["momentum"], group["weight_decay"], float(group["nesterov"]), float(muon),
                 -(lr * self.muon) if muon else 0.0, -(lr * self.sgd) if muon else -lr]
 
-    def orthogonalize_for_kernels(self, grad_scale: torch.Tensor | None) -> None:
+    def muon_grads(self) -> bool:
+        """Whether a ``use_muon`` param has a grad on the kernels (the step has a Muon part)."""
+        return any(p.grad is not None and use_triton(p.device)
+                   for group in self.param_groups if group["use_muon"] for p in group["params"])
+
+    def orthogonalize_for_kernels(self, grad_scale: torch.Tensor | None, clip: torch.Tensor | None = None
+                                  ) -> None:
         """Write the orthogonalized update of every ``use_muon`` param with a grad on the kernels
         into its private tensor, which the update launch reads. The Muon momentum is read, not
-        written (the launch writes it, unless GradScaler skips the step)."""
+        written (the launch writes it, unless GradScaler skips the step).
+
+        Args:
+            grad_scale: GradScaler's scale the grads carry, or None.
+            clip: the clip coefficient of ``max_grad_norm`` (a one-element device tensor the
+                statistics pass wrote), or None.
+        """
         name = type(self).__name__
         for group in self.param_groups:
             if not group["use_muon"]:
@@ -334,17 +378,15 @@ class FusedMuSGD(FusedOptimizer):
             params = [p for p in group["params"] if p.grad is not None and use_triton(p.device)]
             if not params:
                 continue
-            if self.max_grad_norm is not None or self.max_grad_value is not None:
-                raise ValueError(f"{name}: max_grad_norm and max_grad_value are not supported with "
-                                 "use_muon groups; clip the grads before the step")
+            if self.max_grad_norm is not None and clip is None:
+                raise ValueError(f"{name}: max_grad_norm with use_muon groups needs every param on "
+                                 "one device; clip the grads before the step instead")
             grads = [p.grad for p in params]
             for k, (p, g) in enumerate(zip(params, grads)):
                 if g.is_sparse or g.shape != p.shape or g.dtype != p.dtype:
                     raise ValueError(f"{name}: param {k} of a use_muon group has a gradient of "
                                      f"shape {tuple(g.shape)} ({g.dtype}, sparse={g.is_sparse}); "
                                      f"expected a dense {p.dtype} gradient of shape {tuple(p.shape)}")
-            if grad_scale is not None:
-                grads = list(torch._foreach_div(grads, grad_scale.to(grads[0].device)))
             likes = []
             for p in params:
                 master = self.master_of(p, group)
@@ -353,10 +395,24 @@ class FusedMuSGD(FusedOptimizer):
                 if state.get("momentum_buffer") is None or state.get("momentum_buffer_SGD") is None:
                     self.init_state(p, group, state, like)
                 likes.append(like)
+            targets = [self._update_of(p, like) for p, like in zip(params, likes)]
+            # the grads as the update launch sees them, in float32 (the targets as scratch):
+            # divided by the scale, then clipped
+            torch._foreach_copy_(targets, grads)
+            if grad_scale is not None:
+                torch._foreach_div_(targets, grad_scale.to(targets[0].device))
+            if clip is not None:
+                torch._foreach_mul_(targets, clip.reshape(()))
+            elif self.max_grad_value is not None:  # the bound as each grad's dtype stores it
+                for dtype in {g.dtype for g in grads}:
+                    bound = float(torch.tensor(self.max_grad_value, dtype=dtype))
+                    same = [t for t, g in zip(targets, grads) if g.dtype == dtype]
+                    torch._foreach_clamp_min_(same, -bound)
+                    torch._foreach_clamp_max_(same, bound)
             bufs = [self.state[p]["momentum_buffer"] for p in params]
-            updates = orthogonalized(_muon_momentum(bufs, grads, group["momentum"], group["nesterov"],
+            updates = orthogonalized(_muon_momentum(bufs, targets, group["momentum"], group["nesterov"],
                                                     in_place=False))
-            torch._foreach_copy_([self._update_of(p, like) for p, like in zip(params, likes)], updates)
+            torch._foreach_copy_(targets, updates)
 
     def torch_group_step(self, group, params, grads, weights):
         lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]

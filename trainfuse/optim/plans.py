@@ -186,6 +186,13 @@ class PlanCache:
             return None
         return check
 
+    def peek_check(self, device: torch.device) -> tuple[torch.Tensor, CachedPlan] | None:
+        """What :meth:`take_check` would return, left in place."""
+        check = self._checks.get(device)
+        if check is None or check[1] is not self._entries.get(device):
+            return None
+        return check
+
     def forget_checks(self) -> None:
         """Drop a :meth:`mark_checked` result no step consumed."""
         self._checks.clear()
