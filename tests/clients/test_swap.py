@@ -54,6 +54,8 @@ def test_a_swapped_optimizer_continues_the_stock_one_exactly(entry, monkeypatch)
     assert why_not_swappable(b, kernels=False, module=ours) is None
     fused = swap_optimizer(b)
     assert type(fused) is entry.fused_class and fused.param_groups is b.param_groups
+    for key in entry.attributes:  # constructor arguments kept outside defaults (MuSGD's factors)
+        assert getattr(fused, key) == getattr(b, key) == hp[key], key
     _train(a, ref), _train(fused, ours)
     for p, q in zip(ref.parameters(), ours.parameters()):
         assert torch.equal(p, q)

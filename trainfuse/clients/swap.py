@@ -111,6 +111,7 @@ def swap_optimizer(opt: torch.optim.Optimizer, max_grad_norm: float | None = Non
                         "trainfuse.optim.registry")
     cls = counterpart.fused_class
     kwargs = {k: v for k, v in opt.defaults.items() if k in _accepted(cls)}
+    kwargs.update({k: getattr(opt, k) for k in counterpart.attributes if hasattr(opt, k)})
     new = cls([dict(g) for g in opt.param_groups], **kwargs, max_grad_norm=max_grad_norm,
               max_grad_value=max_grad_value)
     groups = opt.param_groups

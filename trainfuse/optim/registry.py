@@ -38,11 +38,14 @@ class Counterpart:
         fused: the fused class, ``"trainfuse.optim.<file>:Name"``.
         examples: hyperparameter -> values the tests draw from (every combination the stock
             constructor accepts is a valid draw); the first value of each is the benchmark's.
+        attributes: constructor arguments the stock class keeps as attributes of the optimizer
+            rather than in ``defaults`` (MuSGD's ``muon`` and ``sgd``): a swap carries them over.
     """
 
     stock: str
     fused: str
     examples: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    attributes: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -76,11 +79,15 @@ _ADAM = dict(lr=(1e-3, 3e-2), weight_decay=(0.01, 0.0, 0.3), betas=((0.9, 0.999)
              eps=(1e-8, 1e-3), amsgrad=(False, True), maximize=(False, True))
 _SGD = dict(lr=(1e-2, 1e-3, 0.05), momentum=(0.937, 0.0, 0.5), nesterov=(True, False),
             weight_decay=(5e-4, 0.0, 0.1), dampening=(0.0, 0.3), maximize=(False, True))
+# MuSGD's Muon part needs use_muon groups of matrices: its own tests build those (test_musgd.py)
+_MUSGD = dict(lr=(1e-2, 1e-3), momentum=(0.9, 0.937, 0.0), nesterov=(True, False),
+              weight_decay=(5e-4, 0.0, 0.1), use_muon=(False,), muon=(0.2, 0.5), sgd=(1.0, 0.5))
 
 COUNTERPARTS: tuple[Counterpart, ...] = (
     Counterpart("torch.optim:AdamW", "trainfuse.optim.adam:FusedAdamW", _ADAM),
     Counterpart("torch.optim:Adam", "trainfuse.optim.adam:FusedAdam", _ADAM),
     Counterpart("torch.optim:SGD", "trainfuse.optim.sgd:FusedSGD", _SGD),
+    Counterpart("ultralytics.optim:MuSGD", "trainfuse.optim.musgd:FusedMuSGD", _MUSGD, ("muon", "sgd")),
 )
 
 
