@@ -81,6 +81,14 @@ def make_module(pl, optimizer: str = "adamw", scheduler: str | None = None, seed
                                       weight_decay=1e-3, **opt_kwargs)
             elif optimizer == "rmsprop":
                 opt = torch.optim.RMSprop(groups, lr=1e-3)
+            elif optimizer == "musgd":  # ultralytics' layout: Muon on the matrices, SGD on the rest
+                from ultralytics.optim import MuSGD
+
+                muon = [p for p in self.parameters() if p.ndim >= 2]
+                sgd = [p for p in self.parameters() if p.ndim < 2]
+                opt = MuSGD([{"params": muon, "use_muon": True, "weight_decay": 1e-3, "tag": "muon"},
+                             {"params": sgd, "tag": "sgd"}], lr=opt_kwargs.pop("lr", 0.05), momentum=0.9,
+                            nesterov=True, muon=0.2, sgd=1.0, **opt_kwargs)
             else:
                 raise ValueError(optimizer)
             if scheduler is None:

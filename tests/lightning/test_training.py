@@ -45,11 +45,14 @@ def run_pair(pl, optimizer="adamw", steps=4, callback=None, **fit_kwargs):
 
 
 @pytest.mark.parametrize("pkg", PACKAGES)
-@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "musgd"])
 def test_torch_path_run_equals_stock_run(torch_path, pkg, optimizer):
+    if optimizer == "musgd":
+        pytest.importorskip("ultralytics.optim")
     pl = package(pkg)
     ref, ours, trainer, cb = run_pair(pl, optimizer)
-    fused = {"adamw": trainfuse.FusedAdamW, "adam": trainfuse.FusedAdam, "sgd": trainfuse.FusedSGD}
+    fused = {"adamw": trainfuse.FusedAdamW, "adam": trainfuse.FusedAdam, "sgd": trainfuse.FusedSGD,
+             "musgd": trainfuse.FusedMuSGD}
     expected = fused[optimizer]
     assert type(trainer.optimizers[0]) is expected
     assert torch.equal(torch.stack(ref.losses), torch.stack(ours.losses))
@@ -177,6 +180,19 @@ def test_kernels_run_close_to_stock_run(kernels, precision, algorithm):
     assert ours.body[0].weight.dtype == torch.float32  # float32 again after fit
     opt = trainer.optimizers[0]
     assert (opt.max_grad_norm, opt.max_grad_value) == ((clip, None) if algorithm == "norm" else (None, clip))
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_kernels_musgd_with_clipping_close_to_stock_run(kernels, algorithm):
+    """ultralytics' MuSGD returned by configure_optimizers: swapped, clipped inside the step."""
+    pytest.importorskip("ultralytics.optim")
+    pl = package()
+    clip = 0.3 if algorithm == "norm" else 0.02
+    ref, ours, trainer, _ = run_pair(pl, "musgd", clip=clip, algorithm=algorithm)
+    opt = trainer.optimizers[0]
+    assert type(opt) is trainfuse.FusedMuSGD and (opt.muon, opt.sgd) == (0.2, 1.0)
+    torch.testing.assert_close(torch.stack(ours.losses), torch.stack(ref.losses), rtol=1e-5, atol=1e-5)
+    assert_params_equal(params(ref), params(ours), atol=1e-5, rtol=1e-4)
 
 
 def test_kernels_sgd_with_module_fusion(kernels):

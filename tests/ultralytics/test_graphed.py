@@ -136,10 +136,10 @@ def _gpu_run(data: str, project: Path, graphs: bool, model: str = "yolov5n.yaml"
 
 @cuda
 @pytest.mark.parametrize("model,optimizer", [("yolov5n.yaml", "auto"), ("yolo26n.yaml", "auto"),
-                                             ("yolov5n.yaml", "MuSGD")])
+                                             ("yolov5n.yaml", "MuSGD"), ("yolov5n.yaml", "NAdam")])
 def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimizer):
-    """The fused optimizer (auto: AdamW here) or a stock one (MuSGD, what auto picks past 10k
-    iterations), a v8 head or an end-to-end one (FusedE2ELoss): the replay trains as eagerly."""
+    """A fused optimizer (auto: AdamW here; MuSGD, what auto picks past 10k iterations) or a stock
+    one (NAdam), a v8 head or an end-to-end one (FusedE2ELoss): the replay trains as eagerly."""
     root = tmp_path_factory.mktemp("shapes200")
     data = str(make_shapes_dataset(root, n_train=40, n_val=8, imgsz=64, seed=1))
     project = tmp_path_factory.mktemp("runs")

@@ -130,10 +130,13 @@ def _optimizer_states(opt: torch.optim.Optimizer) -> list[dict]:
 
 # ---- whole runs -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("optimizer,fused_cls", [("SGD", trainfuse.FusedSGD),
-                                                 ("AdamW", trainfuse.FusedAdamW)])
+                                                 ("AdamW", trainfuse.FusedAdamW),
+                                                 ("MuSGD", trainfuse.FusedMuSGD)])
 def test_fused_optimizer_phase_trains_exactly_like_stock(runs, optimizer, fused_cls):
     stock, fused = runs(None, optimizer), runs(FusedStepTrainer, optimizer)
     assert type(fused.trainer.optimizer) is fused_cls
+    for key in ("muon", "sgd"):  # MuSGD's factors, which ultralytics sets (0.2, 1.0)
+        assert getattr(fused.trainer.optimizer, key, None) == getattr(stock.trainer.optimizer, key, None)
     assert fused.trainer.fused_reason == ""
     # ultralytics' own param groups: same keys and values, same params in the same order
     groups = zip(stock.trainer.optimizer.param_groups, fused.trainer.optimizer.param_groups, strict=True)
@@ -152,7 +155,7 @@ def test_fused_optimizer_phase_trains_exactly_like_stock(runs, optimizer, fused_
     assert fused.trainer.metrics.keys() == stock.trainer.metrics.keys()  # validated like stock
 
 
-@pytest.mark.parametrize("optimizer", ["MuSGD"])
+@pytest.mark.parametrize("optimizer", ["NAdam"])
 def test_optimizers_without_fused_kernel_stay_stock(runs, optimizer):
     stock, fused = runs(None, optimizer), runs(FusedStepTrainer, optimizer)
     assert type(fused.trainer.optimizer) is type(stock.trainer.optimizer)
@@ -214,8 +217,14 @@ def test_resume_with_either_trainer_matches_stock_resume(runs, made_by, tmp_path
 
 
 # ---- the optimizer phase, step by step --------------------------------------------------------------
+class _Small(nn.Sequential):
+    @property
+    def model(self) -> nn.Sequential:  # where MuSGD's build_optimizer looks for the head (model[-1])
+        return self
+
+
 def _small_model() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 5, 1))
+    return _Small(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 5, 1))
 
 
 def _trainer_pair(data, tmp_path, optimizer, device, scaler: bool):
@@ -275,7 +284,7 @@ def _step(trainers, k: int, grads: list[torch.Tensor], poison: bool = False) -> 
 
 
 @pytest.mark.parametrize("backend", ["torch", "kernels"])
-@pytest.mark.parametrize("optimizer", ["SGD", "AdamW", "Adam"])
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW", "Adam", "MuSGD"])
 def test_optimizer_step_matches_stock(data, tmp_path, optimizer, backend, request, device):
     if backend == "kernels":
         request.getfixturevalue("kernels")
@@ -292,11 +301,12 @@ def test_optimizer_step_matches_stock(data, tmp_path, optimizer, backend, reques
         assert all(p.grad is None for p in fused.model.parameters())  # zero_grad as stock
 
 
+@pytest.mark.parametrize("optimizer", ["SGD", "MuSGD"])
 @pytest.mark.parametrize("backend", ["torch", "kernels"])
-def test_ema_updates_after_a_skipped_step_like_stock(data, tmp_path, backend, request, device):
+def test_ema_updates_after_a_skipped_step_like_stock(data, tmp_path, backend, optimizer, request, device):
     if backend == "kernels":  # the inf check, the skip and the EMA fold in the kernels
         request.getfixturevalue("kernels")
-    stock, fused = _trainer_pair(data, tmp_path, "SGD", device, scaler=True)
+    stock, fused = _trainer_pair(data, tmp_path, optimizer, device, scaler=True)
     tol = {} if backend == "torch" and device.type == "cpu" else CLIPPED
     grads = [torch.randn_like(p) * 0.1 for p in stock.model.parameters()]  # norm below the clip
     _step((stock, fused), 0, grads)

@@ -10,11 +10,13 @@ Use it like any ultralytics trainer; every argument keeps its meaning::
 What it changes, and nothing else (ultralytics itself is not patched):
 
 - **Optimizer**: ultralytics builds its optimizer and param groups as always (every ``optimizer=``
-  choice, ``auto`` included); an ``SGD``, ``Adam`` or ``AdamW`` is then rebuilt over the very same
-  groups (every key kept: ``param_group``, ``lr``, ``momentum``, ``betas``, decay) as
-  :class:`~trainfuse.optim.FusedSGD`, :class:`~trainfuse.optim.FusedAdam` or
-  :class:`~trainfuse.optim.FusedAdamW`, clipping at ultralytics' norm of 10 inside the step.
-  ``MuSGD``, ``NAdam``, ``RAdam``, ``Adamax`` and ``RMSprop`` stay stock, and the log says why.
+  choice, ``auto`` included); an ``SGD``, ``Adam``, ``AdamW`` or ``MuSGD`` (what ``auto`` picks
+  past 10,000 iterations) is then rebuilt over the very same groups (every key kept:
+  ``param_group``, ``lr``, ``momentum``, ``betas``, ``use_muon``, decay; MuSGD's ``muon`` and
+  ``sgd`` factors) as :class:`~trainfuse.optim.FusedSGD`, :class:`~trainfuse.optim.FusedAdam`,
+  :class:`~trainfuse.optim.FusedAdamW` or :class:`~trainfuse.optim.FusedMuSGD`, clipping at
+  ultralytics' norm of 10 inside the step. ``NAdam``, ``RAdam``, ``Adamax`` and ``RMSprop`` stay
+  stock, and the log says why.
 - **Warmup**: ultralytics' per-iteration warmup writes ``lr`` and ``momentum`` into the groups as
   floats; the fused kernels read them from a small device table refreshed by a non-blocking copy
   when they change: no recompile, no host sync.
@@ -41,7 +43,7 @@ What it changes, and nothing else (ultralytics itself is not patched):
   (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`); the optimizer phase stays its two eager
   launches, and the grads are kept and zeroed inside the next replay instead of freed. The
   progress bar's losses are read back without a host sync (a few iterations late);
-  each epoch's logged means are exact. Whatever the optimizer: a stock one (``MuSGD``, ``NAdam``...)
+  each epoch's logged means are exact. Whatever the optimizer: a stock one (``NAdam``, ``RAdam``...)
   runs its own phase eagerly between replays. Off, with the reason logged, on CPU, under DDP, with
   ``compile``, or without a fused loss. Choose with
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)``.
