@@ -49,6 +49,8 @@ METRICS = {
     "phase_ms": "wall ms less the host time of re-attaching the grads between calls",
     "floor_ms": "bytes the call must move over the measured device copy bandwidth",
     "tflops": "TFLOP/s of the matmuls over do_bench ms",
+    "map50": "mAP at IoU 0.5 of the final validation, mean over the training seeds",
+    "map50_95": "mAP over IoU 0.5 to 0.95 of the final validation, mean over the training seeds",
 }
 
 # family on the command line -> (its module, what it measures)
@@ -64,9 +66,12 @@ FAMILIES = {
     "mlp": ("trainfuse.bench.mlp",
             "Linear + activation chains, forward + backward: eager, torch.compile, FusedMLP"),
     "yolo-loss": ("trainfuse.bench.yolo_loss",
-                  "YOLO detection loss, forward + backward: v8DetectionLoss against FusedDetectionLoss"),
+                  "YOLO detection loss, forward + backward: v8DetectionLoss / E2ELoss against fused ones"),
     "yolo": ("trainfuse.bench.yolo",
              "YOLOv5 training: ultralytics' DetectionTrainer against FusedDetectionTrainer"),
+    "yolo-quality": ("trainfuse.bench.yolo_quality",
+                     "YOLO training quality: mAP of stock against FusedDetectionTrainer over models, "
+                     "optimizers and seeds"),
     "lightning": ("trainfuse.bench.lightning",
                   "Lightning training steps: stock against FusedTraining, with and without CUDA graphs"),
 }

@@ -1,19 +1,28 @@
-"""YOLO loss benchmark: ultralytics' v8DetectionLoss against trainfuse's FusedDetectionLoss,
-forward + backward on fixed predictions of a yolov5n-shaped batch (batch 16, 640 px, 80 classes:
-8,400 anchors; 8 labels per image), with the kernels each launches (torch.profiler), the host
-syncs each makes, and the TaskAlignedAssigner piece by piece.
+"""YOLO loss benchmark: ultralytics' detection loss against trainfuse's fused one, forward +
+backward on fixed predictions of a detection model's batch (default yolov5n at batch 16, 640 px,
+80 classes: 8,400 anchors; 8 labels per image), with the kernels each launches (torch.profiler),
+the host syncs each makes, and, for one-branch heads, the TaskAlignedAssigner piece by piece.
 
-The predictions come from one forward of a freshly initialized yolov5n under fp16 autocast (what
-the trainer hands the loss); ``--fp32`` adds the same in float32, where the two must agree to
-fp32 tolerance (the agreement is printed and saved). FusedDetectionLoss runs twice: with the
-labels padded on the CPU (``add_padded_targets``, what FusedDetectionTrainer does: no host sync,
-CUDA-graph capturable) and on the plain ultralytics batch (one host sync for the capacity).
-Needs ultralytics (``YOLO_OFFLINE=1`` is set here)."""
+``--model`` picks the model (a detection yaml). A one-branch head (yolov5n, yolov8n...) compares
+``v8DetectionLoss`` with FusedDetectionLoss; an end-to-end head (yolo26n, yolov10n:
+``takes_fused_e2e_loss``) compares ``E2ELoss`` with FusedE2ELoss, each on both branches'
+predictions (one-to-many and one-to-one), as ``model.init_criterion()`` and FusedDetectionTrainer
+pick them. The results are ``yolo-loss.json`` for yolov5n, ``yolo-loss-<model stem>.json`` for
+another model.
+
+The predictions come from one train-mode forward of a freshly initialized model under fp16
+autocast (what the trainer hands the loss): every tensor detached, the boxes and scores of each
+branch made grad-requiring leaves. ``--fp32`` adds the same in float32, where the two must agree
+to fp32 tolerance (the agreement of the items and of every leaf's grad is printed and saved). The
+fused loss runs twice: with the labels padded on the CPU (``add_padded_targets``, what
+FusedDetectionTrainer does: no host sync, CUDA-graph capturable) and on the plain ultralytics
+batch (one host sync for the capacity). Needs ultralytics (run offline: ``offline_env``)."""
 
 from __future__ import annotations
 
-import os
 import warnings
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -31,53 +40,115 @@ from trainfuse.bench._common import (
 )
 
 LABELS_PER_IMAGE = 8
-STOCK = "ultralytics v8DetectionLoss"
-PADDED = "trainfuse FusedDetectionLoss, labels padded on the CPU"
-PLAIN = "trainfuse FusedDetectionLoss, plain batch (one sync)"
-DEVICE = "cuda"
+DEFAULT_MODEL = "yolov5n.yaml"
+DIFFERENTIATED = ("boxes", "scores")  # the prediction tensors the loss takes grads of, per branch
 
 
-def _setup(batch: int, imgsz: int, nc: int, dtype: torch.dtype):
-    """(model, predictions as grad-requiring leaves, ultralytics batch on the GPU, the same with
-    padded labels made on the CPU)."""
-    os.environ.setdefault("YOLO_OFFLINE", "1")
+class Implementations(NamedTuple):
+    """The implementations' names in the rows: stock, fused on padded labels, fused on the plain batch."""
+
+    stock: str
+    padded: str
+    plain: str
+
+
+def _implementations(e2e: bool) -> Implementations:
+    """The row names of ``E2ELoss`` / FusedE2ELoss for an end-to-end head, else of
+    ``v8DetectionLoss`` / FusedDetectionLoss."""
+    stock, ours = ("E2ELoss", "FusedE2ELoss") if e2e else ("v8DetectionLoss", "FusedDetectionLoss")
+    return Implementations(f"ultralytics {stock}", f"trainfuse {ours}, labels padded on the CPU",
+                           f"trainfuse {ours}, plain batch (one sync)")
+
+
+def family(model: str) -> str:
+    """The results' name: ``yolo-loss`` for the default yolov5n, ``yolo-loss-<model stem>`` else."""
+    return "yolo-loss" if model == DEFAULT_MODEL else f"yolo-loss-{Path(model).stem}"
+
+
+def _as_leaves(out, dtype: torch.dtype, key: str | None = None):
+    """``out`` (the train-mode forward's dict, nested per branch for an end-to-end head) with every
+    tensor detached, and the boxes and scores cast to ``dtype`` as grad-requiring leaves."""
+    if isinstance(out, dict):
+        return {k: _as_leaves(v, dtype, k) for k, v in out.items()}
+    if isinstance(out, (list, tuple)):
+        return type(out)(_as_leaves(v, dtype, key) for v in out)
+    if key in DIFFERENTIATED:
+        return out.detach().to(dtype).requires_grad_()
+    return out.detach()
+
+
+def _leaves(preds: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The grad-requiring tensors of ``preds`` by their path: ``boxes``, ``scores`` for one branch,
+    ``one2many.boxes``, ..., ``one2one.scores`` for an end-to-end head."""
+    found = {}
+    for k, v in preds.items():
+        if isinstance(v, dict):
+            found.update(_leaves(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor) and v.requires_grad:
+            found[f"{prefix}{k}"] = v
+    return found
+
+
+def _setup(model: str, batch: int, imgsz: int, nc: int, dtype: torch.dtype,
+          device: str | torch.device = "cuda"):
+    """(model, predictions, ultralytics batch on ``device``, the same with padded labels made on
+    the CPU) for the detection yaml ``model``; ultralytics must be importable (``offline_env``
+    first). The predictions are :func:`_as_leaves` of one train-mode forward of random images,
+    under fp16 autocast for ``dtype=torch.float16``."""
     from ultralytics.cfg import get_cfg
+    from ultralytics.nn.modules.head import Detect, v10Detect
     from ultralytics.nn.tasks import DetectionModel
 
     from trainfuse.ultralytics import add_padded_targets
 
+    device = torch.device(device)
     torch.manual_seed(0)
-    model = DetectionModel("yolov5n.yaml", nc=nc, verbose=False).to(DEVICE).train()
-    model.args = get_cfg()
-    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.float16, enabled=dtype == torch.float16):
-        out = model(torch.rand(batch, 3, imgsz, imgsz, device=DEVICE))
-    preds = {"boxes": out["boxes"].detach().to(dtype).requires_grad_(),
-             "scores": out["scores"].detach().to(dtype).requires_grad_(),
-             "feats": [f.detach() for f in out["feats"]]}
+    net = DetectionModel(model, nc=nc, verbose=False).to(device).train()
+    head = type(net.model[-1])
+    if head not in (Detect, v10Detect):
+        raise ValueError(f"--model {model}: expected a detection model (a Detect or v10Detect head), "
+                         f"got a {head.__name__} head")
+    net.args = get_cfg()
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.float16, enabled=dtype == torch.float16):
+        out = net(torch.rand(batch, 3, imgsz, imgsz, device=device))
+    preds = _as_leaves(out, dtype)
     n = LABELS_PER_IMAGE * batch
     cpu = {"img": torch.zeros(batch, 1, 1, 1),
            "batch_idx": torch.arange(batch).repeat_interleave(LABELS_PER_IMAGE).float(),
            "cls": torch.randint(0, nc, (n, 1)).float(),
            "bboxes": torch.cat([torch.rand(n, 2) * 0.6 + 0.2, torch.rand(n, 2) * 0.2 + 0.05], 1)}
-    plain = {k: v.to(DEVICE) for k, v in cpu.items()}
-    prepared = {k: v.to(DEVICE) for k, v in add_padded_targets(dict(cpu)).items()}
-    return model, preds, plain, prepared
+    plain = {k: v.to(device) for k, v in cpu.items()}
+    prepared = {k: v.to(device) for k, v in add_padded_targets(dict(cpu)).items()}
+    return net, preds, plain, prepared
+
+
+def _criteria(model: torch.nn.Module):
+    """(stock loss, fused loss, their row names): ultralytics' ``model.init_criterion()``
+    (``E2ELoss`` for an end-to-end head, else ``v8DetectionLoss``) and its fused counterpart."""
+    from trainfuse.ultralytics import FusedDetectionLoss, FusedE2ELoss, takes_fused_e2e_loss
+
+    e2e = takes_fused_e2e_loss(model)
+    fused = FusedE2ELoss(model) if e2e else FusedDetectionLoss(model)
+    return model.init_criterion(), fused, _implementations(e2e)
 
 
 def _fwd_bwd(criterion, preds, batch, amp: bool):
-    leaves = (preds["boxes"], preds["scores"])
+    """One forward + backward of ``criterion`` (grads into every leaf's ``.grad``);
+    ``.captured()`` returns the leaves' grads instead (what a CUDA graph captures)."""
+    inputs = list(_leaves(preds).values())
+    device_type = inputs[0].device.type
 
     def step():
-        for t in leaves:
+        for t in inputs:
             t.grad = None
-        with torch.autocast(DEVICE, dtype=torch.float16, enabled=amp):
+        with torch.autocast(device_type, dtype=torch.float16, enabled=amp):
             loss, _ = criterion(preds, batch)
         loss.sum().backward()
 
     def captured():
-        with torch.autocast(DEVICE, dtype=torch.float16, enabled=amp):
+        with torch.autocast(device_type, dtype=torch.float16, enabled=amp):
             loss, _ = criterion(preds, batch)
-        return torch.autograd.grad(loss.sum(), leaves)
+        return torch.autograd.grad(loss.sum(), inputs)
 
     step.captured = captured
     return step
@@ -125,38 +196,35 @@ def _timings(fn, quick: bool, graph: bool) -> dict:
     return out
 
 
-def _agreement(stock_step, fused_step, preds, report, label):
-    """Largest relative difference of the loss items and of the grads (over each grad's max)."""
-    res = []
-    for step in (stock_step, fused_step):
-        step()
-        res.append([preds["boxes"].grad.float().clone(), preds["scores"].grad.float().clone()])
-    diffs = {f"{k}_grad": ((a - b).abs().max() / b.abs().max()).item()
-             for k, a, b in zip(("boxes", "scores"), res[1], res[0])}
-    report.setdefault("agreement", {})[label] = diffs
-    return diffs
+def _agreement(stock, fused, preds, plain, prepared, amp: bool):
+    """(stock items, fused items, differences): the loss items of ``stock`` on the plain batch and
+    of ``fused`` on the padded one, and their largest relative difference (``items_rel``) and of
+    each leaf's grad (``<leaf>_grad``: the largest difference over the stock grad's largest
+    magnitude)."""
+    device_type = next(iter(_leaves(preds).values())).device.type
+    pairs = ((stock, plain), (fused, prepared))
+    with torch.no_grad(), torch.autocast(device_type, dtype=torch.float16, enabled=amp):
+        items = [torch.stack(list(c(preds, b)[1].values())).float() for c, b in pairs]
+    want, got = (_fwd_bwd(c, preds, b, amp).captured() for c, b in pairs)
+    diffs = {f"{name}_grad": ((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+             for name, g, w in zip(_leaves(preds), got, want)}
+    diffs["items_rel"] = ((items[1] - items[0]).abs() / items[0].abs().clamp(min=1e-12)).max().item()
+    return items[0], items[1], diffs
 
 
 def _loss_rows(report, model, preds, plain, prepared, amp, label, quick):
-    from ultralytics.utils.loss import v8DetectionLoss
-
-    from trainfuse.ultralytics import FusedDetectionLoss
-
-    stock, fused = v8DetectionLoss(model), FusedDetectionLoss(model)
-    impls = {STOCK: (_fwd_bwd(stock, preds, plain, amp), False),
-             PADDED: (_fwd_bwd(fused, preds, prepared, amp), True),
-             PLAIN: (_fwd_bwd(fused, preds, plain, amp), True)}
-    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.float16, enabled=amp):
-        items = [torch.stack(list(c(preds, b)[1].values())) for c, b in ((stock, plain), (fused, prepared))]
-    rel = ((items[1] - items[0]).abs() / items[0].abs().clamp(min=1e-12)).max().item()
-    grads = _agreement(impls[STOCK][0], impls[PADDED][0], preds, report, label)
-    report["agreement"][label]["items_rel"] = rel
-    print(f"\n{label}: items {items[0].tolist()} (ultralytics) vs {items[1].tolist()} (trainfuse): "
-          f"max rel diff {rel:.2e}; grads max diff / max grad: boxes {grads['boxes_grad']:.2e}, "
-          f"scores {grads['scores_grad']:.2e}")
+    stock, fused, names = _criteria(model)
+    impls = {names.stock: (_fwd_bwd(stock, preds, plain, amp), False),
+             names.padded: (_fwd_bwd(fused, preds, prepared, amp), True),
+             names.plain: (_fwd_bwd(fused, preds, plain, amp), True)}
+    want, got, diffs = _agreement(stock, fused, preds, plain, prepared, amp)
+    report.setdefault("agreement", {})[label] = diffs
+    grads = ", ".join(f"{k.removesuffix('_grad')} {v:.2e}" for k, v in diffs.items() if k != "items_rel")
+    print(f"\n{label}: items {want.tolist()} (ultralytics) vs {got.tolist()} (trainfuse): "
+          f"max rel diff {diffs['items_rel']:.2e}; grads max diff / max grad: {grads}")
     rows, base = [], None
     for name, (fn, ours) in impls.items():
-        t = _timings(fn, quick, graph=name == PADDED)
+        t = _timings(fn, quick, graph=name == names.padded)
         kernels, copies = _launches(fn)
         syncs = _syncs(fn)
         base = base or t
@@ -176,7 +244,8 @@ def _loss_rows(report, model, preds, plain, prepared, amp, label, quick):
 
 
 def _assigner_rows(report, model, preds, plain, prepared, quick):
-    """Each assigner piece, ultralytics' and ours, on the float32 view of the same predictions."""
+    """Each assigner piece, ultralytics' and ours, on the float32 view of the same predictions (of
+    a one-branch head)."""
     from ultralytics.utils.loss import v8DetectionLoss
     from ultralytics.utils.tal import make_anchors
 
@@ -187,10 +256,10 @@ def _assigner_rows(report, model, preds, plain, prepared, quick):
     stock, fused = v8DetectionLoss(model), FusedDetectionLoss(model)
     boxes, scores = preds["boxes"].detach().float(), preds["scores"].detach().float()
     B, _, A = scores.shape
-    feats = preds["feats"]
+    feats, device = preds["feats"], boxes.device
     # ultralytics' inputs, as get_assigned_targets_and_loss makes them
     anchors, stride_t = make_anchors(feats, stock.stride, 0.5)
-    imgsz = torch.tensor(feats[0].shape[2:], device=DEVICE, dtype=torch.float32) * stock.stride[0]
+    imgsz = torch.tensor(feats[0].shape[2:], device=device, dtype=torch.float32) * stock.stride[0]
     t = torch.cat((plain["batch_idx"].view(-1, 1), plain["cls"].view(-1, 1), plain["bboxes"]), 1)
     t = stock.preprocess(t, B, scale_tensor=imgsz[[1, 0, 1, 0]])
     gt_labels, gt_bboxes = t.split((1, 4), 2)
@@ -217,9 +286,9 @@ def _assigner_rows(report, model, preds, plain, prepared, quick):
     }
     sizes = tuple((f.shape[2], f.shape[3]) for f in feats)
     strides = tuple(float(s) for s in fused.stride.tolist())
-    anchors2, strides2 = anchor_grid(sizes, strides, torch.device(DEVICE))
+    anchors2, strides2 = anchor_grid(sizes, strides, device)
     strides2 = strides2.view(-1)
-    gt = fused.targets(prepared, B, torch.device(DEVICE))
+    gt = fused.targets(prepared, B, device)
     px = (sizes[0][0] * strides[0], sizes[0][1] * strides[0])
     cfg = fused.assign_config
     m_align, m_ov, m_cand, pa, po = tal.metric(boxes, scores, gt, px, anchors2, strides2, cfg)
@@ -250,6 +319,9 @@ def _assigner_rows(report, model, preds, plain, prepared, quick):
 
 def main(argv=None):
     parser = bench_parser("yolo-loss", __doc__)
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="the detection model's yaml: yolov5n.yaml, yolov8n.yaml..., or an end-to-end "
+                             "one (yolo26n.yaml, yolov10n.yaml: E2ELoss against FusedE2ELoss)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--nc", type=int, default=80)
@@ -259,23 +331,34 @@ def main(argv=None):
     if started is None:
         return
     args, report, _ = started
+    name = family(args.model)
+    report["_bench"] = "yolo-loss"
+    from trainfuse.ultralytics.offline import offline_env
+
+    offline_env()  # before ultralytics is imported
     try:
         import ultralytics  # noqa: F401
     except ImportError:
         note(report, "ultralytics is not installed: nothing to compare against")
-        save_report(report, args.out, "yolo-loss")
+        save_report(report, args.out, name)
         return
-    shape = f"yolov5n batch {args.batch}, {args.imgsz} px, nc {args.nc}"
-    report["workload"] = {"batch": args.batch, "imgsz": args.imgsz, "nc": args.nc,
+    from trainfuse.ultralytics import takes_fused_e2e_loss
+
+    shape = f"{Path(args.model).stem} batch {args.batch}, {args.imgsz} px, nc {args.nc}"
+    report["workload"] = {"model": args.model, "batch": args.batch, "imgsz": args.imgsz, "nc": args.nc,
                           "labels_per_image": LABELS_PER_IMAGE}
     dtypes = [(torch.float16, "AMP fp16 predictions")] + ([(torch.float32, "fp32")] if args.fp32 else [])
     for dtype, label in dtypes:
-        model, preds, plain, prepared = _setup(args.batch, args.imgsz, args.nc, dtype)
+        model, preds, plain, prepared = _setup(args.model, args.batch, args.imgsz, args.nc, dtype)
         amp = dtype == torch.float16
         _loss_rows(report, model, preds, plain, prepared, amp, f"{shape}, {label}", args.quick)
-    model, preds, plain, prepared = _setup(args.batch, args.imgsz, args.nc, torch.float32)
-    _assigner_rows(report, model, preds, plain, prepared, args.quick)
-    save_report(report, args.out, "yolo-loss")
+    if takes_fused_e2e_loss(model):
+        note(report, f"{args.model}: no TaskAlignedAssigner piece rows (they time one branch's assigner; "
+                     "an end-to-end head runs two, inside the loss rows)")
+    else:
+        model, preds, plain, prepared = _setup(args.model, args.batch, args.imgsz, args.nc, torch.float32)
+        _assigner_rows(report, model, preds, plain, prepared, args.quick)
+    save_report(report, args.out, name)
 
 
 __all__ = ["main"]
