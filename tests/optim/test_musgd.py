@@ -219,3 +219,30 @@ def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path,
             for p, q in zip(net.parameters(), ours.parameters()):
                 p.copy_(q)
         stock.load_state_dict(copy.deepcopy(fused.state_dict()))
+
+
+# shapes for the batched Newton-Schulz: wide, tall, square, 1-row, conv filters (one
+# channels_last), long sides spanning more than one batch, a 2-D param stored transposed
+NS_SHAPES = [(8, 3, 3, 3), (12, 8, 1, 1), (6, 192), (40, 6), (1, 5), (17, 17), (3, 700), (33, 2, 3, 3)]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_batched_newton_schulz_matches_musgds_batching(kernels, nesterov):
+    """The kernels' padded batches against MuSGD's own batching (``orthogonalized``) of the same
+    momentum: equal up to bfloat16 rounding, which padding may move by an ulp."""
+    from trainfuse.optim.musgd import _muon_momentum
+    from trainfuse.optim.newton_schulz import BatchedNewtonSchulz, orthogonalized
+
+    grads = [torch.randn(s) for s in NS_SHAPES]
+    grads[1] = grads[1].contiguous(memory_format=torch.channels_last)
+    grads.append(torch.randn(9, 4).t())  # not contiguous: MuSGD takes a row-major copy
+    bufs = [torch.randn_like(g) for g in grads]
+    targets = [torch.full_like(g, float("nan")) for g in grads]
+    plan = BatchedNewtonSchulz(targets)
+    assert plan.batches < len(grads)  # padded together
+    plan.run(bufs, grads, 0.9, nesterov, targets)
+    expected = orthogonalized(_muon_momentum(bufs, grads, 0.9, nesterov, in_place=False))
+    for k, (t, e) in enumerate(zip(targets, expected)):
+        assert t.stride() == grads[k].stride()
+        torch.testing.assert_close(t, e, rtol=0, atol=2**-7 * float(e.abs().max()), msg=f"tensor {k}")
+    assert plan.key == BatchedNewtonSchulz.key_of(targets)

@@ -18,10 +18,13 @@ dims; plain SGD groups take the last three lines with :math:`\beta = 1`. The sta
 MuSGD's: ``momentum_buffer`` (:math:`m`, or :math:`b` in SGD groups) and, in ``use_muon`` groups,
 ``momentum_buffer_SGD`` (:math:`b`).
 
-On the kernels the Newton-Schulz part runs first, in torch (batched bfloat16 matmuls per bucket of
-equal columns, as MuSGD batches them), and writes :math:`\mathrm{NS}_5(u)` times its scale into a
-private per-param tensor; the one multi-tensor launch then does the rest of every param's update:
-the Muon momentum, applying the orthogonalized update, weight decay, the SGD momentum and step.
+On the kernels the Newton-Schulz part runs first (:class:`~trainfuse.optim.newton_schulz.
+BatchedNewtonSchulz`: the Muon momentum and its blend, then every matrix padded into a few bfloat16
+batches by size, a Triton gather and scatter around cuBLAS's batched matmuls), and writes
+:math:`\mathrm{NS}_5(u)` times its scale into a private per-param tensor; the one multi-tensor
+launch then does the rest of every param's update: the Muon momentum, applying the orthogonalized
+update, weight decay, the SGD momentum and step. The torch path orthogonalizes with MuSGD's own
+batching (:func:`~trainfuse.optim.newton_schulz.orthogonalized`), bit for bit.
 """
 
 from __future__ import annotations
@@ -37,17 +40,10 @@ from trainfuse._multi_tensor.tables import same_layout
 from trainfuse._runtime.backend import use_triton
 from trainfuse.optim._base import FusedOptimizer
 from trainfuse.optim.engine import MultiTensorEngine
+from trainfuse.optim.newton_schulz import BatchedNewtonSchulz, orthogonalized
 
 # hyperparameter row: momentum, weight_decay, nesterov, use_muon, -lr*muon, -lr*sgd (-lr without Muon)
 _MOM, _WD, _NEST, _MUON, _MUON_STEP, _SGD_STEP = (tl.constexpr(k) for k in range(6))
-
-# MuSGD's quintic Newton-Schulz coefficients, iteration count and norm epsilon
-_NS_COEFFS = (3.4445, -4.7750, 2.0315)
-_NS_STEPS = 5
-_NS_EPS = 1e-7
-# a bucket's row counts span at most this factor (MuSGD's bound on the zero padding)
-_ROW_SPAN = 16
-
 
 @triton.jit
 def _musgd_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl.constexpr,
@@ -104,68 +100,6 @@ def _musgd_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: t
         mt.ema_fold(e_ptr, o, n, e, p, ema_w, STATE_DT, EMA, MASKED)
         if k + 1 < NB:
             p, g, b, m, u, e = p_next, g_next, b_next, m_next, u_next, e_next
-
-
-# ---- Newton-Schulz ---------------------------------------------------------------------------------
-def _newton_schulz(G: torch.Tensor) -> torch.Tensor:
-    """``NS_5`` of each matrix of ``G`` (batch, rows, cols), in bfloat16: normalized to spectral
-    norm <= 1, transposed when it has more rows than columns (the smaller Gram matrix)."""
-    a, b, c = _NS_COEFFS
-    X = G.bfloat16()
-    X /= X.norm(dim=(-2, -1), keepdim=True) + _NS_EPS
-    tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.transpose(-2, -1)
-    for _ in range(_NS_STEPS):
-        A = X @ X.transpose(-2, -1)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
-        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
-    return X.transpose(-2, -1) if tall else X
-
-
-def orthogonalized(updates: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``sqrt(max(1, d[-2] / d[-1])) * NS_5(u)`` for each ``u`` of ``updates`` (2+ dims), in
-    ``u``'s dtype and memory layout, batched as ultralytics' ``muon_update`` batches them (so the
-    bits are its bits): ``u`` is flattened to ``(d[0], rest)`` in its own memory order (a view
-    for contiguous and channels_last tensors, else a row-major copy), the matrices with the same
-    column count, scale, device and dtype share one batch, zero-padded to its most rows (zero rows
-    stay zero through Newton-Schulz), split where the row counts would span more than 16x.
-
-    Args:
-        updates: the Muon momentum (or its Nesterov blend) of each param.
-
-    Returns:
-        The orthogonalized, scaled updates, in ``updates``' order.
-    """
-    buckets: dict[tuple, list] = {}
-    for i, u in enumerate(updates):
-        dense = u.is_contiguous()
-        nhwc = not dense and u.ndim == 4 and u.is_contiguous(memory_format=torch.channels_last)
-        if nhwc:
-            m = u.permute(0, 2, 3, 1).flatten(1)
-        else:
-            m = u.flatten(1) if u.ndim > 2 else u.contiguous()
-        scale = max(1, u.size(-2) / u.size(-1)) ** 0.5
-        buckets.setdefault((m.size(1), scale, m.device, m.dtype), []).append(
-            (i, m, u.stride() if dense or nhwc else None))
-    out: list[Any] = [None] * len(updates)
-    for (cols, scale, device, dtype), items in buckets.items():
-        items.sort(key=lambda t: -t[1].size(0))
-        start = 0
-        for j in range(1, len(items) + 1):
-            if j < len(items) and items[start][1].size(0) <= _ROW_SPAN * items[j][1].size(0):
-                continue
-            batch = items[start:j]
-            start = j
-            X = torch.zeros(len(batch), batch[0][1].size(0), cols, device=device, dtype=dtype)
-            torch._foreach_add_([X[k, : m.size(0)] for k, (_, m, _) in enumerate(batch)],
-                                [m for _, m, _ in batch])
-            X = _newton_schulz(X).contiguous().to(dtype).mul_(scale)
-            for k, (i, m, stride) in enumerate(batch):
-                x = X[k, : m.size(0)]
-                shape = updates[i].shape
-                out[i] = x.as_strided(shape, stride) if stride else x.reshape(shape)
-    return out
 
 
 def _muon_momentum(bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum: float, nesterov: bool,
@@ -286,6 +220,8 @@ class FusedMuSGD(FusedOptimizer):
         self._updates: dict[torch.Tensor, torch.Tensor] = {}
         # device -> the step counter every row points at: the update keeps no count
         self._no_step: dict[torch.device, torch.Tensor] = {}
+        # group index -> the Newton-Schulz plan of its params with a grad on the kernels
+        self._ns_plans: dict[int, BatchedNewtonSchulz] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -372,7 +308,7 @@ class FusedMuSGD(FusedOptimizer):
                 statistics pass wrote), or None.
         """
         name = type(self).__name__
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             if not group["use_muon"]:
                 continue
             params = [p for p in group["params"] if p.grad is not None and use_triton(p.device)]
@@ -409,10 +345,11 @@ class FusedMuSGD(FusedOptimizer):
                     same = [t for t, g in zip(targets, grads) if g.dtype == dtype]
                     torch._foreach_clamp_min_(same, -bound)
                     torch._foreach_clamp_max_(same, bound)
+            plan = self._ns_plans.get(gi)
+            if plan is None or plan.key != BatchedNewtonSchulz.key_of(targets):
+                plan = self._ns_plans[gi] = BatchedNewtonSchulz(targets)
             bufs = [self.state[p]["momentum_buffer"] for p in params]
-            updates = orthogonalized(_muon_momentum(bufs, targets, group["momentum"], group["nesterov"],
-                                                    in_place=False))
-            torch._foreach_copy_(targets, updates)
+            plan.run(bufs, targets, group["momentum"], group["nesterov"], targets)
 
     def torch_group_step(self, group, params, grads, weights):
         lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
@@ -436,4 +373,4 @@ class FusedMuSGD(FusedOptimizer):
         torch._foreach_add_(weights, updates, alpha=-lr)
 
 
-__all__ = ["FusedMuSGD", "orthogonalized"]
+__all__ = ["FusedMuSGD"]

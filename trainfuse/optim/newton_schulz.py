@@ -1,0 +1,234 @@
+"""Newton-Schulz orthogonalization of MuSGD's Muon updates, two ways.
+
+- :func:`orthogonalized`: ultralytics' ``muon_update`` batching, op for op (the torch path of
+  :class:`~trainfuse.optim.musgd.FusedMuSGD`, bit for bit MuSGD's): the matrices of equal column
+  count share a zero-padded batch, so a model with many shapes runs many small batches (yolov5n:
+  29 of them, some 560 launches a step).
+- :class:`BatchedNewtonSchulz`: the kernels' path, for a fixed set of params. Every matrix is
+  oriented wide (transposed when it has more rows than columns, as Newton-Schulz itself does)
+  and zero-padded into a few batches by its smaller dimension (powers of two from 16; a batch's
+  column counts span at most 8x). Zero rows and columns stay zero through Newton-Schulz and leave
+  the Frobenius norm as it is, so the padding changes only the order cuBLAS sums in: results
+  match MuSGD within bfloat16 rounding. One Triton launch gathers (and casts) a batch, one
+  scatters it back scaled: about 20 launches a batch, five or six batches for a YOLO model.
+
+The matrix of an update ``u`` is ``u`` flattened to ``(d[0], rest)`` in its own memory order (a
+view for contiguous and channels_last tensors, a row-major copy otherwise); its scale is
+``sqrt(max(1, d[-2] / d[-1]))``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from trainfuse._runtime.backend import interpreting
+from trainfuse._runtime.rounding import round_bf16_rne
+
+# MuSGD's quintic Newton-Schulz coefficients, iteration count and norm epsilon
+_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+_NS_STEPS = 5
+_NS_EPS = 1e-7
+# a bucket's row counts span at most this factor (MuSGD's bound on the zero padding)
+_ROW_SPAN = 16
+# BatchedNewtonSchulz: smallest padded short side, and the widest span of long sides in a batch
+_MIN_SHORT = 16
+_LONG_SPAN = 8
+_BLOCK = 1024
+
+
+def _iterate(X: torch.Tensor) -> torch.Tensor:
+    """Five quintic iterations on a batch of normalized wide bfloat16 matrices."""
+    a, b, c = _NS_COEFFS
+    for _ in range(_NS_STEPS):
+        A = X @ X.transpose(-2, -1)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    return X
+
+
+def _newton_schulz(G: torch.Tensor) -> torch.Tensor:
+    """``NS_5`` of each matrix of ``G`` (batch, rows, cols), in bfloat16: normalized to spectral
+    norm <= 1, transposed when it has more rows than columns (the smaller Gram matrix)."""
+    X = G.bfloat16()
+    X /= X.norm(dim=(-2, -1), keepdim=True) + _NS_EPS
+    tall = G.size(-2) > G.size(-1)
+    X = _iterate(X.transpose(-2, -1) if tall else X)
+    return X.transpose(-2, -1) if tall else X
+
+
+def _scale(u: torch.Tensor) -> float:
+    return max(1, u.size(-2) / u.size(-1)) ** 0.5
+
+
+def orthogonalized(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``sqrt(max(1, d[-2] / d[-1])) * NS_5(u)`` for each ``u`` of ``updates`` (2+ dims), in
+    ``u``'s dtype and memory layout, batched as ultralytics' ``muon_update`` batches them (so the
+    bits are its bits): the matrices with the same column count, scale, device and dtype share one
+    batch, zero-padded to its most rows (zero rows stay zero through Newton-Schulz), split where
+    the row counts would span more than 16x.
+
+    Args:
+        updates: the Muon momentum (or its Nesterov blend) of each param.
+
+    Returns:
+        The orthogonalized, scaled updates, in ``updates``' order.
+    """
+    buckets: dict[tuple, list] = {}
+    for i, u in enumerate(updates):
+        dense = u.is_contiguous()
+        nhwc = not dense and u.ndim == 4 and u.is_contiguous(memory_format=torch.channels_last)
+        if nhwc:
+            m = u.permute(0, 2, 3, 1).flatten(1)
+        else:
+            m = u.flatten(1) if u.ndim > 2 else u.contiguous()
+        buckets.setdefault((m.size(1), _scale(u), m.device, m.dtype), []).append(
+            (i, m, u.stride() if dense or nhwc else None))
+    out: list[Any] = [None] * len(updates)
+    for (cols, scale, device, dtype), items in buckets.items():
+        items.sort(key=lambda t: -t[1].size(0))
+        start = 0
+        for j in range(1, len(items) + 1):
+            if j < len(items) and items[start][1].size(0) <= _ROW_SPAN * items[j][1].size(0):
+                continue
+            batch = items[start:j]
+            start = j
+            X = torch.zeros(len(batch), batch[0][1].size(0), cols, device=device, dtype=dtype)
+            torch._foreach_add_([X[k, : m.size(0)] for k, (_, m, _) in enumerate(batch)],
+                                [m for _, m, _ in batch])
+            X = _newton_schulz(X).contiguous().to(dtype).mul_(scale)
+            for k, (i, m, stride) in enumerate(batch):
+                x = X[k, : m.size(0)]
+                shape = updates[i].shape
+                out[i] = x.as_strided(shape, stride) if stride else x.reshape(shape)
+    return out
+
+
+# ---- the kernels' path ------------------------------------------------------------------------------
+@triton.jit
+def _oriented(table, k, e, M, N):
+    """Element ``e`` of padded matrix ``k`` (``M`` x ``N``, row-major) -> its flat offset in the
+    staging buffer and whether it is inside the matrix. ``table`` rows: offset, rows, cols, tall."""
+    off = tl.load(table + k * 4)
+    r = tl.load(table + k * 4 + 1)
+    c = tl.load(table + k * 4 + 2)
+    tall = tl.load(table + k * 4 + 3) != 0
+    i = e // N
+    j = e % N
+    row = tl.where(tall, j, i)
+    col = tl.where(tall, i, j)
+    inside = (e < M * N) & (row < r) & (col < c)
+    return off + row * c + col, inside
+
+
+@triton.jit
+def _gather(stage, table, X, M, N, BLOCK: tl.constexpr, RNE: tl.constexpr):
+    # RNE: round to nearest even by hand (the interpreter's conversion truncates; the GPU's rounds)
+    k = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src, inside = _oriented(table, k, e, M, N)
+    x = tl.load(stage + src, mask=inside, other=0.0)
+    if RNE:
+        x = round_bf16_rne(x)
+    tl.store(X + k * M * N + e, x.to(X.dtype.element_ty), mask=e < M * N)
+
+
+@triton.jit
+def _scatter(X, table, scales, out, M, N, BLOCK: tl.constexpr):
+    k = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    dst, inside = _oriented(table, k, e, M, N)
+    x = tl.load(X + k * M * N + e, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + dst, x * tl.load(scales + k), mask=inside)
+
+
+def _memory_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides where its memory order is the matrix MuSGD takes (contiguous, channels_last),
+    else the row-major strides of its shape (MuSGD then takes a row-major copy)."""
+    if t.is_contiguous() or (t.ndim == 4 and t.is_contiguous(memory_format=torch.channels_last)):
+        return t.stride()
+    return torch.empty(t.shape, device="meta").stride()
+
+
+class BatchedNewtonSchulz:
+    """The Muon momentum, its Nesterov blend and ``scale * NS_5`` of it for a fixed list of params,
+    in a few padded batches (module docstring).
+
+    Args:
+        targets: one float32 tensor per param (2+ dims, one device): where :meth:`run` writes each
+            param's orthogonalized, scaled update. Their addresses and layouts are the plan's key
+            (:meth:`key`).
+    """
+
+    def __init__(self, targets: list[torch.Tensor]):
+        device = targets[0].device
+        sizes = [t.numel() for t in targets]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
+        total = sum(sizes)
+        self.key = self.key_of(targets)
+        self._stage = torch.zeros(total, dtype=torch.float32, device=device)
+        self._out = torch.zeros(total, dtype=torch.float32, device=device)
+        strides = [_memory_strides(t) for t in targets]
+        layouts = list(zip(targets, strides, offsets))
+        self._stage_views = [self._stage.as_strided(t.shape, s, o) for t, s, o in layouts]
+        self._out_views = [self._out.as_strided(t.shape, s, o) for t, s, o in layouts]
+        classes: dict[int, list] = {}
+        for t, o in zip(targets, offsets):
+            r = t.size(0)
+            c = t.numel() // r
+            short, long_ = min(r, c), max(r, c)
+            cls = max(_MIN_SHORT, 1 << max(0, math.ceil(math.log2(short))))
+            classes.setdefault(cls, []).append((long_, [o, r, c, int(r > c)], _scale(t), short))
+        self._batches = []
+        for items in classes.values():
+            items.sort(key=lambda it: it[0])
+            start = 0
+            for j in range(1, len(items) + 1):
+                if j < len(items) and items[j][0] <= _LONG_SPAN * items[start][0]:
+                    continue
+                batch = items[start:j]
+                start = j
+                M = max(it[3] for it in batch)
+                N = max(M, max(it[0] for it in batch))
+                table = torch.tensor([it[1] for it in batch], dtype=torch.int64, device=device)
+                scales = torch.tensor([it[2] for it in batch], dtype=torch.float32, device=device)
+                self._batches.append((table, scales, M, N))
+
+    @staticmethod
+    def key_of(targets: list[torch.Tensor]) -> tuple:
+        """What a plan is valid for: the targets' addresses, shapes and strides."""
+        return tuple((t.data_ptr(), t.shape, t.stride()) for t in targets)
+
+    @property
+    def batches(self) -> int:
+        """How many padded batches a step runs (each about 20 launches)."""
+        return len(self._batches)
+
+    def run(self, bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum: float, nesterov: bool,
+            targets: list[torch.Tensor]) -> None:
+        """``targets[i] = scale_i * NS_5(u_i)`` with ``u = mu m + (1 - mu) g`` (``m`` the Muon
+        momentum ``bufs``, read only), blended once more with ``g`` for Nesterov, MuSGD's ops in
+        MuSGD's order. ``grads`` (float32, unscaled and clipped) may be ``targets`` themselves."""
+        u = self._stage_views
+        torch._foreach_copy_(u, bufs)
+        torch._foreach_mul_(u, momentum)
+        torch._foreach_add_(u, grads, alpha=1 - momentum)
+        if nesterov:
+            torch._foreach_mul_(u, momentum)
+            torch._foreach_add_(u, grads, alpha=1 - momentum)
+        for table, scales, M, N in self._batches:
+            X = torch.empty(table.size(0), M, N, dtype=torch.bfloat16, device=self._stage.device)
+            grid = (table.size(0), triton.cdiv(M * N, _BLOCK))
+            _gather[grid](self._stage, table, X, M, N, BLOCK=_BLOCK, RNE=interpreting())
+            X /= X.norm(dim=(-2, -1), keepdim=True) + _NS_EPS
+            X = _iterate(X).contiguous()
+            _scatter[grid](X, table, scales, self._out, M, N, BLOCK=_BLOCK)
+        torch._foreach_copy_(targets, self._out_views)
+
+
+__all__ = ["BatchedNewtonSchulz", "orthogonalized"]
