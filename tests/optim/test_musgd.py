@@ -191,8 +191,8 @@ CLIPS = {"norm": dict(max_grad_norm=0.05), "value": dict(max_grad_value=0.01)}
 @pytest.mark.parametrize("clip", ["norm", "value"])
 def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path, request):
     """Scaled grads (GradScaler's ``grad_scale``) unscaled and clipped inside the step, against
-    MuSGD after ``clip_grad_norm_`` / ``clip_grad_value_``: bit for bit on the torch path, within
-    float32 tolerance on the kernels, each step from identical weights and states."""
+    MuSGD after ``clip_grad_norm_`` / ``clip_grad_value_``: bit for bit on the torch path with
+    value clipping, within float32 tolerance otherwise, each step from identical weights and states."""
     device = CPU
     if path == "kernels":
         request.getfixturevalue("kernels")
@@ -217,9 +217,9 @@ def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path,
         stock.step()
         fused.step()
         for (name, p), q in zip(net.named_parameters(), ours.parameters()):
-            if path == "torch":
+            if path == "torch" and clip == "value":
                 assert torch.equal(q, p), (step, name)
-            else:
+            else:  # the norm sums in group order, clip_grad_norm_ in module order: last bits differ
                 torch.testing.assert_close(q, p, **KERNEL_TOL, msg=f"step {step} {name}")
             for key, value in stock.state[p].items():
                 torch.testing.assert_close(fused.state[q][key], value, **KERNEL_TOL, msg=f"{name} {key}")
