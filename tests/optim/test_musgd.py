@@ -15,11 +15,22 @@ MuSGD = pytest.importorskip("ultralytics.optim").MuSGD
 # the kernel tests run where the kernels do: CUDA on a GPU machine, the interpreter on CPU
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU = torch.device("cpu")
-# The kernels' float32 math against MuSGD's torch ops, from the same states. On CPU the padded
-# Newton-Schulz batches give MuSGD's bits; cuBLAS sums them in another order, which moves a
-# bfloat16 result by an ulp or so (2**-8 relative), a weight by up to lr * muon * that.
-KERNEL_TOL = dict(rtol=1e-5, atol=1e-6) if DEVICE.type == "cpu" else dict(rtol=1e-4, atol=2e-5)
-NS_TOL = 2**-7 if DEVICE.type == "cpu" else 2**-5  # of the largest element
+# The kernels' float32 math against MuSGD's torch ops, from the same states.
+KERNEL_TOL = dict(rtol=1e-5, atol=1e-6)
+# On CPU the padded Newton-Schulz batches give MuSGD's bits. On a GPU cuBLAS sums the padded
+# batches in another order than MuSGD's, and the quintic iteration amplifies that bfloat16
+# rounding along small singular directions (slope 3.4445 at zero, five times): an element of the
+# orthogonalized update may move by a few percent (2% measured on an H200), a Muon weight by that
+# times lr * muon. test_batched_newton_schulz_pads_as_its_layout_says checks the padding exactly.
+MUON_WEIGHTS = ("conv.weight", "pw.weight", "fc.weight", "tall.weight")
+GPU_MUON_STEP = 0.05
+
+
+def _tol(name: str, hp: dict) -> dict:
+    """The tolerance of weight ``name`` after a kernel step with hyperparameters ``hp``."""
+    if DEVICE.type == "cpu" or name not in MUON_WEIGHTS:
+        return KERNEL_TOL
+    return dict(rtol=KERNEL_TOL["rtol"], atol=GPU_MUON_STEP * hp["lr"] * hp.get("muon", 0.5))
 
 
 class _Net(torch.nn.Module):
@@ -103,7 +114,7 @@ def test_kernels_step_matches_musgd_from_the_same_state(hp, kernels):
         fused.step()
         stock.step()
         for (name, p), q in zip(net.named_parameters(), ours.parameters()):
-            torch.testing.assert_close(q, p, **KERNEL_TOL, msg=f"step {step} {name}")
+            torch.testing.assert_close(q, p, **_tol(name, hp), msg=f"step {step} {name}")
             assert stock.state[p].keys() == fused.state[q].keys()
             for key, value in stock.state[p].items():
                 torch.testing.assert_close(fused.state[q][key], value, **KERNEL_TOL, msg=f"{name} {key}")
@@ -149,8 +160,8 @@ def test_kernels_continue_from_a_musgd_state_dict(kernels):
     fused = FusedMuSGD(_groups(ours), **hp)
     fused.load_state_dict(copy.deepcopy(stock.state_dict()))
     _train([(net, stock), (ours, fused)], 1)
-    for p, q in zip(net.parameters(), ours.parameters()):
-        torch.testing.assert_close(q, p, **KERNEL_TOL)
+    for (name, p), q in zip(net.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q, p, **_tol(name, hp), msg=name)
 
 
 def test_kernels_skip_everything_on_found_inf(kernels):
@@ -220,7 +231,7 @@ def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path,
             if path == "torch" and clip == "value":
                 assert torch.equal(q, p), (step, name)
             else:  # the norm sums in group order, clip_grad_norm_ in module order: last bits differ
-                torch.testing.assert_close(q, p, **KERNEL_TOL, msg=f"step {step} {name}")
+                torch.testing.assert_close(q, p, **_tol(name, hp), msg=f"step {step} {name}")
             for key, value in stock.state[p].items():
                 torch.testing.assert_close(fused.state[q][key], value, **KERNEL_TOL, msg=f"{name} {key}")
         with torch.no_grad():  # both continue from our step
@@ -234,10 +245,42 @@ def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path,
 NS_SHAPES = [(8, 3, 3, 3), (12, 8, 1, 1), (6, 192), (40, 6), (1, 5), (17, 17), (3, 700), (33, 2, 3, 3)]
 
 
+def _memory_matrix(u: torch.Tensor) -> torch.Tensor:
+    """``u`` as the matrix MuSGD orthogonalizes: ``(d[0], rest)`` in its memory order."""
+    if not u.is_contiguous() and u.ndim == 4 and u.is_contiguous(memory_format=torch.channels_last):
+        return u.permute(0, 2, 3, 1).flatten(1)
+    return u.reshape(u.size(0), -1)
+
+
+def _padded_reference(plan, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``scale * NS_5`` of each update in torch, padded into the plan's batches (``plan.layout``)."""
+    from trainfuse.optim.newton_schulz import _NS_EPS, _iterate
+
+    out = [None] * len(updates)
+    for rows, cols, members in plan.layout:
+        X = torch.zeros(len(members), rows, cols, device=updates[0].device)
+        mats = []
+        for k, i in enumerate(members):
+            m = _memory_matrix(updates[i])
+            tall = m.size(0) > m.size(1)
+            m = m.t() if tall else m
+            X[k, : m.size(0), : m.size(1)] = m
+            mats.append((i, m.shape, tall))
+        Y = X.bfloat16()
+        Y /= Y.norm(dim=(-2, -1), keepdim=True) + _NS_EPS
+        Y = _iterate(Y).float()
+        for k, (i, (r, c), tall) in enumerate(mats):
+            u = updates[i]
+            y = Y[k, :r, :c] * max(1, u.size(-2) / u.size(-1)) ** 0.5
+            out[i] = y.t() if tall else y
+    return out
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_batched_newton_schulz_matches_musgds_batching(kernels, nesterov):
-    """The kernels' padded batches against MuSGD's own batching (``orthogonalized``) of the same
-    momentum: equal up to bfloat16 rounding, which padding may move by an ulp."""
+def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov):
+    """The kernels' padded batches (Triton gather and scatter around the matmuls) against the same
+    padding in torch, bit for bit; and against MuSGD's own batching (``orthogonalized``) within
+    bfloat16 rounding on CPU, where the padding changes no sum."""
     from trainfuse.optim.musgd import _muon_momentum
     from trainfuse.optim.newton_schulz import BatchedNewtonSchulz, orthogonalized
 
@@ -248,9 +291,13 @@ def test_batched_newton_schulz_matches_musgds_batching(kernels, nesterov):
     targets = [torch.full_like(g, float("nan")) for g in grads]
     plan = BatchedNewtonSchulz(targets)
     assert plan.batches < len(grads)  # padded together
+    assert sorted(i for _, _, members in plan.layout for i in members) == list(range(len(grads)))
     plan.run(bufs, grads, 0.9, nesterov, targets)
-    expected = orthogonalized(_muon_momentum(bufs, grads, 0.9, nesterov, in_place=False))
-    for k, (t, e) in enumerate(zip(targets, expected)):
+    updates = _muon_momentum(bufs, grads, 0.9, nesterov, in_place=False)
+    for k, (t, e) in enumerate(zip(targets, _padded_reference(plan, updates))):
         assert t.stride() == grads[k].stride()
-        torch.testing.assert_close(t, e, rtol=0, atol=NS_TOL * float(e.abs().max()), msg=f"tensor {k}")
+        assert torch.equal(_memory_matrix(t), e), f"tensor {k}"
     assert plan.key == BatchedNewtonSchulz.key_of(targets)
+    if DEVICE.type == "cpu":
+        for k, (t, e) in enumerate(zip(targets, orthogonalized(updates))):
+            torch.testing.assert_close(t, e, rtol=0, atol=2**-7 * float(e.abs().max()), msg=f"tensor {k}")

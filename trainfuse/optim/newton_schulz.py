@@ -162,7 +162,12 @@ class BatchedNewtonSchulz:
     Args:
         targets: one float32 tensor per param (2+ dims, one device): where :meth:`run` writes each
             param's orthogonalized, scaled update. Their addresses and layouts are the plan's key
-            (:meth:`key`).
+            (:meth:`key_of`).
+
+    Attributes:
+        layout: per batch ``(rows, cols, indices)``: its padded size and the indices of its
+            tensors in ``targets`` (a matrix with more rows than columns enters transposed), what a
+            reference needs to pad the same way.
     """
 
     def __init__(self, targets: list[torch.Tensor]):
@@ -178,13 +183,14 @@ class BatchedNewtonSchulz:
         self._stage_views = [self._stage.as_strided(t.shape, s, o) for t, s, o in layouts]
         self._out_views = [self._out.as_strided(t.shape, s, o) for t, s, o in layouts]
         classes: dict[int, list] = {}
-        for t, o in zip(targets, offsets):
+        for i, (t, o) in enumerate(zip(targets, offsets)):
             r = t.size(0)
             c = t.numel() // r
             short, long_ = min(r, c), max(r, c)
             cls = max(_MIN_SHORT, 1 << max(0, math.ceil(math.log2(short))))
-            classes.setdefault(cls, []).append((long_, [o, r, c, int(r > c)], _scale(t), short))
+            classes.setdefault(cls, []).append((long_, [o, r, c, int(r > c)], _scale(t), short, i))
         self._batches = []
+        self.layout: list[tuple[int, int, list[int]]] = []
         for items in classes.values():
             items.sort(key=lambda it: it[0])
             start = 0
@@ -198,6 +204,7 @@ class BatchedNewtonSchulz:
                 table = torch.tensor([it[1] for it in batch], dtype=torch.int64, device=device)
                 scales = torch.tensor([it[2] for it in batch], dtype=torch.float32, device=device)
                 self._batches.append((table, scales, M, N))
+                self.layout.append((M, N, [it[4] for it in batch]))
 
     @staticmethod
     def key_of(targets: list[torch.Tensor]) -> tuple:
