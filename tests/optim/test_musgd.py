@@ -21,16 +21,22 @@ KERNEL_TOL = dict(rtol=1e-5, atol=1e-6)
 # batches in another order than MuSGD's, and the quintic iteration amplifies that bfloat16
 # rounding along small singular directions (slope 3.4445 at zero, five times): an element of the
 # orthogonalized update may move by a few percent (2% measured on an H200), a Muon weight by that
-# times lr * muon. test_batched_newton_schulz_pads_as_its_layout_says checks the padding exactly.
-MUON_WEIGHTS = ("conv.weight", "pw.weight", "fc.weight", "tall.weight")
-GPU_MUON_STEP = 0.05
+# times lr * muon * its scale, and its SGD buffer by weight_decay times that.
+# test_batched_newton_schulz_pads_as_its_layout_says checks the padding exactly, on any device.
+MUON_SCALES = {"conv.weight": 1.0, "pw.weight": 1.0, "fc.weight": 1.0, "tall.weight": (40 / 6) ** 0.5}
+GPU_MUON_STEP = 0.1
 
 
-def _tol(name: str, hp: dict) -> dict:
-    """The tolerance of weight ``name`` after a kernel step with hyperparameters ``hp``."""
-    if DEVICE.type == "cpu" or name not in MUON_WEIGHTS:
+def _tol(name: str, hp: dict, key: str | None = None) -> dict:
+    """The tolerance of weight ``name`` (or of its state ``key``) after a kernel step with ``hp``."""
+    if DEVICE.type == "cpu" or name not in MUON_SCALES:
         return KERNEL_TOL
-    return dict(rtol=KERNEL_TOL["rtol"], atol=GPU_MUON_STEP * hp["lr"] * hp.get("muon", 0.5))
+    step = GPU_MUON_STEP * hp["lr"] * hp.get("muon", 0.5) * MUON_SCALES[name]
+    if key == "momentum_buffer":  # the Muon momentum: the grads only
+        return KERNEL_TOL
+    if key == "momentum_buffer_SGD":
+        step *= hp.get("weight_decay", 0.0)
+    return dict(rtol=KERNEL_TOL["rtol"], atol=KERNEL_TOL["atol"] + step)
 
 
 class _Net(torch.nn.Module):
@@ -114,10 +120,12 @@ def test_kernels_step_matches_musgd_from_the_same_state(hp, kernels):
         fused.step()
         stock.step()
         for (name, p), q in zip(net.named_parameters(), ours.parameters()):
-            torch.testing.assert_close(q, p, **_tol(name, hp), msg=f"step {step} {name}")
+            torch.testing.assert_close(q, p, **_tol(name, hp),
+                                       msg=lambda m, s=step, n=name: f"step {s} {n}: {m}")
             assert stock.state[p].keys() == fused.state[q].keys()
             for key, value in stock.state[p].items():
-                torch.testing.assert_close(fused.state[q][key], value, **KERNEL_TOL, msg=f"{name} {key}")
+                torch.testing.assert_close(fused.state[q][key], value, **_tol(name, hp, key),
+                                           msg=lambda m, n=name, k=key: f"{n} {k}: {m}")
         with torch.no_grad():  # both continue from our step
             for p, q in zip(net.parameters(), ours.parameters()):
                 p.copy_(q)
@@ -161,7 +169,7 @@ def test_kernels_continue_from_a_musgd_state_dict(kernels):
     fused.load_state_dict(copy.deepcopy(stock.state_dict()))
     _train([(net, stock), (ours, fused)], 1)
     for (name, p), q in zip(net.named_parameters(), ours.parameters()):
-        torch.testing.assert_close(q, p, **_tol(name, hp), msg=name)
+        torch.testing.assert_close(q, p, **_tol(name, hp), msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_kernels_skip_everything_on_found_inf(kernels):
@@ -231,9 +239,11 @@ def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path,
             if path == "torch" and clip == "value":
                 assert torch.equal(q, p), (step, name)
             else:  # the norm sums in group order, clip_grad_norm_ in module order: last bits differ
-                torch.testing.assert_close(q, p, **_tol(name, hp), msg=f"step {step} {name}")
+                torch.testing.assert_close(q, p, **_tol(name, hp),
+                                       msg=lambda m, s=step, n=name: f"step {s} {n}: {m}")
             for key, value in stock.state[p].items():
-                torch.testing.assert_close(fused.state[q][key], value, **KERNEL_TOL, msg=f"{name} {key}")
+                torch.testing.assert_close(fused.state[q][key], value, **_tol(name, hp, key),
+                                           msg=lambda m, n=name, k=key: f"{n} {k}: {m}")
         with torch.no_grad():  # both continue from our step
             for p, q in zip(net.parameters(), ours.parameters()):
                 p.copy_(q)
@@ -300,4 +310,5 @@ def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov):
     assert plan.key == BatchedNewtonSchulz.key_of(targets)
     if DEVICE.type == "cpu":
         for k, (t, e) in enumerate(zip(targets, orthogonalized(updates))):
-            torch.testing.assert_close(t, e, rtol=0, atol=2**-7 * float(e.abs().max()), msg=f"tensor {k}")
+            torch.testing.assert_close(t, e, rtol=0, atol=2**-7 * float(e.abs().max()),
+                                       msg=lambda m, k=k: f"tensor {k}: {m}")

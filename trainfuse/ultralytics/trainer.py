@@ -229,7 +229,7 @@ class FusedDetectionTrainer(DetectionTrainer):
         ultralytics' own phase. With CUDA graphs, zero_grad is left to the next replay
         (``keeps_grads``)."""
         if not self.fused:
-            if not self.keeps_grads:
+            if not self.keeps_grads or self._graphed is None:  # no replay follows (training ended)
                 return super().optimizer_step()
             # ultralytics' own phase as its version runs it, with the grads kept for the replay
             self.optimizer.zero_grad = _keep_grads  # this call only: the instance's, over the class's
