@@ -94,6 +94,11 @@ def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, c
         trainer.fit(Net(str(out_dir), tag), ckpt_path=None if ckpt_path is None else str(ckpt_path))
 
 
+def _load(path) -> dict:
+    """A rank's saved state, on the CPU (rank 1 of a GPU run saved its tensors on cuda:1)."""
+    return torch.load(path, map_location="cpu")
+
+
 def _close(a: dict, b: dict) -> None:
     """Params and the EMA of two runs within float32 tolerance (all-reduce orders differ)."""
     for key in ("params", "ema"):
@@ -110,8 +115,8 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(accelerator,
         monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     _fit(tmp_path, 1, accelerator=accelerator)
     _fit(tmp_path, 2, accelerator=accelerator)
-    one = torch.load(tmp_path / "rank0-of-1.pt")
-    ranks = [torch.load(tmp_path / f"rank{r}-of-2.pt") for r in range(2)]
+    one = _load(tmp_path / "rank0-of-1.pt")
+    ranks = [_load(tmp_path / f"rank{r}-of-2.pt") for r in range(2)]
     assert dict(ranks[0]["report"])["optimizer"] == "swapped"
     assert dict(ranks[0]["report"])["clipping"] == "on"
     for k, v in one["params"].items():
@@ -132,8 +137,8 @@ def test_checkpoints_from_either_layout_resume_on_the_other(tmp_path):
     for saved, resumed in ((2, 1), (1, 2)):
         ckpt = tmp_path / f"ckpt{saved}" / "epoch=0.ckpt"
         _fit(tmp_path, resumed, epochs=2, tag=f"from{saved}-", ckpt_path=ckpt)
-    full = {d: torch.load(tmp_path / f"full{d}-rank0-of-{d}.pt") for d in (1, 2)}
+    full = {d: _load(tmp_path / f"full{d}-rank0-of-{d}.pt") for d in (1, 2)}
     _close(full[1], full[2])
-    _close(full[1], torch.load(tmp_path / "from2-rank0-of-1.pt"))
+    _close(full[1], _load(tmp_path / "from2-rank0-of-1.pt"))
     for r in range(2):
-        _close(full[2], torch.load(tmp_path / f"from1-rank{r}-of-2.pt"))
+        _close(full[2], _load(tmp_path / f"from1-rank{r}-of-2.pt"))
