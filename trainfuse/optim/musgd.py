@@ -220,8 +220,8 @@ class FusedMuSGD(FusedOptimizer):
         self._updates: dict[torch.Tensor, torch.Tensor] = {}
         # device -> the step counter every row points at: the update keeps no count
         self._no_step: dict[torch.device, torch.Tensor] = {}
-        # group index -> the Newton-Schulz plan of its params with a grad on the kernels
-        self._ns_plans: dict[int, BatchedNewtonSchulz] = {}
+        # (group index, device) -> the Newton-Schulz plan of its params with a grad on the kernels
+        self._ns_plans: dict[tuple[int, torch.device], BatchedNewtonSchulz] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -317,39 +317,49 @@ class FusedMuSGD(FusedOptimizer):
             if self.max_grad_norm is not None and clip is None:
                 raise ValueError(f"{name}: max_grad_norm with use_muon groups needs every param on "
                                  "one device; clip the grads before the step instead")
-            grads = [p.grad for p in params]
-            for k, (p, g) in enumerate(zip(params, grads)):
-                if g.is_sparse or g.shape != p.shape or g.dtype != p.dtype:
-                    raise ValueError(f"{name}: param {k} of a use_muon group has a gradient of "
-                                     f"shape {tuple(g.shape)} ({g.dtype}, sparse={g.is_sparse}); "
-                                     f"expected a dense {p.dtype} gradient of shape {tuple(p.shape)}")
-            likes = []
+            by_device: dict[torch.device, list] = {}
             for p in params:
-                master = self.master_of(p, group)
-                like = p if master is None else master
-                state = self.state[p]
-                if state.get("momentum_buffer") is None or state.get("momentum_buffer_SGD") is None:
-                    self.init_state(p, group, state, like)
-                likes.append(like)
-            targets = [self._update_of(p, like) for p, like in zip(params, likes)]
-            # the grads as the update launch sees them, in float32 (the targets as scratch):
-            # divided by the scale, then clipped
-            torch._foreach_copy_(targets, grads)
-            if grad_scale is not None:
-                torch._foreach_div_(targets, grad_scale.to(targets[0].device))
-            if clip is not None:
-                torch._foreach_mul_(targets, clip.reshape(()))
-            elif self.max_grad_value is not None:  # the bound as each grad's dtype stores it
-                for dtype in {g.dtype for g in grads}:
-                    bound = float(torch.tensor(self.max_grad_value, dtype=dtype))
-                    same = [t for t, g in zip(targets, grads) if g.dtype == dtype]
-                    torch._foreach_clamp_min_(same, -bound)
-                    torch._foreach_clamp_max_(same, bound)
-            plan = self._ns_plans.get(gi)
-            if plan is None or plan.key != BatchedNewtonSchulz.key_of(targets):
-                plan = self._ns_plans[gi] = BatchedNewtonSchulz(targets)
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            plan.run(bufs, targets, group["momentum"], group["nesterov"], targets)
+                by_device.setdefault(p.device, []).append(p)
+            for device, on_device in by_device.items():
+                self._orthogonalize(gi, group, device, on_device, grad_scale, clip)
+
+    def _orthogonalize(self, gi: int, group: dict, device: torch.device, params: list[torch.Tensor],
+                       grad_scale: torch.Tensor | None, clip: torch.Tensor | None) -> None:
+        """:meth:`orthogonalize_for_kernels` for the params of group ``gi`` on ``device``."""
+        name = type(self).__name__
+        grads = [p.grad for p in params]
+        for k, (p, g) in enumerate(zip(params, grads)):
+            if g.is_sparse or g.shape != p.shape or g.dtype != p.dtype:
+                raise ValueError(f"{name}: param {k} of a use_muon group has a gradient of "
+                                 f"shape {tuple(g.shape)} ({g.dtype}, sparse={g.is_sparse}); "
+                                 f"expected a dense {p.dtype} gradient of shape {tuple(p.shape)}")
+        likes = []
+        for p in params:
+            master = self.master_of(p, group)
+            like = p if master is None else master
+            state = self.state[p]
+            if state.get("momentum_buffer") is None or state.get("momentum_buffer_SGD") is None:
+                self.init_state(p, group, state, like)
+            likes.append(like)
+        targets = [self._update_of(p, like) for p, like in zip(params, likes)]
+        # the grads as the update launch sees them, in float32 (the targets as scratch):
+        # divided by the scale, then clipped
+        torch._foreach_copy_(targets, grads)
+        if grad_scale is not None:
+            torch._foreach_div_(targets, grad_scale.to(device))
+        if clip is not None:
+            torch._foreach_mul_(targets, clip.reshape(()))
+        elif self.max_grad_value is not None:  # the bound as each grad's dtype stores it
+            for dtype in {g.dtype for g in grads}:
+                bound = float(torch.tensor(self.max_grad_value, dtype=dtype))
+                same = [t for t, g in zip(targets, grads) if g.dtype == dtype]
+                torch._foreach_clamp_min_(same, -bound)
+                torch._foreach_clamp_max_(same, bound)
+        plan = self._ns_plans.get((gi, device))
+        if plan is None or plan.key != BatchedNewtonSchulz.key_of(targets):
+            plan = self._ns_plans[(gi, device)] = BatchedNewtonSchulz(targets)
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        plan.run(bufs, targets, group["momentum"], group["nesterov"], targets)
 
     def torch_group_step(self, group, params, grads, weights):
         lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
