@@ -88,12 +88,22 @@ def framework(report: dict) -> str:
 
 
 def _versions(reports: dict[str, dict]) -> str:
-    combos: dict[tuple[str, str, str], list[str]] = {}
+    """The versions line of a GPU's summary: per (torch, triton, date), its families, grouped by
+    the framework version they ran with ("optim; with ultralytics 8.4.190: yolo, yolo-MuSGD").
+    Families with no summary row (no headline metric) are left out."""
+    combos: dict[tuple[str, str, str], dict[str, list[str]]] = {}
     for family, r in reports.items():
-        name = f"{family} with {framework(r)}" if framework(r) else family
-        combos.setdefault((r["torch"], r["triton"], r["date"]), []).append(name)
-    return "; ".join(f"torch {t}, triton {tr}, measured {d} ({', '.join(fams)})"
-                     for (t, tr, d), fams in combos.items())
+        if r.get("headline"):
+            key = (r["torch"], r["triton"], r["date"])
+            combos.setdefault(key, {}).setdefault(framework(r), []).append(family)
+
+    def named(groups: dict[str, list[str]]) -> str:
+        parts = [", ".join(groups[""])] if "" in groups else []
+        parts += [f"with {fw}: {', '.join(fams)}" for fw, fams in groups.items() if fw]
+        return "; ".join(parts)
+
+    return "; ".join(f"torch {t}, triton {tr}, measured {d} ({named(groups)})"
+                     for (t, tr, d), groups in combos.items())
 
 
 def summary(results: dict[str, dict[str, dict]], link: str) -> str:
