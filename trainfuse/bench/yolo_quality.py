@@ -141,7 +141,9 @@ def _child(spec: dict) -> None:
                 name=spec["run"], exist_ok=True, verbose=False, optimizer=spec["optimizer"], **extra)
     trainer = model.trainer
     map50, map50_95 = final_map(trainer)
-    result = {"map50": map50, "map50_95": map50_95, "optimizer_class": type(trainer.optimizer).__name__,
+    # the run's name too: a parent stopped early leaves these lines as the only record
+    result = {"run": spec["run"], "map50": map50, "map50_95": map50_95,
+              "optimizer_class": type(trainer.optimizer).__name__,
               "fused_reason": getattr(trainer, "fused_reason", None),
               "graphs_reason": getattr(trainer, "graphs_reason", None),
               "losses": trainer.label_loss_items(trainer.tloss), "seconds": time.perf_counter() - start,
