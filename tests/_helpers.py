@@ -54,3 +54,16 @@ def set_scaled_twin_grads(ours, theirs, sa, sb, step: int, gain: float = 1.0) ->
     for p, q, g in zip(ours, theirs, grads):
         p.grad = g * sa.get_scale()
         q.grad = g * sb.get_scale()
+
+
+def cuda_kernel_names(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """The names of the CUDA kernels (and copies) that one ``fn(*args)`` runs, after a first call
+    that compiles and caches (torch.profiler, synchronized at both ends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

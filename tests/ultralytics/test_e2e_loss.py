@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._helpers import cuda, no_host_sync, warm_on_side_stream
+from tests._helpers import cuda, cuda_kernel_names, no_host_sync, warm_on_side_stream
 from tests.ultralytics.test_loss import assert_kernels_match_float64_reference, on_device, tie_free
 from trainfuse.ultralytics import FusedDetectionLoss, FusedE2ELoss, add_padded_targets, takes_fused_e2e_loss
 from trainfuse.ultralytics import assigner as tal
@@ -334,16 +334,8 @@ def test_no_host_sync_and_the_step_replays_as_a_cuda_graph_with_the_new_weights(
 def test_forward_and_backward_launch_our_kernels_and_the_weighted_sum(model):
     """Each branch's assignment and loss kernels (the one-to-one branch's topk2 once), and five
     elementwise launches for the weighted sum (two products and a sum; a product per branch back)."""
-    from torch.profiler import ProfilerActivity, profile
-
     _, step = _prepared_step(model)
-    go = torch.ones(3, device=DEVICE)
-    step(go)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(go)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = cuda_kernel_names(step, torch.ones(3, device=DEVICE))
     for kernel, count in OURS.items():
         assert sum(kernel in n for n in names) == count, (kernel, names)
     assert len(names) == sum(OURS.values()) + 5, ", ".join(names)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests._helpers import cuda, no_host_sync, warm_on_side_stream
+from tests._helpers import cuda, cuda_kernel_names, no_host_sync, warm_on_side_stream
 from trainfuse.ultralytics import FusedDetectionLoss, add_padded_targets, pad_targets, target_capacity
 from trainfuse.ultralytics import assigner as tal
 from trainfuse.ultralytics.loss import DetectionLossFunction, LossConstants, loss_terms_torch
@@ -320,16 +320,8 @@ def test_no_host_sync_and_the_step_replays_as_a_cuda_graph(model):
 
 @cuda
 def test_forward_and_backward_launch_our_eight_kernels_and_nothing_else(model):
-    from torch.profiler import ProfilerActivity, profile
-
     step = _prepared_step(model)
-    go = torch.ones(3, device=DEVICE)
-    step(go)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(go)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = cuda_kernel_names(step, torch.ones(3, device=DEVICE))
     assert len(names) == len(KERNELS), ", ".join(names)
     for k in KERNELS:
         assert sum(k in n for n in names) == 1, (k, names)
