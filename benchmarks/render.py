@@ -88,22 +88,22 @@ def framework(report: dict) -> str:
 
 
 def _versions(reports: dict[str, dict]) -> str:
-    """The versions line of a GPU's summary: per (torch, triton, date), its families, grouped by
-    the framework version they ran with ("optim; with ultralytics 8.4.190: yolo, yolo-MuSGD").
+    """The versions line of a GPU's summary: per (torch, triton), the frameworks the families ran
+    through and the dates they were measured ("torch 2.11, triton 3.6, ultralytics 8.4.190,
+    measured 2026-11-24 to 2026-11-26"); each family's own line is in docs/performance.md.
     Families with no summary row (no headline metric) are left out."""
-    combos: dict[tuple[str, str, str], dict[str, list[str]]] = {}
-    for family, r in reports.items():
+    combos: dict[tuple[str, str], tuple[set[str], set[str]]] = {}
+    for r in reports.values():
         if r.get("headline"):
-            key = (r["torch"], r["triton"], r["date"])
-            combos.setdefault(key, {}).setdefault(framework(r), []).append(family)
+            frameworks, dates = combos.setdefault((r["torch"], r["triton"]), (set(), set()))
+            frameworks.update({framework(r)} - {""})
+            dates.add(r["date"])
 
-    def named(groups: dict[str, list[str]]) -> str:
-        parts = [", ".join(groups[""])] if "" in groups else []
-        parts += [f"with {fw}: {', '.join(fams)}" for fw, fams in groups.items() if fw]
-        return "; ".join(parts)
+    def measured(dates: set[str]) -> str:
+        return f"measured {min(dates)}" + (f" to {max(dates)}" if len(dates) > 1 else "")
 
-    return "; ".join(f"torch {t}, triton {tr}, measured {d} ({named(groups)})"
-                     for (t, tr, d), groups in combos.items())
+    return "; ".join(", ".join([f"torch {t}", f"triton {tr}", *sorted(fws), measured(dates)])
+                     for (t, tr), (fws, dates) in combos.items())
 
 
 def summary(results: dict[str, dict[str, dict]], link: str) -> str:

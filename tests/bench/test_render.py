@@ -78,6 +78,29 @@ def test_summary_leaves_out_the_workloads_a_report_lists_as_sweep_points(tmp_pat
     assert "| EMA update, 4 tensors |" in render.family_table(results["h200"]["ema"])
 
 
+def test_versions_line_names_the_frameworks_and_the_dates_once_per_torch(tmp_path):
+    runs = (("yolo", "2026-11-24", "8.4.190"), ("yolo-NAdam", "2026-11-27", "8.4.190"),
+            ("optim", "2026-11-25", None), ("ema", "2026-11-26", None))
+    for family, date, ultralytics in runs:
+        report = harness.new_report("NVIDIA H200", 4200.0)
+        report["_argv"] = []
+        harness.add_row(report, "w", "stock", trainfuse=False, wall_ms=2.0)
+        harness.add_row(report, "w", "trainfuse", trainfuse=True, wall_ms=1.0)
+        if ultralytics:
+            report["settings"] = {"ultralytics": ultralytics}
+        harness.save_report(report, str(tmp_path / "h200"), family)
+        path = tmp_path / "h200" / f"{family}.json"
+        saved = json.loads(path.read_text())
+        saved["date"] = date
+        if family == "ema":
+            saved["headline"] = None  # no summary row: its date is not the GPU's
+        path.write_text(json.dumps(saved))
+    reports = render.load_results(tmp_path)["h200"]
+    torch_v, triton_v = reports["optim"]["torch"], reports["optim"]["triton"]
+    assert render._versions(reports) == (f"torch {torch_v}, triton {triton_v}, ultralytics 8.4.190, "
+                                         "measured 2026-11-24 to 2026-11-27")
+
+
 def test_family_table_has_every_row_with_floor_and_ratio(tmp_path):
     _report(tmp_path)
     table = render.family_table(render.load_results(tmp_path)["h200"]["optim"])
