@@ -22,6 +22,9 @@ on the synthetic shapes dataset, same seed and data for both trainers
 Goals (batch 16, imgsz 640): iteration >= 3x faster than stock for yolov5n, >= 2x for yolov5s
 (``ITERATION_GOALS``), optimizer phase >= 10x faster, peak memory within 1.3x of stock, stock
 mAP50 >= 0.5 with ours within +-1 point. ``--quick`` is a smoke run (1 epoch, 256 images).
+
+``--devices 0,1`` trains with ultralytics' DDP instead, ``--batch`` images per GPU: stock against
+ours on those GPUs, and ours on one GPU for the scaling (:mod:`trainfuse.bench.yolo_ddp`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ def _parser():
                         "yolo26n.yaml, yolov10n.yaml, ...)")
     parser.add_argument("--optimizer", default="auto",
                         help="ultralytics' optimizer= (auto, SGD, AdamW, MuSGD, NAdam, ...)")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16, help="images per GPU")
+    parser.add_argument("--devices", default="0",
+                        help="CUDA devices; several (0,1) train with ultralytics' DDP (bench.yolo_ddp)")
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--images", type=int, default=512, help="synthetic training images")
     parser.add_argument("--val-images", type=int, default=64)
@@ -201,9 +206,16 @@ def main(argv: list[str] | None = None) -> dict | None:
     folder = Path(args.data_dir) / f"{args.imgsz}px-{args.images}-seed{args.seed}"
     data = str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
                                    seed=args.seed))
+    if len(args.devices.split(",")) > 1:
+        from trainfuse.bench import yolo_ddp
+
+        yolo_ddp.run(report, args, data, out, ultralytics.__version__)
+        report["_bench"] = "yolo"
+        save_report(report, args.out, family(args.model, args.optimizer, args.devices))
+        return report
     runs, trainers = {}, {}
     for kind in ("stock", "trainfuse"):
-        runs[kind], trainers[kind] = _run(kind, args, data, out / "yolo-runs")
+        runs[kind], trainers[kind] = _run(kind, args, data, out / "yolo-runs", device=args.devices)
     for kind, (ms, launches) in _phases(trainers).items():
         runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)
@@ -212,8 +224,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     return report
 
 
-def family(model: str, optimizer: str = "auto") -> str:
+def family(model: str, optimizer: str = "auto", devices: str = "0") -> str:
     """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
-    ``-<optimizer>`` appended for an optimizer other than ``auto``."""
+    ``-<optimizer>`` appended for an optimizer other than ``auto``, ``-<N>gpus`` for DDP."""
     name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
-    return name if optimizer == "auto" else f"{name}-{optimizer}"
+    name = name if optimizer == "auto" else f"{name}-{optimizer}"
+    n = len(devices.split(","))
+    return name if n == 1 else f"{name}-{n}gpus"

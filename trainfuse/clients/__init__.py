@@ -1,16 +1,18 @@
 """What the Lightning and ultralytics clients share: swapping a user's optimizer for its fused
-counterpart, the GradScaler swap, the state of fused casts, and the report rows that say what was
-changed and why not. A client only says when to do each; what each means is written here once.
+counterpart, the GradScaler swap, the state of fused casts, grads flat for one all-reduce, and the
+report rows that say what was changed and why not. A client only says when to do each; what each
+means is written here once.
 
 Below both clients in the dependency order (``optim``, ``amp`` <- ``clients`` <- ``lightning``,
 ``ultralytics``); imports neither Lightning nor ultralytics.
 """
 
 from trainfuse.clients.casts import CastState
+from trainfuse.clients.flat_grads import FlatGrads
 from trainfuse.clients.report import OFF, ON, SKIPPED, SWAPPED, Report, Row, SkipError, format_rows
 from trainfuse.clients.scaler import fused_scaler, hand_back_scaler
 from trainfuse.clients.swap import repoint_schedulers, sparse_grad_params, swap_optimizer, why_not_swappable
 
-__all__ = ["OFF", "ON", "SKIPPED", "SWAPPED", "CastState", "Report", "Row", "SkipError", "format_rows",
-           "fused_scaler", "hand_back_scaler", "repoint_schedulers", "sparse_grad_params", "swap_optimizer",
-           "why_not_swappable"]
+__all__ = ["OFF", "ON", "SKIPPED", "SWAPPED", "CastState", "FlatGrads", "Report", "Row", "SkipError",
+           "format_rows", "fused_scaler", "hand_back_scaler", "repoint_schedulers", "sparse_grad_params",
+           "swap_optimizer", "why_not_swappable"]

@@ -131,9 +131,13 @@ class GraphedLoss:
         scaler: the trainer's GradScaler (its scale tensor is read by the graphs, updated in place).
         max_graphs: graphs kept at once (one per image shape, label capacity, and zeroing the
             grads first or not).
+        grads: the grads to accumulate into, one per param that requires grad in
+            ``model.parameters()`` order (views of a flat buffer, for one all-reduce under DDP);
+            None: the first call's backward makes them.
     """
 
-    def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, *, max_graphs: int = 8) -> None:
+    def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, *, max_graphs: int = 8,
+                 grads: list[torch.Tensor] | None = None) -> None:
         self.model = model
         self.scaler = scaler
         self._max_graphs = max_graphs
@@ -143,6 +147,12 @@ class GraphedLoss:
         self.readout = LossReadout(model.criterion.loss_names, self.device)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._grads: list[torch.Tensor] | None = None
+        if grads is not None:
+            params = self._params
+            if len(grads) != len(params) or any(g.shape != p.shape for g, p in zip(grads, params)):
+                raise ValueError(f"GraphedLoss: grads must hold one tensor per trainable param of the model, "
+                                 f"in order ({len(self._params)}), got {len(grads)} of other shapes")
+            self._grads = list(grads)
         # set by the trainer after an optimizer step: the next call zeroes the grads inside its
         # graph before the backward accumulates (zero_grad folded into the replay: no launch)
         self.zero_first = False

@@ -44,9 +44,16 @@ What it changes, and nothing else (ultralytics itself is not patched):
   launches, and the grads are kept and zeroed inside the next replay instead of freed. The
   progress bar's losses are read back without a host sync (a few iterations late);
   each epoch's logged means are exact. Whatever the optimizer: a stock one (``NAdam``, ``RAdam``...)
-  runs its own phase eagerly between replays. Off, with the reason logged, on CPU, under DDP, with
+  runs its own phase eagerly between replays. Off, with the reason logged, on CPU, with
   ``compile``, or without a fused loss. Choose with
-  ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)``.
+  ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP with a
+  subclass setting ``cuda_graphs = False``: the ranks rebuild the trainer from its class).
+- **DDP** (``device="0,1"``, ultralytics' own launcher): each rank runs all of the above. With
+  graphs, DDP's wrapper is dropped after ultralytics builds it: the replays accumulate the
+  micro-batches' grads, views of one flat float32 buffer, and one all-reduce sums them before each
+  optimizer step (:class:`trainfuse.clients.FlatGrads`), where DDP all-reduces its buckets after
+  every backward. Without graphs DDP's wrapper stays. The weights stay float32 under DDP (no
+  casts), so the grads are reduced in float32 as stock reduces them.
 
 Checkpoints stay stock: the optimizer state_dict has torch's layout (no masters), the EMA is a
 plain float32 model saved as ultralytics saves it, so
@@ -72,6 +79,7 @@ from trainfuse.clients import (
     SKIPPED,
     SWAPPED,
     CastState,
+    FlatGrads,
     Report,
     fused_scaler,
     swap_optimizer,
@@ -182,6 +190,7 @@ class FusedDetectionTrainer(DetectionTrainer):
     _pad_targets = False
     _casts: CastState | None = None
     _graphed: GraphedLoss | None = None
+    _flat: FlatGrads | None = None
     keeps_grads = False
     graph_stats = graph_memory = None
 
@@ -202,6 +211,14 @@ class FusedDetectionTrainer(DetectionTrainer):
         for event, callback in _GRAPH_CALLBACKS.items():
             if callback not in self.callbacks[event]:
                 self.callbacks[event].insert(0, callback)
+
+    def train(self):
+        """Ultralytics' ``train``; under DDP, a warning where ``cuda_graphs`` was given to the
+        constructor (the ranks rebuild the trainer from its class and would not see it)."""
+        if self.ddp and self.cuda_graphs != type(self).cuda_graphs:
+            LOGGER.warning(f"{_PREFIX} cuda_graphs={self.cuda_graphs} does not reach the DDP ranks, which "
+                           "rebuild the trainer from its class: use a subclass that sets cuda_graphs")
+        return super().train()
 
     # ---- optimizer -------------------------------------------------------------------------------
     def build_optimizer(self, model, name="auto", lr=0.001, momentum=0.9, decay=1e-5, iterations=1e5):
@@ -227,7 +244,10 @@ class FusedDetectionTrainer(DetectionTrainer):
         """Unscale, clip at 10, step, EMA update, scale update and zero_grad: two launches when
         fused (statistics with GradScaler's update, then the update with the EMA folded in), else
         ultralytics' own phase. With CUDA graphs, zero_grad is left to the next replay
-        (``keeps_grads``)."""
+        (``keeps_grads``). Under DDP with graphs, the accumulated grads are summed over the ranks
+        first (one all-reduce)."""
+        if self._flat is not None:
+            self._flat.all_reduce()  # the loss carries no world-size factor in the replays: a plain sum
         if not self.fused:
             if not self.keeps_grads or self._graphed is None:  # no replay follows (training ended)
                 return super().optimizer_step()
@@ -278,14 +298,16 @@ class FusedDetectionTrainer(DetectionTrainer):
         self._apply_casts()
         self._setup_graphs()
 
+    def _ddp(self) -> bool:
+        """Whether this is one rank of a DDP run."""
+        return self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
     def _graphs_unsafe(self) -> str:
         """Why the step cannot run from CUDA graphs here ("" when it can)."""
         if not self.cuda_graphs:
             return "cuda_graphs=False"
         if self.device.type != "cuda":
             return f"the device is {self.device.type}, not CUDA"
-        if self.world_size > 1:
-            return "DDP (the graphs would need the gradient all-reduce captured)"
         if self.args.compile:
             return "compile is on"
         if not isinstance(self.scaler, GradScaler):
@@ -298,11 +320,26 @@ class FusedDetectionTrainer(DetectionTrainer):
         if self._graphed is not None:
             self._graphed.detach()
             self._graphed = None
+        if self._flat is not None:
+            self._flat.detach()
+            self._flat = None
         self.graphs_reason = self._graphs_unsafe()
         if self.graphs_reason:
             self._note("graphs", "cuda_graphs", OFF, f"no CUDA graphs: {self.graphs_reason}")
             return
-        self._graphed = GraphedLoss(unwrap_model(self.model), self.scaler).attach()
+        model = unwrap_model(self.model)
+        if self._ddp():
+            # the replays accumulate the micro-batches' grads in place; one all-reduce of one flat
+            # buffer before each optimizer step replaces DDP's hooks and per-backward buckets
+            self.model = model  # the DDP wrapper goes, and its reducer's hooks with it
+            self._flat = FlatGrads(model.parameters()).attach()
+            sizes = ", ".join(f"{b.numel() / 1e6:.1f}M {str(b.dtype).replace('torch.', '')}"
+                              for b in self._flat.buffers.values())
+            self._note("ddp", "DistributedDataParallel", SWAPPED,
+                       f"gradients all-reduced once per optimizer step as one flat buffer ({sizes}) "
+                       f"across {self.world_size} ranks, after the replays (DDP's reducer replaced)")
+        self._graphed = GraphedLoss(model, self.scaler,
+                                    grads=None if self._flat is None else self._flat.grads).attach()
         self.keeps_grads = True
         self._note("graphs", "cuda_graphs", ON, "forward, loss and backward replayed from CUDA graphs (one "
                    "per image shape and label capacity; each shape's first batch runs eagerly)")
@@ -311,6 +348,10 @@ class FusedDetectionTrainer(DetectionTrainer):
         """16-bit weights with float32 masters in the fused optimizer (AMP on CUDA only)."""
         dtype = cast_dtype(self) if self.fuse_casts else None
         if dtype is None:
+            return
+        if self.world_size > 1:
+            self._note("casts", str(dtype).replace("torch.", ""), SKIPPED, "weights stay float32 under DDP: "
+                       "the gradients are all-reduced in float32, as stock DDP reduces them")
             return
         self._casts = CastState(unwrap_model(self.model), self.optimizer, dtype)
         self._note("casts", str(dtype).replace("torch.", ""), ON,
@@ -411,6 +452,9 @@ def _on_train_end(trainer) -> None:
         trainer.graph_stats, trainer.graph_memory = graphed.step.stats, graphed.step.memory_report()
         graphed.detach()
         trainer._graphed = None
+    if isinstance(trainer, FusedDetectionTrainer) and trainer._flat is not None:
+        trainer._flat.detach()  # the process group ends with training
+        trainer._flat = None
 
 
 _GRAPH_CALLBACKS = {"on_train_epoch_start": _on_train_epoch_start, "on_train_epoch_end": _on_train_epoch_end,
