@@ -96,8 +96,8 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
         flat.all_reduce(average=True)
         summed = _net()
         sum_flat = FlatGrads(summed.parameters()).attach()
-        for x in xs:  # ultralytics' DDP loss carries a world-size factor that DDP's average takes
-            summed(x).square().mean().backward()  # out again; the replays leave it out and sum
+        for x in xs:  # without ultralytics' world-size factor, a plain sum is DDP's average
+            summed(x).square().mean().backward()
         sum_flat.all_reduce(average=False)
         if not flat.attached():
             raise AssertionError("the grads left the buffer")

@@ -74,13 +74,14 @@ class Net(pl.LightningModule):
         fused = [c for c in self.trainer.callbacks if isinstance(c, FusedTraining)]
         state = {"params": self.live,
                  "ema": {k: v.detach().clone() for k, v in self.named_parameters()} if fused else None,
-                 "report": [(r.kind, r.action) for r in fused[0].report] if fused else None}
+                 "report": [(r.kind, r.action) for r in fused[0].report] if fused else None,
+                 "replays": sum(s.replays for s in fused[0].graph_stats.values()) if fused else None}
         name = f"{self.tag}rank{self.global_rank}-of-{self.trainer.world_size}.pt"
         torch.save(state, os.path.join(self.out_dir, name))
 
 
 def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, ckpt_path=None,
-         accelerator: str = "cpu") -> None:
+         accelerator: str = "cpu", graphs: bool = False) -> None:
     saver = ([pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_epochs=1, save_top_k=-1,
                                            filename="{epoch}")] if ckpt_dir else [])
     trainer = pl.Trainer(accelerator=accelerator, devices=devices,
@@ -88,7 +89,7 @@ def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, c
                          max_epochs=epochs, logger=False, enable_checkpointing=bool(saver),
                          enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.3,
                          use_distributed_sampler=False,
-                         callbacks=[FusedTraining(ema_decay=0.8, verbose=False), *saver])
+                         callbacks=[FusedTraining(ema_decay=0.8, verbose=False, cuda_graphs=graphs), *saver])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck|does not have many workers).*")
         trainer.fit(Net(str(out_dir), tag), ckpt_path=None if ckpt_path is None else str(ckpt_path))
@@ -107,18 +108,27 @@ def _close(a: dict, b: dict) -> None:
                 torch.testing.assert_close(b[key][k], v, rtol=1e-5, atol=1e-6, msg=f"{key} {k}")
 
 
-@pytest.mark.parametrize("accelerator", ["cpu", "gpu"])
-def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(accelerator, tmp_path, monkeypatch):
+@pytest.mark.parametrize("accelerator,graphs", [("cpu", False), ("gpu", False), ("gpu", True)])
+def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(accelerator, graphs, tmp_path,
+                                                                    monkeypatch):
+    """DDP's reducer off, one flat all-reduce per step instead; with CUDA graphs (3 epochs: 2 eager
+    steps per shape, then replays) the replays accumulate into the flat buffer."""
     if accelerator == "gpu":  # NCCL and the compiled kernels
         if torch.cuda.device_count() < 2:
             pytest.skip("needs 2 GPUs")
         monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
-    _fit(tmp_path, 1, accelerator=accelerator)
-    _fit(tmp_path, 2, accelerator=accelerator)
+    epochs = 3 if graphs else 1
+    _fit(tmp_path, 1, epochs=epochs, accelerator=accelerator, graphs=graphs)
+    _fit(tmp_path, 2, epochs=epochs, accelerator=accelerator, graphs=graphs)
     one = _load(tmp_path / "rank0-of-1.pt")
     ranks = [_load(tmp_path / f"rank{r}-of-2.pt") for r in range(2)]
-    assert dict(ranks[0]["report"])["optimizer"] == "swapped"
-    assert dict(ranks[0]["report"])["clipping"] == "on"
+    report = dict(ranks[0]["report"])
+    assert report["optimizer"] == "swapped"
+    assert report["clipping"] == "on"
+    assert report["ddp"] == "on" and "ddp" not in dict(one["report"])
+    assert report["graphs"] == ("on" if graphs else "off")
+    if graphs:
+        assert ranks[0]["replays"] >= 10, ranks[0]["replays"]
     for k, v in one["params"].items():
         assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k  # every rank the same
         torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -17,7 +17,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU = torch.device("cpu")
 # The kernels' float32 math against MuSGD's torch ops, from the same states.
 KERNEL_TOL = dict(rtol=1e-5, atol=1e-6)
-# On CPU the padded Newton-Schulz batches give MuSGD's bits. On a GPU cuBLAS sums the padded
+# On CPU the padded Newton-Schulz batches of these small nets give MuSGD's bits (real models'
+# orientations and long-side padding round some matrices differently). On a GPU cuBLAS sums the padded
 # batches in another order than MuSGD's (and with clipping by norm, on any device, the clip
 # coefficient's last bits differ), and the quintic iteration amplifies that bfloat16 rounding
 # along small singular directions (slope 3.4445 at zero, five times): an element of the

@@ -5,8 +5,8 @@ each rank did comes back through a callback that writes a file per rank (:class:
 graphed run (replays, then one flat all-reduce per optimizer step) is compared with the same
 trainer run eagerly under DDP's reducer (an all-reduce per backward), over 100 iterations of SGD,
 whose update scales with the grads (a wrong factor in the reduction shows; Adam would hide it).
-The two sum the grads in another order, so they agree to float32 rounding grown over the run,
-not bit for bit; every rank holds the same weights bit for bit.
+Once the accumulation ramps up the two add the micro-batches in another order, so they agree to
+float32 rounding grown over the run; every rank holds the same weights bit for bit.
 """
 
 from __future__ import annotations
@@ -116,9 +116,8 @@ def test_ddp_with_graphs_trains_as_eager_ddp_and_keeps_the_ranks_equal(tmp_path_
         if "running" not in k and "num_batches" not in k:
             assert torch.equal(gw0["state"][k], gw1["state"][k]), k
             assert torch.equal(ew0["state"][k], ew1["state"][k]), k
-    # the first steps (warmup: one micro-batch a step) move the weights as DDP moves them, to float32
-    # rounding (DDP all-reduces the grads of loss * 2, halved: in float16 backward passes, not
-    # always exactly the grads of loss)
+    # the first steps (warmup: one micro-batch a step) move the weights as DDP moves them: the same
+    # grads of loss * world_size (the same overflows, so the same skipped steps), the same average
     (a0, *a), (b0, *b) = gw0["weights"], ew0["weights"]
     assert torch.equal(a0, b0) and len(a) == len(b) == 2
     for k, (ak, bk) in enumerate(zip(a, b)):

@@ -22,6 +22,13 @@ data seed k; the loss goal compares the final losses averaged over the seeds. ``
 each phase's host time (no syncs: where a host-bound step spends it); ``--profile`` prints
 torch.profiler's top ops for a few steps of each run and writes their Chrome traces. The plot is
 ``<out>/lightning.png``.
+
+``--devices N`` (N > 1) trains each run with ``strategy="ddp"`` on N GPUs, the per-GPU batch as
+above and each rank its share of the data (GPT: every N-th sequence of one corpus; tabular: rows
+from seed ``1000 * seed + rank``). Lightning starts the other
+ranks by running the same command again; they train alongside and write nothing. Rank zero's
+times hold the wait for the gradient all-reduce. The report is ``lightning-<N>gpus``; the same
+command without ``--devices`` gives the one-GPU numbers to scale against.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from trainfuse.lightning._compat import installed
 V, D, HEADS, LAYERS, T, GPT_BATCH = 8192, 768, 12, 6, 256, 8
 TAB_IN, TAB_WIDTH, TAB_OUT, TAB_BATCH = 256, 1024, 16, 8192
 DEVICE = "cuda"  # the tests run the same code on "cpu" with tiny sizes
+DEVICES = 1  # GPUs per run (--devices); above 1, DDP
 PHASE_EVERY = 5  # steps timed with a sync before the optimizer phase (left out of the step median)
 WARMUP = 10
 # goals: step >= 1.2x, optimizer phase >= 5x (GPT), final loss within 1 % of stock; with CUDA
@@ -72,19 +80,31 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _rank() -> int:
+    """This process's rank among a DDP run's (0 before Lightning starts the others)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _device() -> str:
+    return f"cuda:{_rank()}" if DEVICE == "cuda" and DEVICES > 1 else DEVICE
+
+
 def _trainer(pl, steps: int, callbacks: list):
-    return pl.Trainer(accelerator="gpu" if DEVICE == "cuda" else "cpu", devices=1, precision="bf16-mixed",
-                      max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, gradient_clip_val=1.0, callbacks=callbacks)
+    ddp = {"strategy": "ddp", "use_distributed_sampler": False} if DEVICES > 1 else {}
+    return pl.Trainer(accelerator="gpu" if DEVICE == "cuda" else "cpu", devices=DEVICES,
+                      precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+                      callbacks=callbacks, **ddp)
 
 
 def _data(workload: str, steps: int, seed: int = 0) -> torch.utils.data.DataLoader:
-    """``steps`` batches of the workload's data, on the device."""
-    if workload == "gpt":
-        tokens = bigram_corpus(steps * GPT_BATCH, T + 1, seed=seed).to(DEVICE)
+    """``steps`` batches of the workload's data, on the device (this rank's, under DDP)."""
+    device, rank = _device(), _rank()
+    if workload == "gpt":  # under DDP, rank r takes every DEVICES-th sequence of one corpus
+        tokens = bigram_corpus(steps * GPT_BATCH * DEVICES, T + 1, seed=seed)[rank::DEVICES].to(device)
         return _batches((tokens[:, :-1], tokens[:, 1:]), GPT_BATCH)
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(steps * TAB_BATCH, TAB_IN, device=DEVICE, generator=g)
+    g = torch.Generator(device=device).manual_seed(1000 * seed + rank if DEVICES > 1 else seed)
+    x = torch.randn(steps * TAB_BATCH, TAB_IN, device=device, generator=g)
     return _batches((x, (x[:, :TAB_OUT] > 0).float()), TAB_BATCH)
 
 
@@ -390,10 +410,14 @@ def main(argv: list[str] | None = None) -> dict | None:
                         help="host ms per step phase (no syncs) instead of synchronized timings")
     parser.add_argument("--profile", action="store_true", help="torch.profiler top ops and Chrome traces")
     parser.add_argument("--verbose", action="store_true", help="print FusedTraining's report each run")
+    parser.add_argument("--devices", type=int, default=1, help="GPUs per run; above 1, strategy='ddp'")
     started = parse_and_start(parser, argv, "Lightning")
     if started is None:
         return None
     args, report, _ = started
+    global DEVICES
+    DEVICES = args.devices
+    family = "lightning" if DEVICES == 1 else f"lightning-{DEVICES}gpus"
     pl = installed()[0]
     workloads = [w for w in ("gpt", "tabular") if args.only in ("", w)]
     steps = {"gpt": 40 if args.quick else args.gpt_steps, "tabular": 40 if args.quick else args.tabular_steps}
@@ -408,7 +432,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         for seed in range(repeats):  # each triple from its own seed: the final loss is averaged over them
             for variant in VARIANTS:
                 results[w][variant].append(run(pl, w, variant, steps[w], args, seed))
-    report.update(steps=steps, repeats=repeats, lightning=f"{pl.__name__} {pl.__version__}", runs=results)
+    if _rank() != 0:  # another DDP rank: it trained alongside rank zero, which reports
+        return None
+    report.update(steps=steps, repeats=repeats, lightning=f"{pl.__name__} {pl.__version__}", runs=results,
+                  devices=DEVICES)
     if args.breakdown:
         for w in workloads:
             rows = []
@@ -416,12 +443,12 @@ def main(argv: list[str] | None = None) -> dict | None:
                 for phase, ms in results[w][variant][0]["host_ms"].items():
                     rows.append([variant, phase, f"{ms:.3f}"])
             print_table(f"{w}: host ms per phase (median, no syncs)", ["run", "phase", "host ms"], rows)
-        save_report(report, args.out, "lightning")
+        save_report(report, args.out, family)
         return report
     rows = []
     for w in workloads:
         med = _summary(results[w])
-        add_rows(report, w, med)
+        add_rows(report, w if DEVICES == 1 else f"{w} on {DEVICES} GPUs (DDP)", med)
         note(report, f"{w}: " + "; ".join(_goals(w, med)))
         rows += [[w, v, f"{med[v]['step_ms']:.3f}", f"{med['stock']['step_ms'] / med[v]['step_ms']:.2f}x",
                   f"{med[v]['optimizer_ms']:.3f}", _num(med[v]["peak_allocated_gb"]),
@@ -431,12 +458,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     print_table(f"Lightning fit, bf16-mixed, clip 1.0 (medians over {repeats} run(s), steps {steps})",
                 ["workload", "run", "ms/step", "vs stock", "optimizer ms", "peak alloc GB",
                  "peak reserved GB", "final loss (mean)", "per seed"], rows)
-    png = plot(results, os.path.join(args.out, "lightning.png"))
+    png = plot(results, os.path.join(args.out, f"{family}.png"))
     if png is None:
         note(report, "matplotlib not installed: no plot")
     else:
         print(f"plot: {png}")
-    save_report(report, args.out, "lightning")
+    save_report(report, args.out, family)
     return report
 
 

@@ -107,7 +107,11 @@ class FlatGrads:
             moved = [i for i, (p, g) in enumerate(zip(self.params, self.grads)) if p.grad is not g]
             raise RuntimeError(f"FlatGrads.all_reduce: the grads of params {moved[:8]} are no longer views "
                                "of the flat buffers (set to None or replaced); call attach() after zero_grad")
+        nccl = dist.get_backend(self.group) == "nccl"
         for buffer in self.buffers.values():
+            if average and nccl:  # NCCL scales inside the collective: no pass of our own
+                dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=self.group)
+                continue
             if average:
                 buffer.div_(world)
             dist.all_reduce(buffer, group=self.group)

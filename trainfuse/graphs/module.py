@@ -57,7 +57,7 @@ import copy
 import threading
 import types
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -96,10 +96,14 @@ class GraphedModule(LedgerReports):
         name: how warnings and reports call it.
         pool: a :class:`GraphPool` shared with the other graphed modules of the step (one stream);
             by default the module has a pool of its own.
+        grads: the kept grad of a param, where the caller owns it (a view of a flat buffer for
+            one all-reduce, :class:`trainfuse.clients.FlatGrads`), or None to let the graphs
+            allocate one.
     """
 
     def __init__(self, module: nn.Module, *, max_graphs: int = 8, name: str = "module",
-                 pool: GraphPool | None = None) -> None:
+                 pool: GraphPool | None = None,
+                 grads: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"GraphedModule: module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
@@ -111,6 +115,7 @@ class GraphedModule(LedgerReports):
         self._pending: weakref.ref | None = None
         self._anchor: torch.Tensor | None = None
         self._kept: dict[int, torch.Tensor] = {}
+        self._grads = grads
         self._watched = list(module.parameters()) + list(module.buffers())
         self._layout = self._signature()
 
@@ -274,8 +279,11 @@ class GraphedModule(LedgerReports):
 
     def _kept_for(self, leaf: torch.Tensor) -> torch.Tensor:
         kept = self._kept.get(id(leaf))
+        if kept is None and self._grads is not None:
+            kept = self._grads(leaf)
         if kept is None or kept.shape != leaf.shape or kept.dtype != leaf.dtype or kept.device != leaf.device:
-            kept = self._kept[id(leaf)] = torch.zeros_like(leaf, memory_format=torch.preserve_format)
+            kept = torch.zeros_like(leaf, memory_format=torch.preserve_format)
+        self._kept[id(leaf)] = kept
         return kept
 
     # ---- bookkeeping -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from trainfuse.lightning.changes import (
     Change,
     Clipping,
     EvaluateOnEMA,
+    FlatAllReduce,
     Graphs,
     LossFusion,
     MLPFusion,
@@ -83,7 +84,8 @@ class FusedTraining(*_compat.callback_bases()):
             optimizer step run eagerly as before. For static shapes and forwards whose Python
             does the same every step (a replay repeats what the forward decided at capture); a
             forward that syncs with the host runs eagerly, with the reason in
-            :attr:`graph_reasons`. Off on CPU and under DDP.
+            :attr:`graph_reasons`. Off on CPU. Under DDP the grads are averaged by one
+            all-reduce of a flat buffer per optimizer step (DDP's reducer off).
 
     Example::
 
@@ -149,7 +151,10 @@ class FusedTraining(*_compat.callback_bases()):
         changes += [OptimizerSwap(), Clipping(self.log_grad_norm), ema, Casts(self.fuse_casts)]
         if run.precision == "16-mixed":
             changes.append(Scaler())
-        changes.append(Graphs(self.cuda_graphs, self._graphs))
+        ddp = FlatAllReduce() if run.strategy == "ddp" else None
+        if ddp is not None:
+            changes.append(ddp)
+        changes.append(Graphs(self.cuda_graphs, self._graphs, ddp))
         if self.ema_decay is not None:
             changes.append(EvaluateOnEMA(ema))
         return changes
@@ -223,6 +228,12 @@ class FusedTraining(*_compat.callback_bases()):
         """After each batch: the EMA update when no optimizer step does it, ``grad_norm``'s log."""
         for change in self._applied:
             change.after_batch(self._run)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        """The step's grads are complete (accumulation done): the all-reduce of graphed DDP."""
+        for change in self._applied:
+            change.before_optimizer_step(self._run, optimizer)
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Validation inside the fit begins: the EMA goes into the module."""

@@ -14,8 +14,10 @@ backward from CUDA graphs per input shape, the code around them eager):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainfuse._runtime import compat
@@ -40,11 +42,14 @@ def graph_targets(pl_module: Any) -> list[tuple[str, nn.Module]]:
     return targets
 
 
-def install(targets: list[tuple[str, nn.Module]]) -> dict[str, GraphedModule]:
+def install(targets: list[tuple[str, nn.Module]],
+            grads: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> dict[str, GraphedModule]:
     """Put a GraphedModule in place of each target's forward, all with one memory pool (they run
-    on the step's stream, one after another)."""
+    on the step's stream, one after another); ``grads``: the kept grads the caller owns (see
+    :class:`~trainfuse.graphs.GraphedModule`)."""
     pool = GraphPool()
-    return {name: GraphedModule.install(module, name=name, pool=pool) for name, module in targets}
+    return {name: GraphedModule.install(module, name=name, pool=pool, grads=grads)
+            for name, module in targets}
 
 
 def uninstall(graphed: dict[str, GraphedModule]) -> None:

@@ -134,10 +134,12 @@ class GraphedLoss:
         grads: the grads to accumulate into, one per param that requires grad in
             ``model.parameters()`` order (views of a flat buffer, for one all-reduce under DDP);
             None: the first call's backward makes them.
+        loss_factor: what the backward's loss is multiplied by: ultralytics multiplies it by the
+            world size under DDP (for DDP's average), and GradScaler's overflows depend on it.
     """
 
     def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, *, max_graphs: int = 8,
-                 grads: list[torch.Tensor] | None = None) -> None:
+                 grads: list[torch.Tensor] | None = None, loss_factor: int = 1) -> None:
         self.model = model
         self.scaler = scaler
         self._max_graphs = max_graphs
@@ -147,6 +149,7 @@ class GraphedLoss:
         self.readout = LossReadout(model.criterion.loss_names, self.device)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._grads: list[torch.Tensor] | None = None
+        self._loss_factor = loss_factor
         if grads is not None:
             params = self._params
             if len(grads) != len(params) or any(g.shape != p.shape for g, p in zip(grads, params)):
@@ -186,7 +189,8 @@ class GraphedLoss:
         with torch.autocast(self.device.type, dtype=dtype, enabled=enabled, cache_enabled=False):
             preds = self.model(img)
             loss, items = self.model.criterion(preds, {"img": img, PADDED_KEY: padded})
-        self.scaler.scale(loss.sum()).backward()
+        total = loss.sum() if self._loss_factor == 1 else loss.sum() * self._loss_factor
+        self.scaler.scale(total).backward()
         return loss.detach(), torch.stack(tuple(items.values()))
 
     def _restore_grads(self) -> None:

@@ -49,8 +49,9 @@ What it changes, and nothing else (ultralytics itself is not patched):
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP with a
   subclass setting ``cuda_graphs = False``: the ranks rebuild the trainer from its class).
 - **DDP** (``device="0,1"``, ultralytics' own launcher): each rank runs all of the above. With
-  graphs, DDP's wrapper is dropped after ultralytics builds it: the replays accumulate the
-  micro-batches' grads, views of one flat float32 buffer, and one all-reduce sums them before each
+  graphs, DDP's wrapper is dropped after ultralytics builds it: the replays backpropagate
+  ultralytics' ``loss * world_size`` as the eager loop does and accumulate the micro-batches'
+  grads in views of one flat float32 buffer, and one all-reduce averages them before each
   optimizer step (:class:`trainfuse.clients.FlatGrads`), where DDP all-reduces its buckets after
   every backward. Without graphs DDP's wrapper stays. The weights stay float32 under DDP (no
   casts), so the grads are reduced in float32 as stock reduces them.
@@ -247,7 +248,7 @@ class FusedDetectionTrainer(DetectionTrainer):
         (``keeps_grads``). Under DDP with graphs, the accumulated grads are summed over the ranks
         first (one all-reduce)."""
         if self._flat is not None:
-            self._flat.all_reduce()  # the loss carries no world-size factor in the replays: a plain sum
+            self._flat.all_reduce(average=True)  # of the grads of loss * world_size, as DDP averages
         if not self.fused:
             if not self.keeps_grads or self._graphed is None:  # no replay follows (training ended)
                 return super().optimizer_step()
@@ -338,8 +339,9 @@ class FusedDetectionTrainer(DetectionTrainer):
             self._note("ddp", "DistributedDataParallel", SWAPPED,
                        f"gradients all-reduced once per optimizer step as one flat buffer ({sizes}) "
                        f"across {self.world_size} ranks, after the replays (DDP's reducer replaced)")
-        self._graphed = GraphedLoss(model, self.scaler,
-                                    grads=None if self._flat is None else self._flat.grads).attach()
+        ddp = self._flat is not None  # ultralytics' loss * world_size, averaged: DDP's arithmetic
+        self._graphed = GraphedLoss(model, self.scaler, grads=self._flat.grads if ddp else None,
+                                    loss_factor=self.world_size if ddp else 1).attach()
         self.keeps_grads = True
         self._note("graphs", "cuda_graphs", ON, "forward, loss and backward replayed from CUDA graphs (one "
                    "per image shape and label capacity; each shape's first batch runs eagerly)")

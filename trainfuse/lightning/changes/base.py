@@ -95,6 +95,10 @@ class Change:
     def after_batch(self, run: Run) -> None:
         """After a training batch (``on_train_batch_end``)."""
 
+    def before_optimizer_step(self, run: Run, optimizer: torch.optim.Optimizer) -> None:
+        """The grads of a step are complete, before clipping and the step
+        (``on_before_optimizer_step``)."""
+
     def validation_starts(self, run: Run) -> None:
         """A validation epoch inside the fit begins."""
 

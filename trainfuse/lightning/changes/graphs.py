@@ -1,5 +1,8 @@
 """``FusedTraining(cuda_graphs=True)``: the model's forward and backward replayed from CUDA graphs
-(:mod:`trainfuse.lightning.graphs` says which modules and why)."""
+(:mod:`trainfuse.lightning.graphs` says which modules and why). Under DDP the replays accumulate
+into the flat buffer of :class:`~trainfuse.lightning.changes.ddp.FlatAllReduce`, whose one
+all-reduce per step takes the place of the hooks a replayed backward does not run.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from trainfuse.clients import ON, Row
 from trainfuse.graphs import GraphedModule
 from trainfuse.lightning import graphs
 from trainfuse.lightning.changes.base import Change, Run
+from trainfuse.lightning.changes.ddp import FlatAllReduce
 
 
 class Graphs(Change):
@@ -17,13 +21,16 @@ class Graphs(Change):
         enabled: ``cuda_graphs``.
         installed: where the graphed modules go, by name (the callback keeps their statistics
             after the fit).
+        ddp: under DDP, the change that owns the flat grads the graphs accumulate into.
     """
 
     kind = "graphs"
 
-    def __init__(self, enabled: bool, installed: dict[str, GraphedModule]) -> None:
+    def __init__(self, enabled: bool, installed: dict[str, GraphedModule], ddp: FlatAllReduce | None = None
+                 ) -> None:
         self.enabled = enabled
         self.installed = installed
+        self.ddp = ddp
 
     def name(self, run: Run) -> str:
         return "cuda_graphs"
@@ -34,15 +41,17 @@ class Graphs(Change):
     def why_not(self, run: Run) -> str | None:
         if run.device.type != "cuda":
             return f"the run is on {run.device.type}: CUDA graphs need a CUDA device"
-        if run.strategy != "single":
-            return (f"{run.strategy} strategy: its gradient all-reduce runs from hooks during the backward, "
-                    "which a replayed backward would skip")
+        if run.strategy not in ("single", "ddp"):
+            return f"{run.strategy} strategy: FusedTraining graphs single-device and DDP runs"
+        if run.strategy == "ddp" and (self.ddp is None or self.ddp.flat is None):
+            return "DDP's own reducer runs from hooks during the backward, which a replayed backward skips"
         if not graphs.graph_targets(run.module):
             return "no forward on the LightningModule and no child module with trainable params"
         return None
 
     def apply(self, run: Run) -> None:
-        self.installed.update(graphs.install(graphs.graph_targets(run.module)))
+        grads = self.ddp.grad_of if run.strategy == "ddp" else None
+        self.installed.update(graphs.install(graphs.graph_targets(run.module), grads=grads))
 
     def rows(self, run: Run) -> list[Row]:
         return [Row(self.kind, ", ".join(self.installed), ON, "forward + backward replayed from CUDA graphs "
