@@ -65,7 +65,7 @@ def test_profile_and_plot(tiny, tmp_path, capsys):
     run = {"step_ms": 2.0, "optimizer_ms": 1.0, "losses": [0.7, 0.6]}
     results = {"tabular": {"stock": [run], "fused": [dict(run, step_ms=1.0)],
                            "graphs": [dict(run, step_ms=0.5)]}}
-    png = bench.plot(results, str(tmp_path / "x.png"))
+    png = bench.plot(results, str(tmp_path / "x.png"), bench.VARIANTS, bench.LABELS)
     assert png is not None and (tmp_path / "x.png").stat().st_size > 0
 
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from trainfuse.bench._common import add_row, bench_parser, note, parse_and_start, print_table, save_report
+from trainfuse.bench.lightning_plot import plot
 from trainfuse.lightning import FusedTraining
 from trainfuse.lightning._compat import installed
 
@@ -307,40 +308,6 @@ def profile(pl, workload: str, variant: str, out_dir: str) -> None:
     print(f"trace: {path}")
 
 
-def plot(results: dict, path: str) -> str | None:
-    """Step and optimizer-phase bars per workload and the loss curves, as a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    workloads = list(results)
-    colors = {"stock": "tab:gray", "fused": "tab:orange", "graphs": "tab:red"}
-    fig, axes = plt.subplots(1, 2 + len(workloads), figsize=(5 * (2 + len(workloads)), 4))
-    panels = ((axes[0], "step_ms", "ms per step"), (axes[1], "optimizer_ms", "optimizer phase ms"))
-    width = 0.8 / len(VARIANTS)
-    for ax, key, title in panels:
-        for k, variant in enumerate(VARIANTS):
-            vals = [statistics.median(r[key] for r in results[w][variant]) for w in workloads]
-            ax.bar([i + width * k for i in range(len(workloads))], vals, width, label=LABELS[variant],
-                   color=colors[variant])
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
-        ax.set_title(title)
-        ax.legend(fontsize="small")
-    for ax, w in zip(axes[2:], workloads):
-        for variant in VARIANTS:
-            ax.plot(results[w][variant][0]["losses"], label=LABELS[variant], color=colors[variant],
-                    linewidth=0.8)
-        ax.set_title(f"{w}: training loss")
-        ax.set_xlabel("step")
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
-
-
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -462,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     print_table(f"Lightning fit, bf16-mixed, clip 1.0 (medians over {repeats} run(s), steps {steps})",
                 ["workload", "run", "ms/step", "vs stock", "optimizer ms", "peak alloc GB",
                  "peak reserved GB", "final loss (mean)", "per seed"], rows)
-    png = plot(results, os.path.join(args.out, f"{family}.png"))
+    png = plot(results, os.path.join(args.out, f"{family}.png"), VARIANTS, LABELS)
     if png is None:
         note(report, "matplotlib not installed: no plot")
     else:

@@ -17,19 +17,17 @@ What it changes, and nothing else (ultralytics itself is not patched):
   :class:`~trainfuse.optim.FusedAdamW` or :class:`~trainfuse.optim.FusedMuSGD`, clipping at
   ultralytics' norm of 10 inside the step. ``NAdam``, ``RAdam``, ``Adamax`` and ``RMSprop`` stay
   stock, and the log says why.
-- **Warmup**: ultralytics' per-iteration warmup writes ``lr`` and ``momentum`` into the groups as
-  floats; the fused kernels read them from a small device table refreshed by a non-blocking copy
-  when they change: no recompile, no host sync.
+- **Warmup** writes ``lr`` and ``momentum`` into the groups as floats; the kernels read them from a
+  device table refreshed by a non-blocking copy when they change (no recompile, no host sync).
 - **optimizer_step**: ``scaler.step_and_update`` runs one statistics launch (the inf/NaN check,
   the gradient norm and GradScaler's scale update) and one update launch (unscale, clip, step,
-  EMA of every param and buffer); ``zero_grad`` sets grads to None. Two launches in all, where
-  the stock phase runs several hundred (yolov5n) — see ``python -m trainfuse.bench yolo``.
+  EMA of every param and buffer); ``zero_grad`` sets grads to None. Two launches in all (stock:
+  several hundred on yolov5n).
 - **EMA**: :class:`~trainfuse.optim.FusedEMA` replaces ``ModelEMA``, attached to the fused
   optimizer. Its semantics are ultralytics': one EMA update per ``optimizer_step``, also when
   GradScaler skips the step for an inf/NaN gradient (the EMA then moves toward the unchanged
   weights and the buffers, exactly as ``ModelEMA.update`` after a skipped ``scaler.step``).
-- **GradScaler**: :class:`trainfuse.amp.GradScaler` (torch's, with the one-launch check) replaces
-  torch's, state included.
+- **GradScaler**: :class:`trainfuse.amp.GradScaler` replaces torch's, state included.
 - **Casts** (AMP on CUDA): the weights become float16 (bfloat16 under ``amp="bf16"``) with float32
   masters in the optimizer, whose update writes both: autocast then casts no weight forward and no
   grad back (about 120 launches an iteration on yolov5n). See :mod:`trainfuse.ultralytics.casts`.
@@ -57,9 +55,8 @@ What it changes, and nothing else (ultralytics itself is not patched):
   casts), so the grads are reduced in float32 as stock reduces them.
 
 Checkpoints stay stock: the optimizer state_dict has torch's layout (no masters), the EMA is a
-plain float32 model saved as ultralytics saves it, so
-``last.pt`` / ``best.pt`` load, validate, predict and resume with stock ultralytics, and a stock
-checkpoint resumes with this trainer.
+plain float32 model saved as ultralytics saves it, so ``last.pt`` / ``best.pt`` load, validate,
+predict and resume with stock ultralytics, and a stock checkpoint resumes with this trainer.
 """
 
 from __future__ import annotations
@@ -91,7 +88,7 @@ from trainfuse.ultralytics.casts import TorchLayoutOptimizer, cast_dtype
 from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
 from trainfuse.ultralytics.graphed import GraphedLoss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
-from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets
+from trainfuse.ultralytics.targets import PADDED_KEY, PadTargets, add_padded_targets
 
 # ultralytics' optimizer_step clips the gradient norm at this value
 CLIP_NORM = 10.0
@@ -135,8 +132,7 @@ def fused_optimizer(stock: torch.optim.Optimizer, max_grad_norm: float | None = 
 
 
 def _keep_grads(set_to_none: bool = True) -> None:
-    """``zero_grad`` of a stock optimizer while the graphs keep its grads (the next replay zeroes
-    them inside its graph)."""
+    """``zero_grad`` of a stock optimizer while the graphs keep its grads (the next replay zeroes them)."""
 
 
 def _check_task(args: Any) -> None:
@@ -147,18 +143,6 @@ def _check_task(args: Any) -> None:
             f"FusedDetectionTrainer trains detection models (task='detect'); this run's task is "
             f"{args.task!r} (model={args.model}). Its head and loss are not fused: train it with "
             "ultralytics' own trainer (leave out trainer=), or pick a detection model")
-
-
-class PadTargets:
-    """A dataset's ``collate_fn`` followed by :func:`~trainfuse.ultralytics.add_padded_targets`:
-    the labels padded to a capacity read from the CPU-side counts, in the loader's workers, off
-    the training loop's thread (~0.1 ms a batch)."""
-
-    def __init__(self, collate):
-        self.collate = collate
-
-    def __call__(self, samples: list[dict]) -> dict:
-        return add_padded_targets(self.collate(samples))
 
 
 class FusedDetectionTrainer(DetectionTrainer):
