@@ -3,6 +3,7 @@ re-pointing, the scaler swap, cast state and report rows."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -99,6 +100,19 @@ def test_sparse_embeddings_keep_the_optimizer_before_any_step():
     assert "0 (sparse=True) gets sparse gradients, which FusedSGD does not take" in reason
     dense = torch.optim.SGD(model[1].parameters(), lr=0.1)
     assert why_not_swappable(dense, kernels=False, module=model) is None
+
+
+def test_attributes_a_copy_lost_are_refused_not_defaulted():
+    """MuSGD keeps its muon/sgd factors on the object; torch's __getstate__ drops them from a deep
+    copy, which would otherwise swap to the fused class's defaults silently."""
+    optim = pytest.importorskip("ultralytics.optim")
+    w = nn.Parameter(torch.randn(4, 4))
+    stock = optim.MuSGD([{"params": [w], "use_muon": True}], lr=0.01, muon=0.2, sgd=1.0)
+    assert (swap_optimizer(stock).muon, swap_optimizer(stock).sgd) == (0.2, 1.0)
+    copied = copy.deepcopy(stock)
+    assert "lacks muon, sgd" in why_not_swappable(copied, kernels=False)  # a client keeps it stock
+    with pytest.raises(ValueError, match="no attribute 'muon', 'sgd'.*deepcopy"):
+        swap_optimizer(copied)
 
 
 def test_fresh_refuses_an_optimizer_with_state():

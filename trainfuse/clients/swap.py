@@ -63,6 +63,10 @@ def why_not_swappable(opt: torch.optim.Optimizer, *, kernels: bool, module: nn.M
         return "it has step hooks (register_step_pre_hook/post_hook), which belong to that object"
     if fresh and opt.state:
         return f"{type(opt).__name__} already holds state; it stays as built"
+    missing = [k for k in counterpart.attributes if not hasattr(opt, k)]
+    if missing:
+        return (f"{type(opt).__name__} lacks {', '.join(missing)}, which its constructor sets (a deep copy "
+                "or pickle loses them)")
     implied = _implied(cls)
     unknown = sorted(k for k in opt.defaults if k not in _accepted(cls) and k not in implied)
     if unknown:
@@ -111,7 +115,13 @@ def swap_optimizer(opt: torch.optim.Optimizer, max_grad_norm: float | None = Non
                         "trainfuse.optim.registry")
     cls = counterpart.fused_class
     kwargs = {k: v for k, v in opt.defaults.items() if k in _accepted(cls)}
-    kwargs.update({k: getattr(opt, k) for k in counterpart.attributes if hasattr(opt, k)})
+    missing = [k for k in counterpart.attributes if not hasattr(opt, k)]
+    if missing:  # torch's Optimizer.__getstate__ keeps defaults, state and groups only
+        names = ", ".join(map(repr, missing))
+        raise ValueError(f"swap_optimizer: this {type(opt).__name__} has no attribute {names}, "
+                         "which its constructor sets (a copy.deepcopy or pickle of it loses them): swap the "
+                         "optimizer as it was built")
+    kwargs.update({k: getattr(opt, k) for k in counterpart.attributes})
     new = cls([dict(g) for g in opt.param_groups], **kwargs, max_grad_norm=max_grad_norm,
               max_grad_value=max_grad_value)
     groups = opt.param_groups
