@@ -229,7 +229,7 @@ class FusedDetectionTrainer(DetectionTrainer):
         """Unscale, clip at 10, step, EMA update, scale update and zero_grad: two launches when
         fused (statistics with GradScaler's update, then the update with the EMA folded in), else
         ultralytics' own phase. With CUDA graphs, zero_grad is left to the next replay
-        (``keeps_grads``). Under DDP with graphs, the accumulated grads are summed over the ranks
+        (``keeps_grads``). Under DDP with graphs, the accumulated grads are averaged over the ranks
         first (one all-reduce)."""
         if self._flat is not None:
             self._flat.all_reduce(average=True)  # of the grads of loss * world_size, as DDP averages
@@ -283,7 +283,7 @@ class FusedDetectionTrainer(DetectionTrainer):
         self._apply_casts()
         self._setup_graphs()
 
-    def _ddp(self) -> bool:
+    def _is_ddp_rank(self) -> bool:
         """Whether this is one rank of a DDP run."""
         return self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -313,7 +313,7 @@ class FusedDetectionTrainer(DetectionTrainer):
             self._note("graphs", "cuda_graphs", OFF, f"no CUDA graphs: {self.graphs_reason}")
             return
         model = unwrap_model(self.model)
-        if self._ddp():
+        if self._is_ddp_rank():
             # the replays accumulate the micro-batches' grads in place; one all-reduce of one flat
             # buffer before each optimizer step replaces DDP's hooks and per-backward buckets
             self.model = model  # the DDP wrapper goes, and its reducer's hooks with it
