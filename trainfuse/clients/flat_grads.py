@@ -8,10 +8,9 @@ accumulated grads once per optimizer step. :class:`FlatGrads` gives every param 
 is a view of one buffer, with the param's own strides (channels_last weights keep their layout),
 so that reduction is one ``all_reduce`` launched right after the last replay.
 
-The sum over ranks is what DDP computes up to the order of the float additions: DDP divides each
-bucket by the world size and sums; :meth:`FlatGrads.all_reduce` does the same with
-``average=True``, and only sums with ``average=False`` (ultralytics multiplies its loss by the
-world size for DDP's average; a step that leaves that factor out wants the plain sum).
+DDP divides each bucket by the world size and sums; :meth:`FlatGrads.all_reduce` with
+``average=True`` does the same (NCCL's average), so both clients get DDP's grads up to the order
+in which micro-batches add (DDP reduces each one; here they add first). ``average=False`` sums.
 """
 
 from __future__ import annotations
