@@ -81,14 +81,14 @@ class Net(pl.LightningModule):
 
 
 def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, ckpt_path=None,
-         accelerator: str = "cpu", graphs: bool = False) -> None:
+         accelerator: str = "cpu", graphs: bool = False, accumulate: int = 1) -> None:
     saver = ([pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_epochs=1, save_top_k=-1,
                                            filename="{epoch}")] if ckpt_dir else [])
     trainer = pl.Trainer(accelerator=accelerator, devices=devices,
                          strategy="ddp_spawn" if devices > 1 else "auto",
                          max_epochs=epochs, logger=False, enable_checkpointing=bool(saver),
                          enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.3,
-                         use_distributed_sampler=False,
+                         use_distributed_sampler=False, accumulate_grad_batches=accumulate,
                          callbacks=[FusedTraining(ema_decay=0.8, verbose=False, cuda_graphs=graphs), *saver])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck|does not have many workers).*")
@@ -137,6 +137,20 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(accelerator,
         for k, v in r["ema"].items():
             if torch.is_tensor(v):
                 torch.testing.assert_close(v, ema_one[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_accumulation_all_reduces_once_per_step_and_matches_one_process(tmp_path):
+    """accumulate_grad_batches=3: Lightning's no_sync on the first micro-batches leaves DDP's reducer
+    off (the value the change set), the one all-reduce runs before the step, and the ranks end
+    where one process with the same global batch does."""
+    _fit(tmp_path, 1, tag="acc-", accumulate=3)
+    _fit(tmp_path, 2, tag="acc-", accumulate=3)
+    one = _load(tmp_path / "acc-rank0-of-1.pt")
+    ranks = [_load(tmp_path / f"acc-rank{r}-of-2.pt") for r in range(2)]
+    assert dict(ranks[0]["report"])["ddp"] == "on"
+    for k in one["params"]:
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
+    _close(one, ranks[0])
 
 
 def test_checkpoints_from_either_layout_resume_on_the_other(tmp_path):
