@@ -238,3 +238,28 @@ def test_grad_scaler_keeps_the_state_trainfuses_subclass_reads(enabled):
     assert not compat.scaler_optimizer_states(scaler) and int(scaler._growth_tracker) == 1
     with pytest.raises(AssertionError, match="step but _scale is None"):
         torch.amp.GradScaler("cpu")._check_scale_growth_tracker("step")
+
+
+def _local_tensor_worker(rank: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank, world_size=1)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+        t = torch.nn.Parameter(distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)]))
+        shard = compat.local_tensor(t)
+        assert isinstance(t, DTensor) and type(shard) in (torch.Tensor, torch.nn.Parameter)
+        with torch.no_grad():
+            public = t.to_local()
+        assert shard.data_ptr() == public.data_ptr() and shard.shape == public.shape
+        shard.add_(1)  # the very storage the DTensor holds
+        assert torch.equal(t.full_tensor(), torch.arange(1.0, 7.0).reshape(3, 2))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_tensor_is_the_shard_the_dtensor_holds(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_local_tensor_worker, args=(str(tmp_path),), nprocs=1, join=True)

@@ -158,6 +158,16 @@ def inner_schedulers(scheduler: Any) -> Iterator[Any]:
     yield from getattr(scheduler, "_schedulers", ())
 
 
+# ---- DTensor -------------------------------------------------------------------------------------
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, the very tensor the DTensor holds. Public:
+    ``DTensor.to_local()``, which outside ``no_grad`` goes through an autograd function and, for a
+    param, returns a fresh view per call (a few us a param, every step, for every param)."""
+    return t._local_tensor
+
+
 # ---- triton --------------------------------------------------------------------------------------
 
 
@@ -174,6 +184,7 @@ def triton_allocator_is_null() -> bool:
 __all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "addmm_activation", "compiled_original",
            "current_device_index", "current_raw_stream", "end_allocate_to_pool", "function_c_apply",
            "functorch_transforms_active", "global_step_post_hooks", "global_step_pre_hooks",
-           "has_step_hooks", "inner_schedulers", "mark_step_for_schedulers", "module_hooks", "parameters_of",
-           "profiler_enabled", "record_step_call", "scalar_dtype", "scaler_optimizer_states", "step_hooks",
-           "tensor_grad_hooks", "triton_allocator_is_null", "will_engine_execute_node"]
+           "has_step_hooks", "inner_schedulers", "local_tensor", "mark_step_for_schedulers",
+           "module_hooks", "parameters_of", "profiler_enabled", "record_step_call", "scalar_dtype",
+           "scaler_optimizer_states", "step_hooks", "tensor_grad_hooks", "triton_allocator_is_null",
+           "will_engine_execute_node"]

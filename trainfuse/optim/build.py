@@ -21,6 +21,7 @@ from trainfuse._multi_tensor.tables import (
     same_layout,
 )
 from trainfuse.optim.contract import OptimizerClient
+from trainfuse.optim.dtensors import local
 from trainfuse.optim.index import ParamIndex
 
 
@@ -41,24 +42,26 @@ def build_plan(client: OptimizerClient, index: ParamIndex, device: torch.device,
         g = grads[i]
         if g is None:
             continue
-        p = params[i]
-        states, step, master = client.prepare_state(p, groups[group_of[i]], kernels=True)
+        states, step, master = client.prepare_state(params[i], groups[group_of[i]], kernels=True)
+        # DTensors (FSDP2): the rows address this rank's shards; the states stay DTensors
+        p, g, master, ema = local(params[i]), local(g), local(master), local(client.ema_target(params[i]))
+        states = [local(t) for t in states]
         keepalive.extend(t.untyped_storage() for t in (p, master, step, *states) if t is not None)
         if not same_layout(g, p):  # e.g. a contiguous grad for a channels_last weight
             tmp = conform(g, p)
             keepalive.append(tmp)
             copy_back.append((g, tmp))
             g = tmp
-        ema = client.ema_target(p)
         if ema is not None:
             keepalive.append(ema.untyped_storage())
         operands = {OP_PARAM: p, OP_GRAD: g, OP_MASTER: master, OP_EMA: ema}
         operands.update({OP_STATE + k: t for k, t in enumerate(states)})
         builder.add(operands, p.numel(), code_of(p.dtype, master is not None, ema), group_of[i], step)
-        with_row.add(p)
+        with_row.add(params[i])
         row_params.append(p)
     for ema, src in client.ema_pairs(device):
         if src not in with_row:  # buffers, frozen params, params without a grad this step
+            ema, src = local(ema), local(src)
             keepalive.extend((ema.untyped_storage(), src.untyped_storage()))
             builder.add({OP_PARAM: src, OP_EMA: ema}, src.numel(),
                         code_of(src.dtype, ema=ema, ema_only=True))

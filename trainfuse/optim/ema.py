@@ -41,6 +41,7 @@ from trainfuse._multi_tensor.tables import (
 from trainfuse._runtime import compat
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.launch import DirectLaunch
+from trainfuse.optim.dtensors import is_dtensor, is_fully_sharded, local, locals_of, tensor_copy
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -108,7 +109,8 @@ class FusedEMA:
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000, updates: int = 0):
         model = _unwrap(model)
-        self.ema = deepcopy(model).eval()
+        # FSDP2 modules refuse deepcopy: their EMA keeps the sharded tensors, under the same keys
+        self.ema = (tensor_copy(model) if is_fully_sharded(model) else deepcopy(model)).eval()
         if hasattr(self.ema, "teacher_model"):  # as ultralytics: no duplicate of a distillation teacher
             self.ema.teacher_model = None
         self.updates = updates
@@ -120,6 +122,7 @@ class FusedEMA:
         self._plans = TensorListPlans()
         self._model = weakref.ref(model)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._dtensors = False  # whether a paired tensor is a DTensor (set with the pairs)
         self._last = None  # (addresses, plan) of the last single-device launch
 
     def _ensure_pairs(self, model: nn.Module | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -139,6 +142,7 @@ class FusedEMA:
                     pairs.append((v, msd[k]))
             self._pairs = pairs
             self._flat = [t for pair in pairs for t in pair]
+            self._dtensors = any(map(is_dtensor, self._flat))
             self._by_src = {id(src): e for e, src in pairs}
         return self._pairs
 
@@ -152,6 +156,7 @@ class FusedEMA:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("_dtensors", False)
         self._plans = TensorListPlans()
         self._model = lambda: None
         if self._pairs is not None:
@@ -170,7 +175,7 @@ class FusedEMA:
                 self._pairs, self._last, self._model = None, None, weakref.ref(model)
         if self._last is not None:  # the hot path: one device, tensors where the plan has them
             key, plan, direct, device = self._last
-            if list(map(_data_ptr, self._flat)) == key and use_triton(device):
+            if self._addresses() == key and use_triton(device):
                 if direct is not None and self._plans.launcher.direct():
                     direct(w)  # the last launch again, arguments resolved: a few us less host time
                 else:
@@ -185,12 +190,13 @@ class FusedEMA:
             for device, pairs in by_device.items():
                 if self._kernel_ok(device, pairs):
                     self._plans.launcher.last = None
-                    plan = self._launch(device, pairs, w)
+                    # DTensors (FSDP2): the kernel averages each rank's shards
+                    plan = self._launch(device, [(local(e), local(src)) for e, src in pairs], w)
                     if len(by_device) == 1:
                         last = self._plans.launcher.last  # arguments: the plan's own buffers and w
                         direct = None if last is None else DirectLaunch(last, plan.nchunks, device.index,
                                                                         var=UPDATE_EMA_W_ARG)
-                        self._last = (list(map(_data_ptr, self._flat)), plan, direct, device)
+                        self._last = (self._addresses(), plan, direct, device)
                 else:
                     torch._foreach_lerp_([e for e, _ in pairs], [s.to(e.dtype) for e, s in pairs], w)
 
@@ -198,6 +204,10 @@ class FusedEMA:
         """Copy ``model``'s public attributes to the EMA model (ModelEMA.update_attr)."""
         if self.enabled:
             copy_attr(self.ema, _unwrap(model), include, exclude)
+
+    def _addresses(self) -> list[int]:
+        """Where the paired tensors are now (their local shards, for DTensors)."""
+        return list(map(_data_ptr, locals_of(self._flat) if self._dtensors else self._flat))
 
     # ---- the fused path ----------------------------------------------------------------------
     def _kernel_ok(self, device: torch.device, pairs) -> bool:

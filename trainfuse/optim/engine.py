@@ -124,7 +124,7 @@ class MultiTensorEngine:
         this engine cannot (params on several devices or on the torch path, sharded params, no
         gradient at all): the caller then steps and updates as torch does."""
         client = self.client
-        if client.shard_group is not None:  # found_inf must be combined over the group first
+        if self._shard_group() is not None:  # found_inf must be combined over the group first
             return False
         found = self._kernel_plan()
         if found is None:
@@ -177,9 +177,17 @@ class MultiTensorEngine:
         launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
                      max_norm=self.client.max_grad_norm or 0.0, norm_type=2.0 if clipping else None,
                      scale_update=scale_update)
-        combine_client_stats_(self.client, out, clipping)
+        combine_client_stats_(self.client, out, clipping, self._shard_group())
         self._norm_ready = self._norm_ready or clipping
         return out
+
+    def _shard_group(self):
+        """The process group the params' grads are sharded over: the client's ``shard_group``,
+        else the one of its DTensor params (:func:`trainfuse.optim.dtensors.shard_group`)."""
+        group = self.client.shard_group
+        if group is None and self.plans.index is not None:
+            group = self.plans.index.shard_group
+        return group
 
     def forget_check(self) -> None:
         """Drop a :meth:`check_grads` result the step did not consume (the step raised): the next
@@ -215,6 +223,11 @@ class MultiTensorEngine:
         unless one already ran with ``stats_scale`` (GradScaler's check) as ``grad_scale``."""
         client = self.client
         if plan.nchunks == 0:
+            group = self._shard_group()
+            if group is not None and client.max_grad_norm is not None and stats_scale is None:
+                out = self._stats_out(device)  # no shard here: the other ranks' all-reduce needs ours
+                out.zero_()
+                combine_client_stats_(client, out, True, group)
             return
         if hp is None:
             hp = self.hparams.on(device)
@@ -230,7 +243,7 @@ class MultiTensorEngine:
             if stats_scale is None or stats_scale is not grad_scale:  # GradScaler did not run it for us
                 launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
                              max_norm=client.max_grad_norm, norm_type=2.0)
-                combine_client_stats_(self.client, out, True)
+                combine_client_stats_(self.client, out, True, self._shard_group())
             self._norm_ready = True
             clip = self._views_of(out)[1]
         ema_w = client.ema_weight
@@ -242,7 +255,7 @@ class MultiTensorEngine:
                 g.copy_(tmp)
 
     def _torch_step(self, index: ParamIndex, device, idx, grads, grad_scale, found_inf) -> None:
-        total = torch_step(self.client, index, device, idx, grads, grad_scale, found_inf)
+        total = torch_step(self.client, index, device, idx, grads, grad_scale, found_inf, self._shard_group())
         if total is not None:
             self._stats_out(device)[0].copy_(total)
             self._norm_ready = True

@@ -9,16 +9,20 @@ import torch
 
 from trainfuse._multi_tensor.tables import DTYPE_CODES, is_dense
 from trainfuse._runtime.backend import use_triton
+from trainfuse.optim.dtensors import is_dtensor, local, shard_group
 
 
 class ParamIndex:
     """Every param of ``groups`` in order (``params``), its group's index (``group_of``), the
     positions of the params on each device (``devices``), and whether they share one device
-    (``single``, with that ``device``; None otherwise)."""
+    (``single``, with that ``device``; None otherwise). ``dtensors``: whether any param is a
+    DTensor (the kernels then address local shards, :mod:`trainfuse.optim.dtensors`), and
+    ``shard_group`` the process group they are sharded over (None: not sharded). ``owner`` names
+    the optimizer in errors."""
 
-    __slots__ = ("params", "group_of", "devices", "single", "device")
+    __slots__ = ("params", "group_of", "devices", "single", "device", "dtensors", "shard_group")
 
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
+    def __init__(self, groups: list[dict[str, Any]], owner: str = "optimizer") -> None:
         self.params = [p for g in groups for p in g["params"]]
         self.group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
         devices: dict[torch.device, list[int]] = {}
@@ -27,6 +31,8 @@ class ParamIndex:
         self.devices = devices
         self.single = len(devices) == 1
         self.device = next(iter(devices)) if self.single else None
+        self.dtensors = any(map(is_dtensor, self.params))
+        self.shard_group = shard_group(self.params, owner) if self.dtensors else None
 
     def validate(self, client: Any, grads: list[torch.Tensor | None], kernels: bool) -> None:
         """Raise a clear error for the first unusable param/grad of ``client`` (the optimizer;
@@ -55,12 +61,16 @@ class ParamIndex:
                 self._fail(name, i, f"has a gradient of shape {tuple(g.shape)}; expected the param's shape")
             if g.device != p.device:
                 self._fail(name, i, f"has its gradient on {g.device}; expected the param's device")
+            if self.dtensors and (is_dtensor(g) != is_dtensor(p) or local(g).shape != local(p).shape):
+                what = f"a local shard of shape {tuple(local(g).shape)}" if is_dtensor(g) else "a plain one"
+                self._fail(name, i, f"has as gradient {what}; expected a DTensor sharded like the param "
+                                    f"(local shard {tuple(local(p).shape)})")
             if kernels and use_triton(p.device):
                 if p.dtype not in DTYPE_CODES:
                     self._fail(name, i, "has a dtype the kernels do not take (float32, bfloat16, "
                                         "float16); TRAINFUSE_BACKEND=torch runs the torch path for it",
                                TypeError)
-                if not is_dense(p):
+                if not is_dense(local(p)):
                     self._fail(name, i, "is a view with gaps or overlaps in memory; the fused update "
                                         "works over a param's storage, so pass a dense param")
 

@@ -26,6 +26,7 @@ import torch
 from trainfuse._multi_tensor.tables import Plan, patch_grads
 from trainfuse.optim.build import build_plan
 from trainfuse.optim.contract import OptimizerClient
+from trainfuse.optim.dtensors import is_dtensor, local, locals_of
 from trainfuse.optim.index import ParamIndex
 from trainfuse.optim.tracked import changed, snapshot
 
@@ -51,22 +52,32 @@ class CachedPlan:
             same object until the EMA's pairs change).
         direct: the engine's replay of this plan's scaled step
             (:class:`trainfuse.optim.direct.DirectStep`), or None; it dies with the plan.
+        dtensors: some of these tensors are DTensors: the addresses are their local shards'
+            (taken anew at each check, since a DTensor may be given another local tensor).
     """
 
     __slots__ = ("plan", "volatile", "grad_params", "grad_addresses", "gradless_params",
-                 "param_and_ema_tensors", "param_and_ema_addresses", "ema_source", "direct")
+                 "param_and_ema_tensors", "param_and_ema_addresses", "ema_source", "direct", "dtensors")
 
     def __init__(self, plan: Plan, params: list[torch.Tensor], grads: list[torch.Tensor | None],
-                 ema_tensors: list[torch.Tensor], ema_source: list[torch.Tensor] | None) -> None:
+                 ema_tensors: list[torch.Tensor], ema_source: list[torch.Tensor] | None,
+                 dtensors: bool = False) -> None:
         self.plan = plan
         self.volatile = plan.volatile
+        self.dtensors = dtensors
         self.grad_params = [p for p, g in zip(params, grads) if g is not None]
-        self.grad_addresses = [g.data_ptr() for g in grads if g is not None]
+        self.grad_addresses = [local(g).data_ptr() for g in grads if g is not None]
         self.gradless_params = [p for p, g in zip(params, grads) if g is None]
         self.param_and_ema_tensors = params + ema_tensors
-        self.param_and_ema_addresses = list(map(_data_ptr, self.param_and_ema_tensors))
+        self.param_and_ema_addresses = self.addresses(self.param_and_ema_tensors)
         self.ema_source = ema_source
         self.direct = None
+
+    def addresses(self, tensors: list[torch.Tensor]) -> list[int]:
+        """Where ``tensors`` (their local shards, for DTensors) are now."""
+        if self.dtensors:
+            tensors = locals_of(tensors)
+        return list(map(_data_ptr, tensors))
 
 
 class PlanCache:
@@ -99,7 +110,7 @@ class PlanCache:
 
     def _reindex(self) -> None:
         self.client.track_mutations()
-        self.index = ParamIndex(self.client.param_groups)
+        self.index = ParamIndex(self.client.param_groups, type(self.client).__name__)
 
     # ---- addresses ---------------------------------------------------------------------------
     def lookup(self, device: torch.device) -> tuple[CachedPlan, bool] | None:
@@ -124,10 +135,12 @@ class PlanCache:
             return None
         try:
             grads = list(map(_grad, entry.grad_params))
+            if entry.dtensors:
+                grads = locals_of(grads)
             grad_addresses = list(map(_data_ptr, grads))
         except (TypeError, RuntimeError):  # a grad became None, or sparse
             return None
-        if list(map(_data_ptr, entry.param_and_ema_tensors)) != entry.param_and_ema_addresses:
+        if entry.addresses(entry.param_and_ema_tensors) != entry.param_and_ema_addresses:
             return None
         for p in entry.gradless_params:  # frozen params: usually none, or a few
             if p.grad is not None:
@@ -161,7 +174,8 @@ class PlanCache:
         if ema_source is not None:
             ids = {id(p) for p in params}
             ema_tensors = [t for t in ema_source if id(t) not in ids]
-        entry = CachedPlan(plan, [params[i] for i in idx], [grads[i] for i in idx], ema_tensors, ema_source)
+        entry = CachedPlan(plan, [params[i] for i in idx], [grads[i] for i in idx], ema_tensors, ema_source,
+                           index.dtensors or any(map(is_dtensor, ema_tensors)))
         self._entries[device] = entry
         self.record_structure()
         return entry

@@ -21,6 +21,8 @@ def torch_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     state = {}
     for idx, entry in state_dict["state"].items():
         entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
+        if not entry:  # only a master (a param cast to 16 bits that never stepped): torch has no entry
+            continue
         step = entry.get("step")
         if torch.is_tensor(step):
             entry["step"] = step.detach().to(device="cpu", dtype=torch.float32).reshape(())

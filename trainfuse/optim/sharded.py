@@ -49,19 +49,24 @@ def combine_stats_(out: torch.Tensor, group: Any, max_norm: float | None, norm_t
     out[2:3].copy_(flag)
 
 
-def combine_client_stats_(client: OptimizerClient, out: torch.Tensor, clipping: bool) -> None:
+def combine_client_stats_(client: OptimizerClient, out: torch.Tensor, clipping: bool, group: Any) -> None:
     """:func:`combine_stats_` for a fused optimizer's statistics pass, where its params are
-    sharded over its ``shard_group`` (nothing to do where that is None)."""
-    group = client.shard_group
+    sharded over ``group`` (its ``shard_group``, or its DTensor params' group; nothing to do where
+    that is None)."""
     if group is not None:
         check_group(group, type(client).__name__)
         combine_stats_(out, group, client.max_grad_norm if clipping else None, 2.0 if clipping else None)
 
 
-def global_norm(grads: list[torch.Tensor], norm_type: float, group: Any) -> torch.Tensor:
+def global_norm(grads: list[torch.Tensor], norm_type: float, group: Any,
+                device: torch.device | None = None) -> torch.Tensor:
     """The ``norm_type`` norm of every rank's ``grads`` viewed as one vector (torch's functions
-    for this rank's part, then one all-reduce): the torch path's counterpart of the kernels'."""
-    local = torch.nn.utils.get_total_norm(grads, norm_type)
+    for this rank's part, then one all-reduce): the torch path's counterpart of the kernels'. A
+    rank without grads joins with a zero norm on ``device``."""
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, norm_type)
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
     out = torch.stack([local.float(), local.new_zeros((), dtype=torch.float32),
                        (~torch.isfinite(local)).float()])
     combine_stats_(out, group, 1.0, norm_type)

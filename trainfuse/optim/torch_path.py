@@ -6,16 +6,20 @@ from __future__ import annotations
 import torch
 
 from trainfuse.optim.contract import OptimizerClient
+from trainfuse.optim.dtensors import locals_of
 from trainfuse.optim.index import ParamIndex
 from trainfuse.optim.sharded import check_group, global_norm
 
 
 def torch_step(client: OptimizerClient, index: ParamIndex, device: torch.device, idx, grads: list,
-               grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> torch.Tensor | None:
+               grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None,
+               group=None) -> torch.Tensor | None:
     """One step of ``client`` over ``index.params[i]`` for ``i`` in ``idx`` (all on ``device``;
     ``grads`` aligned with ``index.params``), validated first, as the kernels would do it:
-    unscaled by ``grad_scale``, skipped on ``found_inf``, clipped, on float32 masters where a
-    param has one, then the attached EMA moved toward the new weights.
+    unscaled by ``grad_scale``, skipped on ``found_inf``, clipped (by the norm of every rank's
+    grads where they are sharded over ``group``), on float32 masters where a param has one, then
+    the attached EMA moved toward the new weights. DTensor params are unscaled and clipped on
+    their local shards and stepped as DTensors (torch.optim's own way).
 
     Returns:
         The total gradient norm it clipped with (``max_grad_norm``), or None.
@@ -39,11 +43,14 @@ def torch_step(client: OptimizerClient, index: ParamIndex, device: torch.device,
     with torch.no_grad():
         if not skip:
             if grad_scale is not None and all_grads:  # like torch's fused kernels, leave the
-                torch._foreach_div_(all_grads, grad_scale.to(device))  # grads unscaled
-            if client.max_grad_norm is not None and all_grads and client.shard_group is not None:
-                check_group(client.shard_group, type(client).__name__)
-                total = global_norm(all_grads, 2.0, client.shard_group)  # every rank's shards
-                torch.nn.utils.clip_grads_with_norm_(with_grad, client.max_grad_norm, total)
+                torch._foreach_div_(locals_of(all_grads), grad_scale.to(device))  # grads unscaled
+            if client.max_grad_norm is not None and group is not None:  # every rank joins the all-reduce
+                check_group(group, type(client).__name__)
+                local_grads = locals_of(all_grads)
+                total = global_norm(local_grads, 2.0, group, device)  # every rank's shards
+                if local_grads:  # torch's clip_grads_with_norm_, on the local shards
+                    coef = torch.clamp(client.max_grad_norm / (total + 1e-6), max=1.0)
+                    torch._foreach_mul_(local_grads, coef)
             elif client.max_grad_norm is not None and all_grads:
                 # torch's function takes the params and clips their .grad
                 total = torch.nn.utils.clip_grad_norm_(with_grad, client.max_grad_norm)

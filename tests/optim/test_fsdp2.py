@@ -1,0 +1,164 @@
+"""The fused optimizers on FSDP2 (``fully_shard``: DTensor params, each rank holding a shard), in a
+2-process group: gloo on the CPU (torch's path, and the kernels through the interpreter), NCCL on
+2 GPUs (the compiled kernels; skipped with fewer).
+
+Each rank trains on half of the global batch; FSDP2's reduce-scatter averages the grads, so the
+run must match one process training the whole model on the whole batch with torch.optim.AdamW and
+``torch.nn.utils.clip_grad_norm_`` (the clipping norm is every rank's, not the local shard's). The
+model's shapes shard unevenly, and a bias of one element leaves rank 1 with an empty shard.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import trainfuse
+from trainfuse.optim import FusedEMA
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+BATCH, STEPS, MAX_NORM, LR, DECAY = 6, 4, 0.05, 0.02, 0.5
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(2 * BATCH, 5, generator=g), torch.randn(2 * BATCH, 1, generator=g)
+
+
+def _loss(model, x, y) -> torch.Tensor:
+    return (model(x) - y).square().mean()
+
+
+def _sharded(device) -> nn.Module:
+    model = _model().to(device)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fsdp.fully_shard(layer)
+    fsdp.fully_shard(model)
+    return model
+
+
+def _train(model, opt, rank: int, steps: range, device) -> list[torch.Tensor]:
+    norms = []
+    for step in steps:
+        x, y = _batch(step)
+        mine = slice(rank * BATCH, (rank + 1) * BATCH)
+        _loss(model, x[mine].to(device), y[mine].to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.grad_norm.detach().cpu().clone())
+    return norms
+
+
+def _full(tensors: dict) -> dict:
+    return {k: v.full_tensor().detach().cpu().clone() for k, v in tensors.items()}
+
+
+def _worker(rank: int, root: str, backend: str) -> None:
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{root}/init", rank=rank, world_size=2)
+    try:
+        out = {}
+        model = _sharded(device)
+        ema = FusedEMA(model, decay=DECAY, tau=1e-9)  # a constant decay
+        opt = trainfuse.FusedAdamW(model.parameters(), lr=LR, weight_decay=0.1, max_grad_norm=MAX_NORM)
+        opt.attach_ema(ema)
+        weight = model[0].weight
+        out["local_shapes"] = [tuple(p.to_local().shape) for p in model.parameters()]
+        out["norms"] = _train(model, opt, rank, range(STEPS), device)
+        out["state_is_sharded"] = type(opt.state[weight]["exp_avg"]).__name__
+        out["params"] = _full(dict(model.named_parameters()))
+        out["ema"] = _full(dict(ema.ema.named_parameters()))
+        out["plan"] = opt.engine.plans.get(device) is not None
+        mesh = weight.device_mesh  # a replicated param beside sharded ones: a clear error
+        odd = nn.Parameter(dist.tensor.distribute_tensor(torch.zeros(4, device=device), mesh,
+                                                          [dist.tensor.Replicate()]))
+        odd.grad = torch.zeros_like(odd)
+        mixed = trainfuse.FusedAdamW([weight, odd], max_grad_norm=1.0)
+        try:
+            mixed.step()
+        except ValueError as e:
+            out["mixed_error"] = str(e)
+
+        # a sharded state dict round trip: a new model and optimizer resume as the first goes on
+        saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+        out["after"] = _train(model, opt, rank, range(STEPS, STEPS + 2), device)
+        out["params_after"] = _full(dict(model.named_parameters()))
+        resumed = _sharded(device)
+        resumed.load_state_dict(saved["model"])
+        opt2 = trainfuse.FusedAdamW(resumed.parameters(), lr=LR, weight_decay=0.1, max_grad_norm=MAX_NORM)
+        opt2.load_state_dict(saved["opt"])
+        out["resumed"] = _train(resumed, opt2, rank, range(STEPS, STEPS + 2), device)
+        out["params_resumed"] = _full(dict(resumed.named_parameters()))
+        torch.save(out, os.path.join(root, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference() -> dict:
+    model = _model().double()
+    ema = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    norms = []
+    for step in range(STEPS + 2):
+        x, y = _batch(step)
+        _loss(model, x.double(), y.double()).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+        opt.step()
+        opt.zero_grad()
+        if step < STEPS:
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.lerp_(p, 1 - DECAY)
+        if step == STEPS - 1:
+            params = {k: v.detach().float().clone() for k, v in model.named_parameters()}
+    return {"norms": torch.stack(norms).float(), "params": params,
+            "params_after": {k: v.detach().float() for k, v in model.named_parameters()},
+            "ema": {k: v.detach().float() for k, v in ema.named_parameters()}}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "nccl"])
+def test_fully_sharded_run_matches_one_process_on_the_whole_batch(backend, tmp_path, monkeypatch):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors reach the kernels through the interpreter only; "
+                    "the 2-GPU NCCL run covers the compiled kernels")
+    if backend == "nccl":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs 2 GPUs")
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+        monkeypatch.delenv("TRAINFUSE_BACKEND", raising=False)  # the compiled kernels
+    else:
+        monkeypatch.setenv("TRAINFUSE_BACKEND", backend)  # inherited by the spawned ranks
+    mp.spawn(_worker, args=(str(tmp_path), "nccl" if backend == "nccl" else "gloo"), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ref = _reference()
+    tol = {"rtol": 2e-5, "atol": 2e-6}
+    assert ranks[1]["local_shapes"][-1] == (0,)  # the last bias: rank 1 holds nothing of it
+    assert float(ref["norms"][0]) > MAX_NORM  # the clip bites
+    for got in ranks:
+        assert "param 1 (shape (4,))" in got["mixed_error"] and "fully_shard" in got["mixed_error"]
+        assert got["state_is_sharded"] == "DTensor"  # saved sharded, like the model
+        assert got["plan"] == (backend != "torch")  # the kernels ran on the local shards
+        torch.testing.assert_close(torch.stack(got["norms"]), ref["norms"][:STEPS], **tol)
+        for name in ("params", "ema", "params_after"):
+            for k, want in ref[name].items():
+                torch.testing.assert_close(got[name][k], want, **tol,
+                                           msg=lambda m, k=k, n=name: f"{n} {k}: {m}")
+        torch.testing.assert_close(torch.stack(got["resumed"]), torch.stack(got["after"]), rtol=0, atol=0)
+        for k, v in got["params_after"].items():
+            torch.testing.assert_close(got["params_resumed"][k], v, rtol=0, atol=0)
+
