@@ -68,14 +68,18 @@ def weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
 
 
 def strategy_kind(strategy: Any) -> str:
-    """``"single"``, ``"ddp"``, or the strategy's class name where FusedTraining does not act
-    (DeepSpeed, FSDP, model parallel, XLA and other strategies)."""
+    """``"single"``, ``"ddp"``, ``"fsdp"`` (FSDPStrategy), ``"fsdp2"`` (ModelParallelStrategy), or
+    the strategy's class name where FusedTraining does not act (DeepSpeed, XLA and others)."""
     pkg = package_of(strategy)
     s = importlib.import_module(pkg.__name__ + ".strategies")
-    refused = tuple(getattr(s, n) for n in ("DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy",
-                                           "XLAStrategy", "SingleDeviceXLAStrategy") if hasattr(s, n))
+    refused = tuple(getattr(s, n) for n in ("DeepSpeedStrategy", "XLAStrategy", "SingleDeviceXLAStrategy")
+                    if hasattr(s, n))
     if isinstance(strategy, refused):
         return type(strategy).__name__
+    if hasattr(s, "ModelParallelStrategy") and isinstance(strategy, s.ModelParallelStrategy):
+        return "fsdp2"
+    if hasattr(s, "FSDPStrategy") and isinstance(strategy, s.FSDPStrategy):
+        return "fsdp"
     if isinstance(strategy, s.SingleDeviceStrategy):
         return "single"
     if isinstance(strategy, s.DDPStrategy):

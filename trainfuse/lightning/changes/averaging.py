@@ -43,6 +43,13 @@ class EMA(Change):
     def why_off(self, run: Run) -> str | None:
         return "ema_decay=None" if self.decay is None else None
 
+    def why_not(self, run: Run) -> str | None:
+        if run.strategy in ("fsdp", "fsdp2"):
+            return (f"{run.strategy}: Lightning's sharded checkpoints hold the model and optimizer states "
+                    "only, so a sharded average (and the live weights beside it) has no place in them; "
+                    "FusedEMA over the sharded model saves with torch.distributed.checkpoint")
+        return None
+
     def apply(self, run: Run) -> None:
         self.ema = WeightEMA(run.module, self.decay)
         if self.resumed is not None:
@@ -92,13 +99,16 @@ class EvaluateOnEMA(Change):
         self.ema = ema
 
     def validation_starts(self, run: Run) -> None:
-        self.ema.ema.swap_in(run.module)
+        if self.ema.ema is not None:  # None: the EMA was skipped (its row says why)
+            self.ema.ema.swap_in(run.module)
 
     def validation_ends(self, run: Run) -> None:
-        self.ema.ema.swap_out(run.module)
+        if self.ema.ema is not None:
+            self.ema.ema.swap_out(run.module)
 
     def restore(self, run: Run, *, failed: bool) -> None:
-        self.ema.ema.swap_out(run.module)
+        if self.ema.ema is not None:
+            self.ema.ema.swap_out(run.module)
 
 
 __all__ = ["EMA", "EvaluateOnEMA"]

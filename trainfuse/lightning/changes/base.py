@@ -11,7 +11,7 @@ callbacks (hooks named for when they act).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -33,7 +33,11 @@ class Run:
         device: the strategy's root device.
         kernels: whether the fused optimizers run their Triton kernels there (else torch's path).
         precision: the Trainer's precision as Lightning names it (``"bf16-mixed"``...).
-        strategy: ``"single"``, ``"ddp"``, or the class name of a strategy FusedTraining leaves.
+        strategy: ``"single"``, ``"ddp"``, ``"fsdp"`` (FSDPStrategy), ``"fsdp2"``
+            (ModelParallelStrategy), or the class name of a strategy FusedTraining leaves.
+        shard_group: under FSDPStrategy, the process group the params are sharded over (set by
+            the strategy's change; the swapped optimizers clip with every rank's shards). FSDP2's
+            DTensor params name their group themselves.
         swapped: the fused optimizers that replaced the user's (set by the optimizer swap).
         all_swapped: whether every optimizer of the run was swapped (and there is one at least).
     """
@@ -44,6 +48,7 @@ class Run:
     kernels: bool
     precision: str
     strategy: str
+    shard_group: Any = None
     swapped: list[FusedOptimizer] = dataclasses.field(default_factory=list)
     all_swapped: bool = False
 

@@ -41,6 +41,9 @@ class Graphs(Change):
     def why_not(self, run: Run) -> str | None:
         if run.device.type != "cuda":
             return f"the run is on {run.device.type}: CUDA graphs need a CUDA device"
+        if run.strategy in ("fsdp", "fsdp2"):
+            return (f"{run.strategy}: its all-gathers and reduce-scatters run from hooks during forward and "
+                    "backward, which a replay skips")
         if run.strategy not in ("single", "ddp"):
             return f"{run.strategy} strategy: FusedTraining graphs single-device and DDP runs"
         if run.strategy == "ddp" and (self.ddp is None or self.ddp.flat is None):

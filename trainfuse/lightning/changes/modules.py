@@ -74,6 +74,11 @@ class MLPFusion(Change):
             return "no nn.Sequential of Linear + activation in the module"
         return None
 
+    def why_not(self, run: Run) -> str | None:
+        if run.strategy in ("fsdp", "fsdp2"):
+            return f"{run.strategy} shards the layers' weights and gathers them from its own hooks"
+        return None
+
     def apply(self, run: Run) -> None:
         detail = describe(run, "FusedMLP: matmul + bias + activation a layer, one kernel",
                           "FusedMLP: on the torch path the Sequential's own layers run (same params, keys)")

@@ -74,6 +74,7 @@ class OptimizerSwap(Change):
                 result.append(opt)
                 continue
             new = swap_optimizer(opt, clip if by_norm else None, None if by_norm else clip)
+            new.shard_group = run.shard_group  # FSDP: every rank's shards make the clipping norm
             moved = repoint_schedulers(schedulers, opt, new)
             detail = describe(run, f"{type(new).__name__}: every param's update in one multi-tensor launch",
                               f"{type(new).__name__}: on the torch path torch.optim's {type(opt).__name__} "

@@ -34,6 +34,8 @@ class Casts(Change):
         return None
 
     def why_not(self, run: Run) -> str | None:
+        if run.strategy in ("fsdp", "fsdp2"):
+            return "FSDP keeps float32 shards and casts them with its own param_dtype"
         if run.strategy != "single":
             return "DDP wrapped the model before on_fit_start; its gradient buckets keep the float32 dtype"
         if not run.kernels:
