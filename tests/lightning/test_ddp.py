@@ -75,16 +75,18 @@ class Net(pl.LightningModule):
         state = {"params": self.live,
                  "ema": {k: v.detach().clone() for k, v in self.named_parameters()} if fused else None,
                  "report": [(r.kind, r.action) for r in fused[0].report] if fused else None,
+                 "details": {r.kind: r.detail for r in fused[0].report} if fused else None,
                  "replays": sum(s.replays for s in fused[0].graph_stats.values()) if fused else None}
         name = f"{self.tag}rank{self.global_rank}-of-{self.trainer.world_size}.pt"
         torch.save(state, os.path.join(self.out_dir, name))
 
 
 def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, ckpt_path=None,
-         accelerator: str = "cpu", graphs: bool = False, accumulate: int = 1) -> None:
+         accelerator: str = "cpu", graphs: bool = False, accumulate: int = 1,
+         precision: str = "32-true") -> None:
     saver = ([pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_epochs=1, save_top_k=-1,
                                            filename="{epoch}")] if ckpt_dir else [])
-    trainer = pl.Trainer(accelerator=accelerator, devices=devices,
+    trainer = pl.Trainer(accelerator=accelerator, devices=devices, precision=precision,
                          strategy="ddp_spawn" if devices > 1 else "auto",
                          max_epochs=epochs, logger=False, enable_checkpointing=bool(saver),
                          enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.3,
@@ -166,3 +168,24 @@ def test_checkpoints_from_either_layout_resume_on_the_other(tmp_path):
     _close(full[1], _load(tmp_path / "from2-rank0-of-1.pt"))
     for r in range(2):
         _close(full[2], _load(tmp_path / f"from1-rank{r}-of-2.pt"))
+
+
+def test_bf16_casts_stay_on_under_ddp_and_all_reduce_16_bit_grads(tmp_path, monkeypatch):
+    """bf16-mixed: with DDP's reducer replaced by the flat all-reduce, the casts apply as on one
+    device (16-bit weights, float32 masters in the optimizer); the cast params' buffer is bf16,
+    so the 2 ranks average bf16 grads. They stay equal bit for bit and end near one process: AdamW
+    turns the bf16 roundings of small grads into whole steps of the learning rate (1e-2) here and
+    there, so the bound is on the mean and on one step's worth per element."""
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")  # the casts need the kernels (interpreter on CPU)
+    _fit(tmp_path, 1, tag="bf16-", precision="bf16-mixed")
+    _fit(tmp_path, 2, tag="bf16-", precision="bf16-mixed")
+    one = _load(tmp_path / "bf16-rank0-of-1.pt")
+    ranks = [_load(tmp_path / f"bf16-rank{r}-of-2.pt") for r in range(2)]
+    for got in (one, *ranks):
+        assert dict(got["report"])["casts"] == "on"
+    assert dict(ranks[0]["report"])["ddp"] == "on" and "bfloat16" in ranks[0]["details"]["ddp"]
+    assert {v.dtype for k, v in ranks[0]["params"].items() if k.endswith("weight")} == {torch.bfloat16}
+    for k, v in one["params"].items():
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
+        diff = (ranks[0]["params"][k].float() - v.float()).abs()
+        assert float(diff.mean()) < 1e-3 and float(diff.max()) < 1.5e-2, (k, diff.mean(), diff.max())

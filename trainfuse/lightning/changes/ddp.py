@@ -12,6 +12,9 @@ views, and an eager backward's grads are copied in. When the step's grads are co
 inf check and the step), one all-reduce averages the buffer as DDP does (divide by the world
 size, sum), and every rank steps from the same grads.
 
+With the casts on (16-bit params with float32 masters in the optimizer) the buffer of the cast
+params is 16-bit, as their grads are, and so is its all-reduce, as DDP's over 16-bit params is.
+
 What differs from DDP: the all-reduce runs after the backward instead of overlapping with it, and
 it covers every trainable param each step (DDP with ``find_unused_parameters=True`` reduces only
 the ones a step used; an unused param gets zeros here).
@@ -23,6 +26,19 @@ import torch
 
 from trainfuse.clients import ON, FlatGrads, Row
 from trainfuse.lightning.changes.base import Change, Run
+
+
+def why_not_flat(run: Run) -> str | None:
+    """Why a DDP run keeps DDP's own reducer, or None when :class:`FlatAllReduce` replaces it
+    (then the params' grads are ours to lay out: the casts may make them 16-bit)."""
+    if run.strategy != "ddp":
+        return "not a DDP run"
+    if not isinstance(run.trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
+        return "the DDP strategy holds no DistributedDataParallel model: DDP's own reducer stays"
+    if run.precision == "16-mixed" and not run.all_swapped:
+        return ("16-mixed with a stock optimizer: Lightning's GradScaler unscales and looks for inf in "
+                "each rank's grads before this all-reduce could run; DDP's own reducer stays")
+    return None
 
 
 class FlatAllReduce(Change):
@@ -38,12 +54,7 @@ class FlatAllReduce(Change):
         return "all-reduce"
 
     def why_not(self, run: Run) -> str | None:
-        if not isinstance(run.trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
-            return "the DDP strategy holds no DistributedDataParallel model: DDP's own reducer stays"
-        if run.precision == "16-mixed" and not run.all_swapped:
-            return ("16-mixed with a stock optimizer: Lightning's GradScaler unscales and looks for inf in "
-                    "each rank's grads before this all-reduce could run; DDP's own reducer stays")
-        return None
+        return why_not_flat(run)
 
     def apply(self, run: Run) -> None:
         self.flat = FlatGrads(run.module.parameters()).attach()
@@ -73,4 +84,4 @@ class FlatAllReduce(Change):
         self.flat = None  # the params keep the grads they hold (views of the buffer)
 
 
-__all__ = ["FlatAllReduce"]
+__all__ = ["FlatAllReduce", "why_not_flat"]

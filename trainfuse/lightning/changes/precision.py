@@ -8,6 +8,7 @@ import torch
 from trainfuse.clients import ON, SWAPPED, CastState, Row, fused_scaler, hand_back_scaler
 from trainfuse.lightning import _compat
 from trainfuse.lightning.changes.base import Change, Run, describe
+from trainfuse.lightning.changes.ddp import why_not_flat
 from trainfuse.lightning.changes.scope import PRECISIONS
 
 
@@ -36,8 +37,11 @@ class Casts(Change):
     def why_not(self, run: Run) -> str | None:
         if run.strategy in ("fsdp", "fsdp2"):
             return "FSDP keeps float32 shards and casts them with its own param_dtype"
-        if run.strategy != "single":
-            return "DDP wrapped the model before on_fit_start; its gradient buckets keep the float32 dtype"
+        if run.strategy == "ddp" and why_not_flat(run) is not None:
+            return ("DDP's own reducer stays (" + why_not_flat(run) + "), and its gradient buckets keep the "
+                    "float32 dtype")
+        if run.strategy not in ("single", "ddp"):
+            return f"{run.strategy} strategy: FusedTraining casts single-device and DDP runs"
         if not run.kernels:
             return "torch path: only the optimizer kernel writes the 16-bit weights"
         if run.sole_optimizer is None:
