@@ -223,6 +223,11 @@ class FusedTraining(*_compat.callback_bases()):
         if self._deferred and self._run is None:
             self._start(trainer, pl_module)
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        """Before each training backward: eager DDP's grads go back into the flat buffer."""
+        for change in self._applied:
+            change.before_backward(self._run)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         """After each batch: the EMA update when no optimizer step does it, ``grad_norm``'s log."""

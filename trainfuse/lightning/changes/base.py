@@ -97,6 +97,10 @@ class Change:
         fit that ran no training loop)."""
 
     # ---- while the fit runs --------------------------------------------------------------------
+    def before_backward(self, run: Run) -> None:
+        """A training backward is about to run, after the step's ``zero_grad``
+        (``on_before_backward``)."""
+
     def after_batch(self, run: Run) -> None:
         """After a training batch (``on_train_batch_end``)."""
 

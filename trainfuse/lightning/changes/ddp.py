@@ -7,7 +7,8 @@ per-bucket launches. A backward replayed from a CUDA graph runs no hook at all. 
 the reducer off for the fit (``require_backward_grad_sync = False``, what ``no_sync()`` sets;
 Lightning's own ``no_sync`` during accumulation restores that value) and gives every param's grad
 a home in one flat buffer (:class:`trainfuse.clients.FlatGrads`): the graphs accumulate into those
-views, and an eager backward's grads are copied in. When the step's grads are complete
+views, and before an eager backward they are the params' grads again (zeroed after
+``zero_grad``), so it adds into them in place. When the step's grads are complete
 (``on_before_optimizer_step``: after the accumulation's last micro-batch, before clipping, the
 inf check and the step), one all-reduce averages the buffer as DDP does (divide by the world
 size, sum), and every rank steps from the same grads.
@@ -48,6 +49,7 @@ class FlatAllReduce(Change):
 
     def __init__(self) -> None:
         self.flat: FlatGrads | None = None
+        self.graphed = False  # the Graphs change replays the backward into the views
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
 
     def name(self, run: Run) -> str:
@@ -66,9 +68,15 @@ class FlatAllReduce(Change):
         """``param``'s grad in the flat buffer (the kept grad a graph accumulates into), or None."""
         return None if self.flat is None else self._views.get(id(param))
 
+    def before_backward(self, run: Run) -> None:
+        # an eager backward then adds into the views in place: no fresh grads to copy in after it
+        # (a replayed backward writes the views itself: the zeros would only make it add)
+        if self.flat is not None and not self.graphed:
+            self.flat.attach()
+
     def before_optimizer_step(self, run: Run, optimizer: torch.optim.Optimizer) -> None:
         if self.flat is not None:
-            self.flat.attach()  # grads an eager backward made after zero_grad go into the buffer
+            self.flat.attach()  # grads a backward made elsewhere (say, a custom hook) go into the buffer
             self.flat.all_reduce(average=True)
 
     def rows(self, run: Run) -> list[Row]:

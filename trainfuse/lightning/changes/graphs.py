@@ -54,6 +54,8 @@ class Graphs(Change):
 
     def apply(self, run: Run) -> None:
         grads = self.ddp.grad_of if run.strategy == "ddp" else None
+        if grads is not None:
+            self.ddp.graphed = True
         self.installed.update(graphs.install(graphs.graph_targets(run.module), grads=grads))
 
     def rows(self, run: Run) -> list[Row]:
