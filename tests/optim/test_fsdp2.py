@@ -42,11 +42,13 @@ def _loss(model, x, y) -> torch.Tensor:
 
 
 def _sharded(device) -> nn.Module:
+    # the mesh named: fully_shard's default is a CUDA mesh wherever CUDA is, gloo ranks included
+    mesh = dist.device_mesh.init_device_mesh(device.type, (2,))
     model = _model().to(device)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fsdp.fully_shard(layer)
-    fsdp.fully_shard(model)
+            fsdp.fully_shard(layer, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
     return model
 
 
