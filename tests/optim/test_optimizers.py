@@ -475,3 +475,10 @@ def test_torch_backend_and_kernels_agree(cls, monkeypatch, device):
         ob.step()
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_state_dict_passes_an_empty_rank_state_through():
+    """FSDP's full optimizer state lives on rank zero: the other ranks' checkpoints get ``{}``."""
+    from trainfuse.optim.portable import torch_state_dict
+
+    assert torch_state_dict({}) == {}

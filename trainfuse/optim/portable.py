@@ -18,6 +18,8 @@ def torch_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     New dicts are returned; the live optimizer state is not touched. Nothing is lost for a resume
     from float32 weights: a fused optimizer makes the masters again from them (``fuse_casts``).
     """
+    if "state" not in state_dict:  # FSDP's rank-zero-only optimizer state: empty on the other ranks
+        return state_dict
     state = {}
     for idx, entry in state_dict["state"].items():
         entry = {k: v for k, v in entry.items() if k != MASTER_KEY}
