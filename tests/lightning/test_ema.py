@@ -92,7 +92,8 @@ def test_no_swap_before_the_first_update(torch_path):
 
     module = make_module(pl)
     before = params(module)
-    trainer = pl.Trainer(accelerator=ACCELERATOR, max_steps=2, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator=ACCELERATOR, devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
                          limit_val_batches=1,
                          callbacks=[FusedTraining(verbose=False, ema_decay=DECAY), Probe()])
@@ -111,7 +112,7 @@ def test_test_after_fit_runs_on_the_ema(torch_path):
         module = make_module(pl)
         cb = ema_callback(pl, name)
         fit(pl, module, 4, callbacks=[cb])
-        trainer = pl.Trainer(accelerator=ACCELERATOR, logger=False, enable_progress_bar=False,
+        trainer = pl.Trainer(accelerator=ACCELERATOR, devices=1, logger=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[cb])
         module.test_step = module.validation_step
         module.val_losses.clear()

@@ -209,7 +209,8 @@ def test_learning_rate_monitor_follows_the_new_optimizer(torch_path, tmp_path):
     for name, callbacks in (("stock", []), ("ours", [FusedTraining(verbose=False)])):
         monitor = pl.callbacks.LearningRateMonitor(logging_interval="step")
         logger = pl.loggers.CSVLogger(tmp_path / name)
-        trainer = pl.Trainer(accelerator=ACCELERATOR, max_steps=4, logger=logger, enable_checkpointing=False,
+        trainer = pl.Trainer(accelerator=ACCELERATOR, devices=1, max_steps=4, logger=logger,
+                             enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                              callbacks=[*callbacks, monitor])
         trainer.fit(make_module(pl, "adamw", "sequential"),
