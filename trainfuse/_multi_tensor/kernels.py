@@ -376,9 +376,15 @@ def pow_f64(base, step):
 def update_kernel(rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w,
                   BLOCK: tl.constexpr, NB: tl.constexpr, CODES: tl.constexpr, ALIGNED: tl.constexpr,
                   HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_INF: tl.constexpr,
-                  WIDTH: tl.constexpr, WIDE16: tl.constexpr, CHUNK_FN: tl.constexpr):
+                  WIDTH: tl.constexpr, WIDE16: tl.constexpr, CHUNK_FN: tl.constexpr, EMA_PTR: tl.constexpr):
     """The one multi-tensor launch: :func:`run` with the client's ``CHUNK_FN`` (the optimizers'
     updates, clipping's scaling; FusedEMA passes :func:`ema_chunk`, whose rows are all EMA_ONLY, so
-    no update arm is ever instantiated)."""
-    run(CHUNK_FN, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, ema_w, BLOCK, NB,
+    no update arm is ever instantiated). ``ema_w``: the EMA weight, or with ``EMA_PTR`` a pointer
+    to it (a float32 in device memory, written before the launch: a launch captured in a CUDA graph
+    then reads each replay's weight)."""
+    if EMA_PTR:
+        w = tl.load(ema_w)
+    else:
+        w = ema_w
+    run(CHUNK_FN, rows, chunks, hp, arrivals, scale_ptr, clip_ptr, inf_ptr, w, BLOCK, NB,
         CODES, ALIGNED, HAS_SCALE, HAS_CLIP, HAS_INF, WIDTH, WIDE16)

@@ -291,11 +291,14 @@ def kernel_key(plan: Plan) -> tuple:
 def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tensor | None = None, *,
                   wide16: bool = False, grad_scale: torch.Tensor | None = None,
                   clip: torch.Tensor | None = None, clip_value: torch.Tensor | None = None,
-                  found_inf: torch.Tensor | None = None, ema_w: float = 0.0, width: int = 8) -> None:
+                  found_inf: torch.Tensor | None = None, ema_w: float | torch.Tensor = 0.0,
+                  width: int = 8) -> None:
     """One launch of :func:`kernels.update_kernel` over ``plan`` with the client's ``chunk_fn``
     (the contract in :func:`kernels.run`); ``wide16`` doubles the blocks of 16-bit rows. The
     unscaled grads are multiplied by ``clip`` (a clip coefficient) or clamped to
-    ``[-clip_value, clip_value]`` (1-element float32 tensors on the device; at most one of them)."""
+    ``[-clip_value, clip_value]`` (1-element float32 tensors on the device; at most one of them).
+    ``ema_w``: the EMA weight, or a 1-element float32 tensor on the device holding it (read by
+    the kernel: what a launch captured in a CUDA graph needs)."""
     if plan.nchunks == 0:
         return
     if clip is not None and clip_value is not None:
@@ -304,15 +307,16 @@ def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tens
     clip = clip if clip is not None else clip_value
     dummy = plan.rows  # stands in for absent pointers; never read (the HAS_* flags are off)
     launch = plan.launch
+    ema_ptr = isinstance(ema_w, torch.Tensor)
     key = ("update", chunk_fn, wide16, kernel_key(plan), plan.codes, _ptr_class(hp), _ptr_class(grad_scale),
-           _ptr_class(clip), mode, _ptr_class(found_inf), width)
+           _ptr_class(clip), mode, _ptr_class(found_inf), width, ema_ptr)
     launcher(
         kernels.update_kernel, (plan.nchunks,), plan.rows, plan.chunks, dummy if hp is None else hp,
         plan.arrivals, dummy if grad_scale is None else grad_scale, dummy if clip is None else clip,
-        dummy if found_inf is None else found_inf, float(ema_w),
+        dummy if found_inf is None else found_inf, ema_w if ema_ptr else float(ema_w),
         BLOCK=launch.block, NB=launch.unroll, CODES=plan.codes, ALIGNED=plan.aligned,
         HAS_SCALE=grad_scale is not None, HAS_CLIP=mode,
-        HAS_INF=found_inf is not None, WIDTH=width, WIDE16=wide16, CHUNK_FN=chunk_fn,
+        HAS_INF=found_inf is not None, WIDTH=width, WIDE16=wide16, CHUNK_FN=chunk_fn, EMA_PTR=ema_ptr,
         num_warps=launch.num_warps, key=key,
     )
 

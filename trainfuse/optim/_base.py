@@ -62,6 +62,9 @@ class FusedOptimizer(Optimizer):
     # clipping norm of ``max_grad_norm`` and GradScaler's inf check cover every rank's grads (one
     # all-reduce on the device, no host sync). Not carried by copies or pickles.
     shard_group: Any = None
+    # Graph-safe steps (see prepare_step): every value a step's launches read from the host is in
+    # device memory instead, so a step captured in a CUDA graph replays as later steps.
+    graph_safe = False
 
     def __init__(self, params, defaults: dict[str, Any], max_grad_norm: float | None = None,
                  max_grad_value: float | None = None):
@@ -292,11 +295,8 @@ class FusedOptimizer(Optimizer):
         torch's fused optimizers do), and on inf/NaN skips the update, the states and ``step``
         without a host sync. Step pre/post hooks and the profiler range work as in torch.
         """
-        if self._ema is not None and self._ema.enabled:
-            self._ema.updates += 1
-            self.ema_weight = 1.0 - self._ema.decay(self._ema.updates)
-        else:
-            self.ema_weight = None
+        if not self.graph_safe:  # graph-safe: prepare_step counted the EMA update
+            self._count_ema_update()
         if closure is None and not self._hooked():
             self.engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
             return None
@@ -321,6 +321,8 @@ class FusedOptimizer(Optimizer):
             return done
 
     def _scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
+        if self.graph_safe:  # prepare_step counted the EMA update and wrote its weight
+            return self.engine.scaled_step(scale, update)
         ema = self._ema if self._ema is not None and self._ema.enabled else None
         self.ema_weight = None if ema is None else 1.0 - ema.decay(ema.updates + 1)
         if not self.engine.scaled_step(scale, update):
@@ -328,6 +330,32 @@ class FusedOptimizer(Optimizer):
         if ema is not None:
             ema.updates += 1
         return True
+
+    def _count_ema_update(self) -> None:
+        """One more update of the attached EMA, and this step's lerp weight (None without one)."""
+        if self._ema is not None and self._ema.enabled:
+            self._ema.updates += 1
+            self.ema_weight = 1.0 - self._ema.decay(self._ema.updates)
+        else:
+            self.ema_weight = None
+
+    def prepare_step(self) -> None:
+        """The host part of the next step, for a graph-safe optimizer (``graph_safe = True``):
+        count the attached EMA's update, then write its weight and the groups' current
+        hyperparameters (lr from a scheduler or warmup, momentum...) into the device memory the
+        launches read, without a sync. ``step()`` and ``scaled_step()`` then only launch kernels,
+        so a step captured in a CUDA graph, replayed after this call, is the next step.
+
+        A replay repeats the captured launches on the addresses they were captured with: the
+        grads must stay where they were (views of buffers kept across steps) and the tables must
+        hold (``engine.plans``' ``generation`` unchanged: no param group, state or param storage
+        changed since the capture)."""
+        if not self.graph_safe:
+            raise RuntimeError(f"{type(self).__name__}.prepare_step: set graph_safe = True first (the "
+                               "launches then read the EMA weight from device memory)")
+        self._count_ema_update()
+        self.engine.write_ema_weight()
+        self.engine.refresh_hparams()
 
     def _step_hooks(self) -> bool:
         return compat.has_step_hooks(self)

@@ -34,6 +34,8 @@ class OptimizerClient(Protocol):
         max_grad_value: clamp the unscaled grads to ``[-v, v]`` in the step, or None.
         ema_weight: the lerp weight of the attached EMA for this step, or None (no EMA update).
         shard_group: the process group whose ranks hold the other shards of the grads, or None.
+        graph_safe: the launches read the EMA weight from device memory (the engine's
+            ``write_ema_weight``) instead of taking it as an argument.
     """
 
     param_groups: list[dict[str, Any]]
@@ -45,6 +47,7 @@ class OptimizerClient(Protocol):
     max_grad_value: float | None
     ema_weight: float | None
     shard_group: Any
+    graph_safe: bool
 
     def track_mutations(self) -> None:
         """Make ``state`` and every group's ``params`` the counting containers of

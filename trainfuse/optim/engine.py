@@ -51,6 +51,9 @@ class MultiTensorEngine:
 
     def __init__(self, client: OptimizerClient) -> None:
         self.client = client
+        # device -> the float32 EMA weight the update reads under the client's graph_safe (kept
+        # across invalidate: a captured launch holds its address)
+        self._ema_w: dict[torch.device, torch.Tensor] = {}
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -133,6 +136,7 @@ class MultiTensorEngine:
         plan = entry.plan
         if scale.device != device or plan.ngrad == 0:
             return False
+        hot = hot and not client.graph_safe  # graph-safe launches read the EMA weight's tensor
         hp = self.hparams.on(device)  # validated before anything launches: a bad lr leaves the scale as is
         direct = entry.direct
         if (hot and direct is not None and self._launcher.direct() and direct.key == step_key(
@@ -246,10 +250,9 @@ class MultiTensorEngine:
                 combine_client_stats_(self.client, out, True, self._shard_group())
             self._norm_ready = True
             clip = self._views_of(out)[1]
-        ema_w = client.ema_weight
         launch_update(self._launcher, client.chunk_fn, plan, hp, wide16=client.wide16,
                       grad_scale=grad_scale, clip=clip, clip_value=clip_value, found_inf=found_inf,
-                      ema_w=0.0 if ema_w is None else ema_w, width=client.HP_WIDTH)
+                      ema_w=self._ema_arg(device), width=client.HP_WIDTH)
         if grad_scale is not None or clip is not None or clip_value is not None:
             for g, tmp in plan.copy_back:
                 g.copy_(tmp)
@@ -263,6 +266,25 @@ class MultiTensorEngine:
     def refresh_hparams(self) -> None:
         """Write the groups' current hyperparameters into each device's table, in place."""
         self.hparams.refresh()
+
+    # ---- graph-safe steps ----------------------------------------------------------------------
+    def _ema_arg(self, device) -> float | torch.Tensor:
+        """What the update launch takes as EMA weight: the client's ``ema_weight`` (0 without
+        one), or under ``graph_safe`` the device tensor :meth:`write_ema_weight` fills."""
+        if not self.client.graph_safe:
+            w = self.client.ema_weight
+            return 0.0 if w is None else w
+        t = self._ema_w.get(device)
+        if t is None:
+            t = self._ema_w[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        return t
+
+    def write_ema_weight(self) -> None:
+        """Fill every device's EMA-weight tensor with the client's ``ema_weight`` (0 without one):
+        one small launch a device, ordered before the next step's launches on the stream."""
+        w = self.client.ema_weight
+        for device in self.plans.current_index().devices:
+            self._ema_arg(device).fill_(0.0 if w is None else w)
 
 
 __all__ = ["MultiTensorEngine"]

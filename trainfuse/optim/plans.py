@@ -19,6 +19,7 @@ masters, states, step counters, and the params and EMA tensors too).
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -31,6 +32,7 @@ from trainfuse.optim.index import ParamIndex
 from trainfuse.optim.tracked import changed, snapshot
 
 _grad = operator.attrgetter("grad")
+_generations = itertools.count(1)  # every plan set any cache holds gets a number of its own
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -86,6 +88,9 @@ class PlanCache:
 
     def __init__(self, client: OptimizerClient) -> None:
         self.client = client
+        # changes whenever a plan is built or the plans are dropped (never repeats, also across
+        # caches): a CUDA graph captured around a step holds while it is unchanged
+        self.generation = next(_generations)
         self.index: ParamIndex | None = None
         self._entries: dict[torch.device, CachedPlan] = {}
         self._structure: tuple | None = None  # what tracked.snapshot saw when the plans were valid
@@ -98,6 +103,7 @@ class PlanCache:
         group's ``plan_key`` changed since :meth:`record_structure` (O(groups))."""
         if self._structure is None or changed(self._structure, self.client):
             self._structure = None
+            self.generation = next(_generations)
             self._entries.clear()
             self._checks.clear()
             self._reindex()
@@ -177,6 +183,7 @@ class PlanCache:
         entry = CachedPlan(plan, [params[i] for i in idx], [grads[i] for i in idx], ema_tensors, ema_source,
                            index.dtensors or any(map(is_dtensor, ema_tensors)))
         self._entries[device] = entry
+        self.generation = next(_generations)
         self.record_structure()
         return entry
 

@@ -1,0 +1,125 @@
+"""Graph-safe steps (``graph_safe = True``, ``prepare_step()``): the host part of a step (the EMA's
+update count and weight, the groups' hyperparameters) goes to device memory before the launches,
+which then read it there. Against the same optimizer stepping the usual way, over steps whose lr
+and EMA weight change every time, with GradScaler's skipped steps: equal bit for bit, eagerly
+(the kernels through the interpreter on CPU) and, on a GPU, with the step captured once in a CUDA
+graph and replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainfuse
+from tests._helpers import INF_STEPS, set_scaled_twin_grads
+from trainfuse.amp import GradScaler
+from trainfuse.optim import FusedEMA
+
+STEPS = 7
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _net(device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 5))
+    return net.to(device)
+
+
+def _run(device, cls, hp, graph_safe: bool):
+    net = _net(device)
+    opt = cls(net.parameters(), max_grad_norm=0.5, **hp)
+    ema = FusedEMA(net, decay=0.9, tau=3.0)  # a ramp: the weight changes every update
+    opt.attach_ema(ema)
+    opt.graph_safe = graph_safe
+    return net, opt, ema, GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+
+
+def _lr(it: int) -> float:
+    return 0.02 * (1 + it) / STEPS  # a warmup: the table is rewritten every step
+
+
+@pytest.mark.parametrize("cls,hp", [(trainfuse.FusedAdamW, {"weight_decay": 0.05}),
+                                    (trainfuse.FusedSGD, {"momentum": 0.9, "nesterov": True})],
+                         ids=["adamw", "sgd"])
+def test_prepared_steps_equal_the_usual_ones(cls, hp, kernels, device):
+    plain, safe = _run(device, cls, hp, False), _run(device, cls, hp, True)
+    for it in range(STEPS):
+        set_scaled_twin_grads(list(plain[0].parameters()), list(safe[0].parameters()), plain[3], safe[3], it)
+        for opt in (plain[1], safe[1]):
+            for g in opt.param_groups:
+                g["lr"] = _lr(it)
+        plain[3].step_and_update(plain[1])
+        safe[1].prepare_step()
+        safe[3].step_and_update(safe[1])
+        assert plain[2].updates == safe[2].updates == it + 1
+        assert plain[3].state_dict() == safe[3].state_dict(), it
+        for x, y in zip([*plain[0].parameters(), *plain[2].ema.state_dict().values()],
+                        [*safe[0].parameters(), *safe[2].ema.state_dict().values()]):
+            assert torch.equal(x, y), it
+    assert set(INF_STEPS) < set(range(STEPS))  # skipped steps were among them
+
+
+def test_prepare_step_needs_graph_safe(device):
+    opt = trainfuse.FusedAdamW(_net(device).parameters())
+    with pytest.raises(RuntimeError, match="graph_safe"):
+        opt.prepare_step()
+
+
+def test_the_generation_changes_with_the_tables(kernels, device):
+    net = _net(device)
+    opt = trainfuse.FusedAdamW(net.parameters())
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    first = opt.engine.plans.generation
+    opt.step()
+    assert opt.engine.plans.generation == first  # the same tables
+    opt.state.clear()
+    opt.step()
+    assert opt.engine.plans.generation != first  # dropped and built anew
+    second = opt.engine.plans.generation
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))]})
+    opt.step()
+    assert opt.engine.plans.generation not in (first, second)
+
+
+@cuda
+@pytest.mark.parametrize("cls,hp", [(trainfuse.FusedAdamW, {"weight_decay": 0.05}),
+                                    (trainfuse.FusedSGD, {"momentum": 0.9, "nesterov": True})],
+                         ids=["adamw", "sgd"])
+def test_a_captured_step_replays_as_the_next_steps(cls, hp):
+    """One step_and_update captured in a CUDA graph (the grads kept where they are, the lr and
+    the EMA weight written by prepare_step before each replay) against the usual eager steps."""
+    device = torch.device("cuda")
+    plain, safe = _run(device, cls, hp, False), _run(device, cls, hp, True)
+    kept = [torch.zeros_like(p) for p in safe[0].parameters()]  # the graph reads the grads there
+    graph, generation = None, None
+    for it in range(STEPS):
+        set_scaled_twin_grads(list(plain[0].parameters()), list(safe[0].parameters()), plain[3], safe[3], it)
+        for p, k in zip(safe[0].parameters(), kept):
+            p.grad = k.copy_(p.grad)
+        for opt in (plain[1], safe[1]):
+            for g in opt.param_groups:
+                g["lr"] = _lr(it)
+        plain[3].step_and_update(plain[1])
+        safe[1].prepare_step()
+        if it < 2:  # eager: the tables are built, the kernels compiled
+            safe[3].step_and_update(safe[1])
+        elif graph is None:  # the capture records this step's launches; the replay makes it
+            generation = safe[1].engine.plans.generation
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                safe[3].step_and_update(safe[1])
+            torch.cuda.current_stream().wait_stream(side)
+            graph.replay()
+        else:
+            graph.replay()
+        if graph is not None:
+            assert safe[1].engine.plans.generation == generation  # the tables the graph holds
+        torch.cuda.synchronize()
+        assert plain[3].state_dict() == safe[3].state_dict(), it
+        for x, y in zip([*plain[0].parameters(), *plain[2].ema.state_dict().values()],
+                        [*safe[0].parameters(), *safe[2].ema.state_dict().values()]):
+            assert torch.equal(x, y), it
