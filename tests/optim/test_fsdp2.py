@@ -164,3 +164,46 @@ def test_fully_sharded_run_matches_one_process_on_the_whole_batch(backend, tmp_p
         for k, v in got["params_after"].items():
             torch.testing.assert_close(got["params_resumed"][k], v, rtol=0, atol=0)
 
+
+
+def _hsdp_worker(rank: int, root: str) -> None:
+    """HSDP: 4 ranks, 2 replicas of a model sharded over 2 (``Replicate(), Shard(0)``)."""
+    dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank, world_size=4)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _model()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fsdp.fully_shard(layer, mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
+        opt = trainfuse.FusedAdamW(model.parameters(), lr=LR, weight_decay=0.1, max_grad_norm=MAX_NORM)
+        norms = []
+        quarter = 2 * BATCH // 4
+        for step in range(STEPS):
+            x, y = _batch(step)
+            mine = slice(rank * quarter, (rank + 1) * quarter)
+            _loss(model, x[mine], y[mine]).backward()
+            opt.step()
+            opt.zero_grad()
+            norms.append(opt.grad_norm.clone())
+        group = opt.engine.plans.index.shard_group
+        out = {"norms": norms, "params": _full(dict(model.named_parameters())),
+               "group_size": dist.get_world_size(group), "placements": str(model[0].weight.placements)}
+        torch.save(out, os.path.join(root, f"hsdp{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hybrid_sharding_clips_by_the_norm_over_one_replica(tmp_path, monkeypatch):
+    """HSDP's replicas hold the same averaged grads: the norm sums the shards of the shard
+    dimension only (a sum over all 4 ranks would count every grad twice)."""
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
+    mp.spawn(_hsdp_worker, args=(str(tmp_path),), nprocs=4, join=True)
+    ref = _reference()
+    tol = {"rtol": 2e-5, "atol": 2e-6}
+    for rank in range(4):
+        got = torch.load(tmp_path / f"hsdp{rank}.pt")
+        assert got["group_size"] == 2 and "Replicate" in got["placements"] and "Shard" in got["placements"]
+        torch.testing.assert_close(torch.stack(got["norms"]), ref["norms"][:STEPS], **tol)
+        for k, want in ref["params"].items():
+            torch.testing.assert_close(got["params"][k], want, **tol)
