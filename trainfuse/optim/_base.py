@@ -58,9 +58,10 @@ class FusedOptimizer(Optimizer):
     wide16: bool
     # Set once the constructor has validated the first groups; later groups are checked on add.
     _hparams_checked = False
-    # The process group whose ranks each hold a shard of the params (FSDP): set it, and the
-    # clipping norm of ``max_grad_norm`` and GradScaler's inf check cover every rank's grads (one
-    # all-reduce on the device, no host sync). Not carried by copies or pickles.
+    # The process group whose ranks each hold a shard of the params (FSDP's flat shards): set it,
+    # and the clipping norm of ``max_grad_norm`` and GradScaler's inf check cover every rank's
+    # grads (one all-reduce on the device, no host sync). DTensor params (FSDP2) need none: their
+    # mesh names the group. Not carried by copies or pickles.
     shard_group: Any = None
     # Graph-safe steps (see prepare_step): every value a step's launches read from the host is in
     # device memory instead, so a step captured in a CUDA graph replays as later steps.
@@ -340,16 +341,11 @@ class FusedOptimizer(Optimizer):
             self.ema_weight = None
 
     def prepare_step(self) -> None:
-        """The host part of the next step, for a graph-safe optimizer (``graph_safe = True``):
-        count the attached EMA's update, then write its weight and the groups' current
-        hyperparameters (lr from a scheduler or warmup, momentum...) into the device memory the
-        launches read, without a sync. ``step()`` and ``scaled_step()`` then only launch kernels,
-        so a step captured in a CUDA graph, replayed after this call, is the next step.
-
-        A replay repeats the captured launches on the addresses they were captured with: the
-        grads must stay where they were (views of buffers kept across steps) and the tables must
-        hold (``engine.plans``' ``generation`` unchanged: no param group, state or param storage
-        changed since the capture)."""
+        """Graph-safe optimizers (``graph_safe = True``): the host part of the next step. Counts
+        the EMA update and writes its weight and the groups' hyperparameters into the device
+        memory the launches read (no sync), so a step captured in a CUDA graph and replayed after
+        this is the next step, while the grads stay where they were and the tables hold
+        (``engine.plans.generation`` unchanged; docs/design/engine.md, "Graph-safe steps")."""
         if not self.graph_safe:
             raise RuntimeError(f"{type(self).__name__}.prepare_step: set graph_safe = True first (the "
                                "launches then read the EMA weight from device memory)")
