@@ -96,6 +96,19 @@ def _worker(rank: int, root: str, backend: str) -> None:
         except ValueError as e:
             out["mixed_error"] = str(e)
 
+        # torch's own AdamW on the same DTensor params (fused on CUDA, foreach on the CPU), clipped by
+        # DTensor's clip_grad_norm_
+        twin = _sharded(device)
+        theirs = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=0.1, fused=device.type == "cuda")
+        for step in range(STEPS):
+            x, y = _batch(step)
+            mine = slice(rank * BATCH, (rank + 1) * BATCH)
+            _loss(twin, x[mine].to(device), y[mine].to(device)).backward()
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), MAX_NORM)
+            theirs.step()
+            theirs.zero_grad()
+        out["torch_params"] = _full(dict(twin.named_parameters()))
+
         # a sharded state dict round trip: a new model and optimizer resume as the first goes on
         saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
         out["after"] = _train(model, opt, rank, range(STEPS, STEPS + 2), device)
@@ -160,6 +173,8 @@ def test_fully_sharded_run_matches_one_process_on_the_whole_batch(backend, tmp_p
             for k, want in ref[name].items():
                 torch.testing.assert_close(got[name][k], want, **tol,
                                            msg=lambda m, k=k, n=name: f"{n} {k}: {m}")
+        for k, v in got["torch_params"].items():  # torch's AdamW on the same DTensors
+            torch.testing.assert_close(got["params"][k], v, **tol, msg=lambda m, k=k: f"torch AdamW {k}: {m}")
         torch.testing.assert_close(torch.stack(got["resumed"]), torch.stack(got["after"]), rtol=0, atol=0)
         for k, v in got["params_after"].items():
             torch.testing.assert_close(got["params_resumed"][k], v, rtol=0, atol=0)
