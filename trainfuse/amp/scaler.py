@@ -73,21 +73,35 @@ class GradScaler(torch.amp.GradScaler):
         programs has read the scale the step divides by. Elsewhere (and for growth or backoff
         factors that are not exact in float32, which torch multiplies in float64) it calls the
         two methods. ``update(new_scale)`` has no counterpart here: call the two methods."""
-        if (self._enabled and not args and not kwargs and isinstance(optimizer, FusedOptimizer)
-                and _float32_exact(self._growth_factor) and _float32_exact(self._backoff_factor)
-                and self._scale is not None):
-            states = self._per_optimizer_states
-            if not states or (len(states) == 1 and id(optimizer) in states
-                              and states[id(optimizer)]["stage"] is OptState.READY):
-                update = (self._growth_tracker, self._growth_factor, self._backoff_factor,
-                          self._growth_interval)
-                if (self._scale.dtype == torch.float32 and self._growth_tracker.dtype == torch.int32
-                        and optimizer.scaled_step(self._scale, update)):
-                    self._per_optimizer_states.clear()  # what update() leaves: no optimizer seen
-                    return None
+        fused = None if args or kwargs else self.fused_update(optimizer)
+        if fused is not None and optimizer.scaled_step(*fused):
+            self._per_optimizer_states.clear()  # what update() leaves: no optimizer seen
+            return None
         retval = self.step(optimizer, *args, **kwargs)
         self.update()
         return retval
+
+    def fused_update(self, optimizer: torch.optim.Optimizer) -> tuple | None:
+        """``(scale, update)`` for ``optimizer.scaled_step`` where :meth:`step_and_update` runs as
+        the fused optimizer's two launches (``update``: the growth tracker, growth and backoff
+        factors, growth interval), or None where it calls ``step`` then ``update``."""
+        if not (self._enabled and isinstance(optimizer, FusedOptimizer) and self._scale is not None
+                and _float32_exact(self._growth_factor) and _float32_exact(self._backoff_factor)
+                and self._scale.dtype == torch.float32 and self._growth_tracker.dtype == torch.int32):
+            return None
+        states = self._per_optimizer_states
+        if states and not (len(states) == 1 and id(optimizer) in states
+                           and states[id(optimizer)]["stage"] is OptState.READY):
+            return None
+        return self._scale, (self._growth_tracker, self._growth_factor, self._backoff_factor,
+                             self._growth_interval)
+
+
+    def device_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(scale, growth tracker)``: the device tensors the fused step reads and updates in
+        place (None before the first ``scale()``). A graph captured around ``step_and_update``
+        holds them; ``load_state_dict`` may replace them."""
+        return self._scale, self._growth_tracker
 
 
 def _float32_exact(x: float) -> bool:

@@ -13,6 +13,6 @@ from trainfuse.clients.report import OFF, ON, SKIPPED, SWAPPED, Report, Row, Ski
 from trainfuse.clients.scaler import fused_scaler, hand_back_scaler
 from trainfuse.clients.swap import repoint_schedulers, sparse_grad_params, swap_optimizer, why_not_swappable
 
-__all__ = ["OFF", "ON", "SKIPPED", "SWAPPED", "CastState", "FlatGrads", "Report", "Row", "SkipError",
-           "format_rows", "fused_scaler", "hand_back_scaler", "repoint_schedulers", "sparse_grad_params",
-           "swap_optimizer", "why_not_swappable"]
+__all__ = ["OFF", "ON", "SKIPPED", "SWAPPED", "CastState", "FlatGrads", "Report",
+           "Row", "SkipError", "format_rows", "fused_scaler", "hand_back_scaler", "repoint_schedulers",
+           "sparse_grad_params", "swap_optimizer", "why_not_swappable"]

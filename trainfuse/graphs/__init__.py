@@ -1,10 +1,13 @@
-"""CUDA graphs for training: whole steps captured per input shape (:class:`CapturedStep`), or a
-module's forward and backward inside an eager step (:class:`GraphedModule`), with eager fallback."""
+"""CUDA graphs for training: whole steps captured per input shape (:class:`CapturedStep`), a
+module's forward and backward inside an eager step (:class:`GraphedModule`), or a fused
+optimizer's phase (:class:`GraphedOptimizerStep`), with eager fallback."""
 
 from trainfuse.graphs.cache import Action, ShapeCache
 from trainfuse.graphs.module import GraphedModule
+from trainfuse.graphs.optimizer_step import GraphedOptimizerStep
 from trainfuse.graphs.pool import GraphPool
 from trainfuse.graphs.stats import StepStats
 from trainfuse.graphs.step import CapturedStep
 
-__all__ = ["Action", "CapturedStep", "GraphPool", "GraphedModule", "ShapeCache", "StepStats"]
+__all__ = ["Action", "CapturedStep", "GraphPool", "GraphedModule", "GraphedOptimizerStep", "ShapeCache",
+           "StepStats"]

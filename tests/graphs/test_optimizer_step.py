@@ -1,0 +1,81 @@
+"""GraphedOptimizerStep: GradScaler's step_and_update on a graph-safe fused optimizer, eager until
+what a graph would hold is stable, then captured once and replayed. Against the same optimizer
+stepping the usual way, bit for bit, over steps whose lr and EMA weight change every time, with
+GradScaler's skipped steps; on a GPU a param's storage moved mid-run drops the graph and a later
+call captures again. Off CUDA every call runs eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainfuse
+from tests._helpers import set_scaled_twin_grads
+from trainfuse.amp import GradScaler
+from trainfuse.graphs import GraphedOptimizerStep
+from trainfuse.optim import FusedEMA
+
+STEPS = 8
+
+
+def _run(device, graphed: bool):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 5))
+    net = net.to(device)
+    opt = trainfuse.FusedAdamW(net.parameters(), lr=0.01, weight_decay=0.05, max_grad_norm=0.5)
+    ema = FusedEMA(net, decay=0.9, tau=3.0)
+    opt.attach_ema(ema)
+    scaler = GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    return net, opt, ema, scaler, (GraphedOptimizerStep(opt, scaler) if graphed else None)
+
+
+def _train(device, move_at: int | None = None):
+    plain, graphed = _run(device, False), _run(device, True)
+    kept = [torch.zeros_like(p) for p in graphed[0].parameters()]  # the grads stay where they are
+    for it in range(STEPS):
+        if it == move_at:  # a param's storage moves (in both runs): the graph must not be replayed
+            for net in (plain[0], graphed[0]):
+                net[0].weight.data = net[0].weight.data.clone()
+        ours, theirs = list(plain[0].parameters()), list(graphed[0].parameters())
+        set_scaled_twin_grads(ours, theirs, plain[3], graphed[3], it)
+        for p, k in zip(graphed[0].parameters(), kept):
+            p.grad = k.copy_(p.grad)
+        for opt in (plain[1], graphed[1]):
+            for g in opt.param_groups:
+                g["lr"] = 0.002 * (1 + it)  # a warmup: the hyperparameter table changes every step
+        plain[3].step_and_update(plain[1])
+        graphed[4]()
+        assert plain[2].updates == graphed[2].updates == it + 1
+        assert plain[3].state_dict() == graphed[3].state_dict(), it
+        for x, y in zip([*plain[0].parameters(), *plain[2].ema.state_dict().values()],
+                        [*graphed[0].parameters(), *graphed[2].ema.state_dict().values()]):
+            assert torch.equal(x, y), it
+    return graphed[4]
+
+
+def test_off_cuda_every_call_runs_eagerly_and_equals_the_usual_steps(kernels, device):
+    if device.type == "cuda":
+        pytest.skip("the CPU path; the GPU test below captures")
+    phase = _train(device)
+    assert (phase.eager, phase.captures, phase.replays) == (STEPS, 0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_once_replayed_and_captured_again_after_a_param_moved():
+    phase = _train(torch.device("cuda"), move_at=5)
+    # step 0: eager (the tables built); 1: captured + replayed; 2-4: replayed; 5: the moved param,
+    # eager (the tables rebuilt); 6: captured again + replayed; 7: replayed
+    assert (phase.eager, phase.captures, phase.replays) == (2, 2, STEPS - 2), vars(phase)
+
+
+def test_refuses_what_it_cannot_graph(device):
+    net = torch.nn.Linear(3, 2).to(device)
+    fused = trainfuse.FusedAdamW(net.parameters())
+    with pytest.raises(TypeError, match="fused optimizer"):
+        GraphedOptimizerStep(torch.optim.AdamW(net.parameters()), GradScaler(device.type))
+    with pytest.raises(TypeError, match="trainfuse.amp.GradScaler"):
+        GraphedOptimizerStep(fused, torch.amp.GradScaler(device.type))
+    phase = GraphedOptimizerStep(fused, GradScaler(device.type))
+    assert fused.graph_safe
+    phase.close()
+    assert not fused.graph_safe
