@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,3 +68,23 @@ def cuda_kernel_names(fn: Callable[..., Any], *args: Any) -> list[str]:
         fn(*args)
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def spawn_two_ranks(worker: Callable[..., None], root: str, backend: str, monkeypatch) -> None:
+    """Run ``worker(rank, root, "gloo" or "nccl")`` in 2 processes for a test parametrized over
+    ``backend``: ``torch`` (gloo, torch's path), ``triton`` (gloo, the kernels through the
+    interpreter: skipped where it is off) or ``nccl`` (2 GPUs, the compiled kernels, NVLink
+    multicast off: skipped with fewer). The spawned ranks inherit ``TRAINFUSE_BACKEND``."""
+    import torch.multiprocessing as mp
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors reach the kernels through the interpreter only; "
+                    "the 2-GPU NCCL run covers the compiled kernels")
+    if backend == "nccl":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs 2 GPUs")
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+        monkeypatch.delenv("TRAINFUSE_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("TRAINFUSE_BACKEND", backend)
+    mp.spawn(worker, args=(root, "nccl" if backend == "nccl" else "gloo"), nprocs=2, join=True)

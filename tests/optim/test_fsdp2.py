@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import trainfuse
+from tests._helpers import spawn_two_ranks
 from trainfuse.optim import FusedEMA
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -148,17 +149,7 @@ def _reference() -> dict:
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "nccl"])
 def test_fully_sharded_run_matches_one_process_on_the_whole_batch(backend, tmp_path, monkeypatch):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU tensors reach the kernels through the interpreter only; "
-                    "the 2-GPU NCCL run covers the compiled kernels")
-    if backend == "nccl":
-        if torch.cuda.device_count() < 2:
-            pytest.skip("needs 2 GPUs")
-        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
-        monkeypatch.delenv("TRAINFUSE_BACKEND", raising=False)  # the compiled kernels
-    else:
-        monkeypatch.setenv("TRAINFUSE_BACKEND", backend)  # inherited by the spawned ranks
-    mp.spawn(_worker, args=(str(tmp_path), "nccl" if backend == "nccl" else "gloo"), nprocs=2, join=True)
+    spawn_two_ranks(_worker, str(tmp_path), backend, monkeypatch)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     ref = _reference()
     tol = {"rtol": 2e-5, "atol": 2e-6}

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import trainfuse
+from tests._helpers import spawn_two_ranks
 from trainfuse.amp import clip_grad_norm_
 
 SHAPES = [(7, 5), (33,), (4, 4, 3), (1,), (64,), (3, 17)]
@@ -83,17 +83,7 @@ def _reference() -> dict:
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "nccl"])
 def test_two_ranks_clip_like_one_process_over_all_tensors(backend, tmp_path, monkeypatch):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU tensors reach the kernels through the interpreter only; "
-                    "the 2-GPU NCCL run covers the compiled kernels")
-    if backend == "nccl":
-        if torch.cuda.device_count() < 2:
-            pytest.skip("needs 2 GPUs")
-        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
-        monkeypatch.delenv("TRAINFUSE_BACKEND", raising=False)  # the compiled kernels
-    else:
-        monkeypatch.setenv("TRAINFUSE_BACKEND", backend)  # inherited by the spawned ranks
-    mp.spawn(_worker, args=(str(tmp_path), "nccl" if backend == "nccl" else "gloo"), nprocs=2, join=True)
+    spawn_two_ranks(_worker, str(tmp_path), backend, monkeypatch)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     ref = _reference()
     tol = {"rtol": 1e-5, "atol": 1e-6}
