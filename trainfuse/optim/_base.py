@@ -12,7 +12,6 @@ state_dict live here and in the driver.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch.optim.optimizer import Optimizer
 
 from trainfuse._multi_tensor.tables import conform, same_layout
 from trainfuse._runtime import compat
+from trainfuse.optim.clip_settings import ClipSettings
 from trainfuse.optim.engine import MultiTensorEngine
 from trainfuse.optim.tracked import ParamList, StateDict
 
@@ -41,7 +41,7 @@ def _as_float(value: float | torch.Tensor) -> float:
     return float(value.detach().cpu()) if isinstance(value, torch.Tensor) else float(value)
 
 
-class FusedOptimizer(Optimizer):
+class FusedOptimizer(ClipSettings, Optimizer):
     """Base class: a ``torch.optim.Optimizer`` whose step is one multi-tensor kernel launch.
 
     ``engine`` is its step driver (:class:`~trainfuse.optim.engine.MultiTensorEngine`, whose
@@ -163,34 +163,6 @@ class FusedOptimizer(Optimizer):
         return self.state_keys(group), bool(group.get("master_weights"))
 
     # ---- gradient clipping, masters, EMA ------------------------------------------------------
-    def check_clipping(self) -> None:
-        """Raise a ValueError naming the argument for a ``max_grad_value`` that is not a number
-        >= 0 (NaN, negative, not a number), or for ``max_grad_norm`` and ``max_grad_value`` both
-        set. Runs at construction and, since both are plain attributes, again when one changed."""
-        name, value = type(self).__name__, self.max_grad_value
-        if value is None:
-            return
-        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value >= 0.0:
-            raise ValueError(f"{name}: max_grad_value must be a number >= 0 (inf: nothing is clipped) "
-                             f"or None, got {value!r}")
-        if self.max_grad_norm is not None:
-            raise ValueError(f"{name}: max_grad_norm={self.max_grad_norm} and max_grad_value={value} are "
-                             "both set; clip by norm or by value, not both")
-
-    def clip_value_on(self, device: torch.device) -> torch.Tensor:
-        """``max_grad_value`` as the 1-element float32 tensor on ``device`` that the update kernel
-        clamps the unscaled grads with: made once per device, refilled in place (after
-        :meth:`check_clipping`) when either clipping attribute changed since the last step."""
-        value = self.max_grad_value
-        cached = self._clip_values.get(device)
-        if cached is not None and cached[0] == value and self.max_grad_norm is None:
-            return cached[1]
-        self.check_clipping()
-        bound = torch.empty(1, dtype=torch.float32, device=device) if cached is None else cached[1]
-        bound.fill_(float(value))
-        self._clip_values[device] = (value, bound)
-        return bound
-
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm the last step clipped with (``max_grad_norm``): a device
