@@ -87,6 +87,14 @@ def _worker(rank: int, root: str, backend: str) -> None:
         out["params"] = _full(dict(model.named_parameters()))
         out["ema"] = _full(dict(ema.ema.named_parameters()))
         out["plan"] = opt.engine.plans.get(device) is not None
+        # GradScaler's fused step_and_update updates the scale from this rank's inf flag alone:
+        # refused for sharded params from the very first step (found_inf is combined first)
+        fresh = trainfuse.FusedAdamW(model.parameters(), lr=LR)
+        x, y = _batch(0)
+        _loss(model, x[:BATCH].to(device), y[:BATCH].to(device)).backward()
+        tracker = torch.zeros(1, dtype=torch.int32, device=device)
+        out["scaled_first"] = fresh.scaled_step(torch.ones(1, device=device), (tracker, 2.0, 0.5, 2000))
+        model.zero_grad()
         mesh = weight.device_mesh  # a replicated param beside sharded ones: a clear error
         odd = nn.Parameter(dist.tensor.distribute_tensor(torch.zeros(4, device=device), mesh,
                                                           [dist.tensor.Replicate()]))
@@ -158,6 +166,7 @@ def test_fully_sharded_run_matches_one_process_on_the_whole_batch(backend, tmp_p
     for got in ranks:
         assert "param 1 (shape (4,))" in got["mixed_error"] and "fully_shard" in got["mixed_error"]
         assert got["state_is_sharded"] == "DTensor"  # saved sharded, like the model
+        assert got["scaled_first"] is False
         assert got["plan"] == (backend != "torch")  # the kernels ran on the local shards
         torch.testing.assert_close(torch.stack(got["norms"]), ref["norms"][:STEPS], **tol)
         for name in ("params", "ema", "params_after"):

@@ -127,6 +127,7 @@ class MultiTensorEngine:
         this engine cannot (params on several devices or on the torch path, sharded params, no
         gradient at all): the caller then steps and updates as torch does."""
         client = self.client
+        self.plans.current_index()  # the index names a DTensor model's shard group
         if self._shard_group() is not None:  # found_inf must be combined over the group first
             return False
         found = self._kernel_plan()
