@@ -70,6 +70,19 @@ def cuda_kernel_names(fn: Callable[..., Any], *args: Any) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def join_two_ranks(rank: int, root: str, backend: str) -> torch.device:
+    """In a rank :func:`spawn_two_ranks` started: join the 2-process group (rendezvous in folder
+    ``root``) and return this rank's device (the CPU under gloo, GPU ``rank`` under NCCL, made
+    current)."""
+    import torch.distributed as dist
+
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{root}/init", rank=rank, world_size=2)
+    return device
+
+
 def spawn_two_ranks(worker: Callable[..., None], root: str, backend: str, monkeypatch) -> None:
     """Run ``worker(rank, root, "gloo" or "nccl")`` in 2 processes for a test parametrized over
     ``backend``: ``torch`` (gloo, torch's path), ``triton`` (gloo, the kernels through the

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import trainfuse
-from tests._helpers import spawn_two_ranks
+from tests._helpers import join_two_ranks, spawn_two_ranks
 from trainfuse.optim import FusedEMA
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -70,10 +70,7 @@ def _full(tensors: dict) -> dict:
 
 
 def _worker(rank: int, root: str, backend: str) -> None:
-    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{root}/init", rank=rank, world_size=2)
+    device = join_two_ranks(rank, root, backend)  # results are saved on the CPU
     try:
         out = {}
         model = _sharded(device)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import trainfuse
-from tests._helpers import spawn_two_ranks
+from tests._helpers import join_two_ranks, spawn_two_ranks
 from trainfuse.amp import clip_grad_norm_
 
 SHAPES = [(7, 5), (33,), (4, 4, 3), (1,), (64,), (3, 17)]
@@ -32,11 +32,7 @@ def _mine(items: list, rank: int) -> list:
 
 
 def _worker(rank: int, root: str, backend: str = "gloo") -> None:
-    # gloo: CPU tensors; nccl: rank r's tensors on GPU r, results saved on the CPU
-    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{root}/init", rank=rank, world_size=2)
+    device = join_two_ranks(rank, root, backend)  # results are saved on the CPU
     try:
         out = {}
         group = dist.group.WORLD
