@@ -58,11 +58,11 @@ def replay(pair: GraphPair, x: torch.Tensor, pending: PendingBackward | None = N
 
 def test_a_pair_is_built_by_keyword_only():
     fields = [f.name for f in dataclasses.fields(GraphPair)]
-    assert len(fields) == 13
+    assert len(fields) == 14
     with pytest.raises(TypeError):
         GraphPair(*[None] * len(fields))
     pair = GraphPair(**{name: None for name in fields})
-    assert pair.kept is None and pair.saved is None
+    assert pair.kept is None and pair.saved is None and pair.on_backward is None
 
 
 def test_pairs_are_hashed_by_identity():

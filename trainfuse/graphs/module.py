@@ -31,6 +31,14 @@ accumulation). Params that get no grad keep theirs as it is (None stays None). T
 own multi-tensor kernel in the graph, as autograd's AccumulateGrad adds per param; modules that
 fuse it into their weight-grad kernel eagerly (FusedMLP) round the sum once less there.
 
+**Gradient sync.** Under data parallelism the caller may pass ``sync`` (:class:`BackwardSync`),
+which says per call whether this backward ends the step's accumulation (``sync.active()``, part of
+the key: such calls get graphs of their own). Those backwards are captured with a hook on every
+leaf, which hands each grad to ``sync.start(...)``'s launch as autograd produces it, so the launch
+can add a bucket of grads in and start its all-reduce while the rest of the backward runs; the
+launch's ``finish()`` joins them before the graph ends. A replay of such a backward tells the caller
+(``sync.replayed()``) that the step's grads are reduced.
+
 **Memory.** The graphs allocate from a :class:`GraphPool`, the module's own or one shared with the
 other graphed modules of the step (what keeps sharing safe is in its docstring). The allocator's
 cache is emptied before a capture, so that blocks cached by earlier eager steps do not sit beside
@@ -54,11 +62,12 @@ A backward through a replay must be a plain ``backward()``: ``create_graph=True`
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import types
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -71,6 +80,36 @@ from trainfuse.graphs.sync import captured, side_stream
 from trainfuse.graphs.tree import flatten, reached_leaves, unflatten
 
 _state = threading.local()  # .depth: graphed calls and captures running in this thread
+
+
+def _hand_over(launch: BackwardLaunch, position: int, grad: torch.Tensor) -> None:
+    launch.ready(position, grad)  # a leaf's hook: returns None, so autograd keeps the grad as it is
+
+
+class BackwardLaunch(Protocol):
+    """One backward's gradient sync (see :class:`BackwardSync`)."""
+
+    positions: frozenset[int]  # the leaves (positions in the backward's list) it adds in itself
+
+    def ready(self, position: int, grad: torch.Tensor) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class BackwardSync(Protocol):
+    """What a data-parallel caller gives a :class:`GraphedModule` to reduce grads inside its
+    backward graphs (:class:`trainfuse.clients.GradBuckets` behind a client's change)."""
+
+    def active(self) -> bool:
+        """Whether the call now starting ends the step's accumulation (its backward reduces)."""
+
+    def start(self, leaves: list[torch.Tensor], kept: list[torch.Tensor],
+              zero: bool) -> BackwardLaunch | None:
+        """A launch for a backward over ``leaves`` into ``kept`` (written with ``zero``, else
+        added), or None when it cannot reduce them all (the backward then reduces nothing)."""
+
+    def replayed(self) -> None:
+        """A backward that reduced the grads was replayed."""
 
 
 class _Inside:
@@ -99,11 +138,13 @@ class GraphedModule(LedgerReports):
         grads: the kept grad of a param, where the caller owns it (a view of a flat buffer for
             one all-reduce, :class:`trainfuse.clients.FlatGrads`), or None to let the graphs
             allocate one.
+        sync: the gradient sync of a data-parallel caller (see the module docstring), or None.
     """
 
     def __init__(self, module: nn.Module, *, max_graphs: int = 8, name: str = "module",
                  pool: GraphPool | None = None,
-                 grads: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
+                 grads: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 sync: BackwardSync | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"GraphedModule: module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
@@ -116,6 +157,7 @@ class GraphedModule(LedgerReports):
         self._anchor: torch.Tensor | None = None
         self._kept: dict[int, torch.Tensor] = {}
         self._grads = grads
+        self._sync = sync
         self._watched = list(module.parameters()) + list(module.buffers())
         self._layout = self._signature()
 
@@ -162,7 +204,8 @@ class GraphedModule(LedgerReports):
             self._layout = self._signature()
         device = tensors[0].device
         ledger.device = device
-        key = (structure, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+        reduce = self._sync is not None and self._sync.active()
+        key = (structure, reduce, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
                tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors))
         try:
             hash(key)
@@ -172,7 +215,7 @@ class GraphedModule(LedgerReports):
             return self._original(*args, **kwargs)
         action, pair = ledger.lookup(key)
         if action is Action.CAPTURE:
-            pair = self._capture(key, structure, tensors, device)
+            pair = self._capture(key, structure, tensors, device, reduce)
         if pair is not None:
             return self._replay(pair, tensors)
         ledger.ran_eagerly()
@@ -197,7 +240,7 @@ class GraphedModule(LedgerReports):
 
     # ---- capture ---------------------------------------------------------------------------------
     def _capture(self, key: Hashable, structure: Hashable, tensors: list[torch.Tensor],
-                 device: torch.device) -> GraphPair | None:
+                 device: torch.device, reduce: bool) -> GraphPair | None:
         """Capture the key's three graphs; on failure mark it eager and return None (no kernel of
         the forward ran)."""
         ledger = self._ledger
@@ -215,7 +258,7 @@ class GraphedModule(LedgerReports):
                     s.copy_(x.detach())  # a leaf: the backward must not reach into the caller's graph
                     s.requires_grad_(x.requires_grad)
                 args, kwargs = unflatten(structure, iter(static))
-                pair = self._capture_on_side(args, kwargs, static, current)
+                pair = self._capture_on_side(args, kwargs, static, current, reduce)
         except Exception as e:
             ledger.capture_failed(key, e)
             return None
@@ -232,7 +275,7 @@ class GraphedModule(LedgerReports):
         return pair
 
     def _capture_on_side(self, args: tuple, kwargs: dict, static: list[torch.Tensor],
-                         current: torch.cuda.Stream) -> GraphPair:
+                         current: torch.cuda.Stream, reduce: bool) -> GraphPair:
         enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
         pool = self._ledger.pool.handle()
         with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
@@ -253,9 +296,20 @@ class GraphedModule(LedgerReports):
         # another stream before it, kept alive by a live graph, would join that stream to the
         # capture and break it), and the graph adds the grads into the kept tensors itself
         def backward(zero: bool) -> tuple[list[bool], tuple[torch.Tensor | None, ...]]:
-            grads = torch.autograd.grad(differentiable, reached + wanted, grad_outputs,
-                                        retain_graph=True, allow_unused=True)
-            written = [(k, g) for k, g in zip(kept, grads) if g is not None]
+            launch = self._sync.start(reached, kept, zero) if reduce else None
+            handled = frozenset() if launch is None else launch.positions
+            hooks = [reached[i].register_hook(functools.partial(_hand_over, launch, i)) for i in handled]
+            try:
+                grads = torch.autograd.grad(differentiable, reached + wanted, grad_outputs,
+                                            retain_graph=True, allow_unused=True)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            if launch is not None:
+                launch.finish()
+                synced.append(True)
+            written = [(k, g) for i, (k, g) in enumerate(zip(kept, grads))
+                       if g is not None and i not in handled]
             if written:
                 into, values = map(list, zip(*written))
                 (torch._foreach_copy_ if zero else torch._foreach_add_)(into, values)
@@ -264,6 +318,7 @@ class GraphedModule(LedgerReports):
                 next(got) if s.requires_grad else None for s in static)
 
         add = zero = None
+        synced: list[bool] = []
         used = [False] * len(reached)
         input_grads_add = input_grads_zero = (None,) * len(static)
         if differentiable:
@@ -275,7 +330,8 @@ class GraphedModule(LedgerReports):
                          grad_index=grad_index, grad_outputs=tuple(grad_outputs),
                          input_grads_add=input_grads_add, input_grads_zero=input_grads_zero,
                          reached=tuple(t for t, _ in written), kept=tuple(k for _, k in written),
-                         saved=tuple(differentiable))
+                         saved=tuple(differentiable),
+                         on_backward=self._sync.replayed if synced else None)
 
     def _kept_for(self, leaf: torch.Tensor) -> torch.Tensor:
         kept = self._kept.get(id(leaf))

@@ -7,7 +7,7 @@ and the op's backward replays a backward graph into the params' kept grads.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -33,6 +33,7 @@ class GraphPair:
     kept: tuple[torch.Tensor, ...]  # their kept grads
     saved: tuple[torch.Tensor, ...]  # the captured outputs with their autograd graph: what the
     # forward saves for the backward stays allocated in the pool (see GraphPool)
+    on_backward: Callable[[], None] | None = None  # told after each backward replay (a gradient sync)
 
     def replay_forward(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Copy ``tensors`` into the static inputs, replay the forward: clones of its outputs."""
@@ -67,13 +68,17 @@ class GraphPair:
             p.grad = kept
         if len(none) == len(self.kept):
             self.backward_zero.replay()
-            return self.input_grads_zero
-        if none:
-            torch._foreach_zero_(none)
-        for kept, g in foreign:
-            kept.copy_(g)
-        self.backward_add.replay()
-        return self.input_grads_add
+            input_grads = self.input_grads_zero
+        else:
+            if none:
+                torch._foreach_zero_(none)
+            for kept, g in foreign:
+                kept.copy_(g)
+            self.backward_add.replay()
+            input_grads = self.input_grads_add
+        if self.on_backward is not None:
+            self.on_backward()
+        return input_grads
 
 
 class PendingBackward:
