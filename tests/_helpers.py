@@ -74,12 +74,18 @@ def join_two_ranks(rank: int, root: str, backend: str) -> torch.device:
     """In a rank :func:`spawn_two_ranks` started: join the 2-process group (rendezvous in folder
     ``root``) and return this rank's device (the CPU under gloo, GPU ``rank`` under NCCL, made
     current)."""
+    import datetime
+    import faulthandler
+
     import torch.distributed as dist
 
+    # a rank stuck in a collective ends the test with every thread's stack instead of hanging it
+    faulthandler.dump_traceback_later(float(os.environ.get("TRAINFUSE_TEST_RANK_TIMEOUT", 300)), exit=True)
     device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{root}/init", rank=rank, world_size=2)
+    dist.init_process_group(backend, init_method=f"file://{root}/init", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=100))
     return device
 
 

@@ -1,5 +1,6 @@
 """What the Lightning and ultralytics clients share: swapping a user's optimizer for its fused
-counterpart, the GradScaler swap, the state of fused casts, grads flat for one all-reduce, and the
+counterpart, the GradScaler swap, the state of fused casts, grads flat for one all-reduce (or a
+few buckets overlapping the backward), and the
 report rows that say what was changed and why not. A client only says when to do each; what each
 means is written here once.
 
@@ -9,10 +10,11 @@ Below both clients in the dependency order (``optim``, ``amp`` <- ``clients`` <-
 
 from trainfuse.clients.casts import CastState
 from trainfuse.clients.flat_grads import FlatGrads
+from trainfuse.clients.grad_buckets import BucketLaunch, GradBuckets
 from trainfuse.clients.report import OFF, ON, SKIPPED, SWAPPED, Report, Row, SkipError, format_rows
 from trainfuse.clients.scaler import fused_scaler, hand_back_scaler
 from trainfuse.clients.swap import repoint_schedulers, sparse_grad_params, swap_optimizer, why_not_swappable
 
-__all__ = ["OFF", "ON", "SKIPPED", "SWAPPED", "CastState", "FlatGrads", "Report",
-           "Row", "SkipError", "format_rows", "fused_scaler", "hand_back_scaler", "repoint_schedulers",
-           "sparse_grad_params", "swap_optimizer", "why_not_swappable"]
+__all__ = ["OFF", "ON", "SKIPPED", "SWAPPED", "BucketLaunch", "CastState", "FlatGrads", "GradBuckets",
+           "Report", "Row", "SkipError", "format_rows", "fused_scaler", "hand_back_scaler",
+           "repoint_schedulers", "sparse_grad_params", "swap_optimizer", "why_not_swappable"]

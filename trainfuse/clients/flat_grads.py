@@ -46,6 +46,7 @@ class FlatGrads:
         buffers: the flat buffers, one per (device, dtype), in the order the params first use them.
         grads: one view per param, in the order of ``params``; :meth:`attach` makes them the
             params' ``.grad``.
+        copied: how many grads the last :meth:`attach` copied in from other tensors.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
@@ -62,6 +63,7 @@ class FlatGrads:
             key = (p.device, p.dtype)
             offsets.append((key, sizes.get(key, 0)))
             sizes[key] = sizes.get(key, 0) + p.numel()
+        self.copied = 0
         self.buffers = {key: torch.zeros(n, device=key[0], dtype=key[1]) for key, n in sizes.items()}
         self.grads = []
         for p, (key, offset) in zip(self.params, offsets):
@@ -70,8 +72,9 @@ class FlatGrads:
 
     def attach(self) -> FlatGrads:
         """Make each view its param's ``.grad`` again: a grad another tensor holds is copied into
-        it, a None grad (``zero_grad(set_to_none=True)``) becomes zeros."""
+        it (:attr:`copied` counts them), a None grad (``zero_grad(set_to_none=True)``) becomes zeros."""
         emptied = []
+        self.copied = 0
         for p, g in zip(self.params, self.grads):
             if p.grad is g:
                 continue
@@ -79,6 +82,7 @@ class FlatGrads:
                 emptied.append(g)
             else:
                 g.copy_(p.grad)
+                self.copied += 1
             p.grad = g
         if emptied:
             torch._foreach_zero_(emptied)
