@@ -76,14 +76,26 @@ class Net(pl.LightningModule):
                  "ema": {k: v.detach().clone() for k, v in self.named_parameters()} if fused else None,
                  "report": [(r.kind, r.action) for r in fused[0].report] if fused else None,
                  "details": {r.kind: r.detail for r in fused[0].report} if fused else None,
-                 "replays": sum(s.replays for s in fused[0].graph_stats.values()) if fused else None}
+                 "replays": sum(s.replays for s in fused[0].graph_stats.values()) if fused else None,
+                 "overlapped": fused[0].overlapped_steps if fused else None}
         name = f"{self.tag}rank{self.global_rank}-of-{self.trainer.world_size}.pt"
         torch.save(state, os.path.join(self.out_dir, name))
 
 
+class WholeNet(Net):
+    """The same model with a ``forward`` that runs all of it: one graphed forward reaches every param."""
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return self.crit(self(x), y)
+
+
 def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, ckpt_path=None,
          accelerator: str = "cpu", graphs: bool = False, accumulate: int = 1,
-         precision: str = "32-true") -> None:
+         precision: str = "32-true", model: type[Net] = Net) -> None:
     saver = ([pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_epochs=1, save_top_k=-1,
                                            filename="{epoch}")] if ckpt_dir else [])
     trainer = pl.Trainer(accelerator=accelerator, devices=devices, precision=precision,
@@ -94,7 +106,7 @@ def _fit(out_dir, devices: int, epochs: int = 1, tag: str = "", ckpt_dir=None, c
                          callbacks=[FusedTraining(ema_decay=0.8, verbose=False, cuda_graphs=graphs), *saver])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck|does not have many workers).*")
-        trainer.fit(Net(str(out_dir), tag), ckpt_path=None if ckpt_path is None else str(ckpt_path))
+        trainer.fit(model(str(out_dir), tag), ckpt_path=None if ckpt_path is None else str(ckpt_path))
 
 
 def _load(path) -> dict:
@@ -139,6 +151,27 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(accelerator,
         for k, v in r["ema"].items():
             if torch.is_tensor(v):
                 torch.testing.assert_close(v, ema_one[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_graphed_backward_all_reduces_inside_the_replay_and_matches_one_process(accumulate, tmp_path,
+                                                                                 monkeypatch):
+    """A forward that reaches every param: the last micro-batch's replayed backward averages the
+    grads in buckets overlapping it, and the ranks end where one process does."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    for devices in (1, 2):
+        _fit(tmp_path, devices, epochs=3, accelerator="gpu", graphs=True, accumulate=accumulate,
+             model=WholeNet)
+    one = _load(tmp_path / "rank0-of-1.pt")
+    ranks = [_load(tmp_path / f"rank{r}-of-2.pt") for r in range(2)]
+    assert "buckets overlapping it" in ranks[0]["details"]["graphs"]
+    assert ranks[0]["overlapped"] >= 3 * STEPS // accumulate - 4, ranks[0]["overlapped"]  # all but eager ones
+    assert ranks[0]["overlapped"] == ranks[1]["overlapped"]
+    for k in one["params"]:
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
+    _close(one, ranks[0])
 
 
 def test_accumulation_all_reduces_once_per_step_and_matches_one_process(tmp_path):

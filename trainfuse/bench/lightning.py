@@ -271,6 +271,7 @@ def run(pl, workload: str, variant: str, steps: int, args, seed: int = 0) -> dic
         out["report"] = [r.__dict__ for r in callbacks[0].report]
     if variant == "graphs":
         out["graph_stats"] = {k: v.__dict__ for k, v in callbacks[0].graph_stats.items()}
+        out["overlapped_steps"] = callbacks[0].overlapped_steps
         out["graph_reasons"] = {k: {str(key): why for key, why in v.items()}
                                 for k, v in callbacks[0].graph_reasons.items()}
     return out

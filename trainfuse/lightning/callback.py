@@ -118,6 +118,7 @@ class FusedTraining(*_compat.callback_bases()):
         self.cuda_graphs = cuda_graphs
         self.report = Report("FusedTraining", strict)
         self._graphs: dict[str, GraphedModule] = {}
+        self._all_reduce: FlatAllReduce | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -132,6 +133,12 @@ class FusedTraining(*_compat.callback_bases()):
         """Per graphed module (``"forward"``: the LightningModule's own): its eager calls, replays,
         captures, failed captures and evictions, from the last fit (kept after it ends)."""
         return {name: g.stats for name, g in self._graphs.items()}
+
+    @property
+    def overlapped_steps(self) -> int:
+        """Under DDP with graphs, the optimizer steps of the last fit whose gradient all-reduce ran
+        inside the replayed backward, overlapping it (the others all-reduced after the backward)."""
+        return 0 if self._all_reduce is None else self._all_reduce.overlapped
 
     @property
     def graph_reasons(self) -> dict[str, dict]:
@@ -151,7 +158,7 @@ class FusedTraining(*_compat.callback_bases()):
         changes += [OptimizerSwap(), Clipping(self.log_grad_norm), ema, Casts(self.fuse_casts)]
         if run.precision == "16-mixed":
             changes.append(Scaler())
-        ddp = FlatAllReduce() if run.strategy == "ddp" else None
+        ddp = self._all_reduce = FlatAllReduce() if run.strategy == "ddp" else None
         if ddp is not None:
             changes.append(ddp)
         changes.append(Graphs(self.cuda_graphs, self._graphs, ddp))
@@ -222,6 +229,12 @@ class FusedTraining(*_compat.callback_bases()):
         """Make the changes of a resumed fit (its checkpoint is fully loaded now)."""
         if self._deferred and self._run is None:
             self._start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """A training batch begins: graphed DDP learns whether it ends the accumulation."""
+        for change in self._applied:
+            change.before_batch(self._run, batch_idx)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         """Before each training backward: eager DDP's grads go back into the flat buffer."""

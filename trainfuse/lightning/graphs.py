@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trainfuse._runtime import compat
-from trainfuse.graphs import GraphedModule, GraphPool
+from trainfuse.graphs import BackwardSync, GraphedModule, GraphPool
 from trainfuse.lightning import _compat
 
 
@@ -43,12 +43,13 @@ def graph_targets(pl_module: Any) -> list[tuple[str, nn.Module]]:
 
 
 def install(targets: list[tuple[str, nn.Module]],
-            grads: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> dict[str, GraphedModule]:
+            grads: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+            sync: BackwardSync | None = None) -> dict[str, GraphedModule]:
     """Put a GraphedModule in place of each target's forward, all with one memory pool (they run
-    on the step's stream, one after another); ``grads``: the kept grads the caller owns (see
-    :class:`~trainfuse.graphs.GraphedModule`)."""
+    on the step's stream, one after another); ``grads``: the kept grads the caller owns, ``sync``:
+    its gradient sync (see :class:`~trainfuse.graphs.GraphedModule`)."""
     pool = GraphPool()
-    return {name: GraphedModule.install(module, name=name, pool=pool, grads=grads)
+    return {name: GraphedModule.install(module, name=name, pool=pool, grads=grads, sync=sync)
             for name, module in targets}
 
 

@@ -97,6 +97,9 @@ class Change:
         fit that ran no training loop)."""
 
     # ---- while the fit runs --------------------------------------------------------------------
+    def before_batch(self, run: Run, batch_idx: int) -> None:
+        """A training batch begins (``on_train_batch_start``)."""
+
     def before_backward(self, run: Run) -> None:
         """A training backward is about to run, after the step's ``zero_grad``
         (``on_before_backward``)."""

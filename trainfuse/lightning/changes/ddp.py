@@ -16,16 +16,29 @@ size, sum), and every rank steps from the same grads.
 With the casts on (16-bit params with float32 masters in the optimizer) the buffer of the cast
 params is 16-bit, as their grads are, and so is its all-reduce, as DDP's over 16-bit params is.
 
-What differs from DDP: the all-reduce runs after the backward instead of overlapping with it, and
-it covers every trainable param each step (DDP with ``find_unused_parameters=True`` reduces only
-the ones a step used; an unused param gets zeros here).
+With ``cuda_graphs=True``, when one graphed module's backward reaches every trainable param (a
+LightningModule whose ``forward`` runs the whole model), the backward of the accumulation's last
+micro-batch is captured with the all-reduce inside it, in buckets of about 25 MB launched as the
+backward produces their grads (:class:`trainfuse.clients.GradBuckets`): the communication overlaps
+the rest of the backward, as DDP's does, and the replay leaves the grads averaged, so nothing is
+left to launch before the step. The last micro-batch is told by the batch index
+(``accumulate_grad_batches``, the epoch's last batch); a guess that is wrong costs an extra
+all-reduce, never a missing one (averaging twice changes nothing; the step's grads are averaged
+after the backward whenever its last backward did not reduce them).
+
+What differs from DDP: without graphs the all-reduce runs after the backward instead of
+overlapping with it, and it covers every trainable param each step (DDP with
+``find_unused_parameters=True`` reduces only the ones a step used; an unused param gets zeros here).
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
-from trainfuse.clients import ON, FlatGrads, Row
+import torch
+import torch.distributed as dist
+
+from trainfuse.clients import ON, FlatGrads, GradBuckets, Row
 from trainfuse.lightning.changes.base import Change, Run
 
 
@@ -51,6 +64,10 @@ class FlatAllReduce(Change):
         self.flat: FlatGrads | None = None
         self.graphed = False  # the Graphs change replays the backward into the views
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self._buckets: GradBuckets | None = None
+        self._boundary = True  # the batch now running ends the accumulation
+        self._reduced = False  # the step's last backward averaged the grads (a replayed graph)
+        self.overlapped = 0  # steps whose grads a replayed backward averaged
 
     def name(self, run: Run) -> str:
         return "all-reduce"
@@ -63,33 +80,65 @@ class FlatAllReduce(Change):
         self._views = {id(p): g for p, g in zip(self.flat.params, self.flat.grads)}
         self._ddp = run.trainer.strategy.model
         self._ddp.require_backward_grad_sync = False  # DDP's hooks stay idle: the all-reduce is ours
+        self._buckets = GradBuckets(self.flat)
+
+    # ---- the graphs' gradient sync (trainfuse.graphs.BackwardSync) -------------------------------
+    def active(self) -> bool:
+        """Whether the forward now running belongs to the accumulation's last micro-batch."""
+        return self._boundary
+
+    def start(self, leaves: list[torch.Tensor], kept: list[torch.Tensor], zero: bool):
+        """The bucketed all-reduce of a backward being captured (NCCL only: gloo cannot be captured)."""
+        if self._buckets is None or dist.get_backend(self.flat.group) != "nccl":
+            return None
+        return self._buckets.start(leaves, kept, zero)
+
+    def replayed(self) -> None:
+        self._reduced = True
+
+    def buckets(self) -> int:
+        """How many buckets a replayed backward all-reduces."""
+        return 0 if self._buckets is None else len(self._buckets.buckets)
 
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s grad in the flat buffer (the kept grad a graph accumulates into), or None."""
         return None if self.flat is None else self._views.get(id(param))
 
+    def before_batch(self, run: Run, batch_idx: int) -> None:
+        trainer = run.trainer
+        last = trainer.num_training_batches
+        self._boundary = ((batch_idx + 1) % trainer.accumulate_grad_batches == 0
+                          or (not math.isinf(last) and batch_idx + 1 >= last))
+
     def before_backward(self, run: Run) -> None:
+        self._reduced = False  # only the step's last backward counts
         # an eager backward then adds into the views in place: no fresh grads to copy in after it
         # (a replayed backward writes the views itself: the zeros would only make it add)
         if self.flat is not None and not self.graphed:
             self.flat.attach()
 
     def before_optimizer_step(self, run: Run, optimizer: torch.optim.Optimizer) -> None:
-        if self.flat is not None:
-            self.flat.attach()  # grads a backward made elsewhere (say, a custom hook) go into the buffer
-            self.flat.all_reduce(average=True)
+        if self.flat is None:
+            return
+        self.flat.attach()  # grads a backward made elsewhere (say, a custom hook) go into the buffer
+        if self._reduced and not self.flat.copied:  # None grads became zeros: zero on every rank
+            self.overlapped += 1
+            return
+        self.flat.all_reduce(average=True)
 
     def rows(self, run: Run) -> list[Row]:
         sizes = ", ".join(f"{b.numel() / 1e6:.1f}M {str(b.dtype).removeprefix('torch.')}"
                           for b in self.flat.buffers.values())
-        return [Row(self.kind, self.name(run), ON, f"DDP's reducer off: the grads averaged by one all-reduce "
-                    f"of one flat buffer ({sizes}) per optimizer step, after the backward")]
+        detail = (f"DDP's reducer off: the grads averaged by one all-reduce of one flat buffer ({sizes}) per "
+                  "optimizer step, after the backward")
+        return [Row(self.kind, self.name(run), ON, detail)]
 
     def restore(self, run: Run, *, failed: bool) -> None:
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True
             self._ddp = None
         self.flat = None  # the params keep the grads they hold (views of the buffer)
+        self._buckets = None
 
 
 __all__ = ["FlatAllReduce", "why_not_flat"]

@@ -53,15 +53,20 @@ class Graphs(Change):
         return None
 
     def apply(self, run: Run) -> None:
-        grads = self.ddp.grad_of if run.strategy == "ddp" else None
-        if grads is not None:
-            self.ddp.graphed = True
-        self.installed.update(graphs.install(graphs.graph_targets(run.module), grads=grads))
+        ddp = self.ddp if run.strategy == "ddp" else None
+        if ddp is not None:
+            ddp.graphed = True
+        self.installed.update(graphs.install(graphs.graph_targets(run.module),
+                                             grads=None if ddp is None else ddp.grad_of, sync=ddp))
 
     def rows(self, run: Run) -> list[Row]:
-        return [Row(self.kind, ", ".join(self.installed), ON, "forward + backward replayed from CUDA graphs "
-                    "per input shape (first batch of a shape eager, second captured); loss, logging, hooks "
-                    "and optimizer step eager")]
+        detail = ("forward + backward replayed from CUDA graphs per input shape (first batch of a shape "
+                  "eager, second captured); loss, logging, hooks and optimizer step eager")
+        if run.strategy == "ddp":
+            detail += (f"; a step's last backward replays with DDP's all-reduce inside it, in "
+                       f"{self.ddp.buckets()} buckets overlapping it, where one graphed forward reaches "
+                       "every param")
+        return [Row(self.kind, ", ".join(self.installed), ON, detail)]
 
     def restore(self, run: Run, *, failed: bool) -> None:
         graphs.uninstall(self.installed)
