@@ -6,8 +6,9 @@ in device memory: the tables, the hyperparameters, the EMA weight (written by
 and updated by the statistics pass). So ``scaler.step_and_update(optimizer)`` (unscale, inf check,
 clip, update, EMA, scale update: two launches) can be captured once and replayed.
 :class:`GraphedOptimizerStep` runs it eagerly while what a graph would hold keeps changing (the
-first call builds the tables), captures it on the first call that finds it unchanged, and replays
-it after that.
+first call builds the tables), captures it once two eager calls in a row left it unchanged (the
+kernels of a steady step compiled and loaded: nothing may compile or load inside a capture), and
+replays it after that.
 
 What a graph holds, compared before every replay: the engine's tables (``plans.generation``: a
 param group, the state, a param's storage), the params' and grads' addresses, the scaler's two
@@ -57,6 +58,7 @@ class GraphedOptimizerStep:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._held: tuple | None = None  # what the graph was captured over (and keeps alive)
         self._seen: tuple | None = None  # what the last eager call left
+        self._steady = 0  # eager calls in a row that found what the one before left
         self._failed = False
         self._pool = GraphPool()
         self.eager = self.captures = self.replays = 0
@@ -74,7 +76,8 @@ class GraphedOptimizerStep:
                 return
             self._graph = self._held = None  # something it holds changed: run eagerly, capture later
         device = opt.engine.plans.index.device
-        if (not self._failed and now == self._seen and device is not None and device.type == "cuda"
+        self._steady = self._steady + 1 if now == self._seen else 0
+        if (not self._failed and self._steady >= 2 and device is not None and device.type == "cuda"
                 and self._capture(device, now)):
             return
         self._eager()
@@ -87,6 +90,7 @@ class GraphedOptimizerStep:
     def _capture(self, device: torch.device, now: tuple) -> bool:
         """Capture this call's phase on the side stream and replay it; False (nothing ran) where
         the capture failed."""
+        torch.cuda.synchronize(device)  # as torch.cuda.graph does: nothing in flight joins the capture
         side, current = side_stream(device), torch.cuda.current_stream(device)
         side.wait_stream(current)
         try:

@@ -72,8 +72,11 @@ def captured(pool: Any, fn: Callable[..., Any], /, *args: Any) -> tuple[torch.cu
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         out = fn(*args)
-    except BaseException:
-        _end(graph, pool)
+    except BaseException as e:
+        try:
+            _end(graph, pool)
+        except BaseException as ending:  # the capture was invalidated by what fn did: fn's error says why
+            e.add_note(f"(ending the capture then failed too: {ending})")
         raise
     _end(graph, pool)
     return graph, out
