@@ -22,6 +22,7 @@ Off CUDA, and where a capture fails, every call runs eagerly (after ``prepare_st
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -32,6 +33,7 @@ from trainfuse.graphs.sync import captured, side_stream
 from trainfuse.optim import FusedOptimizer
 
 _data_ptr = torch.Tensor.data_ptr
+_grad = operator.attrgetter("grad")
 
 
 class GraphedOptimizerStep:
@@ -68,13 +70,13 @@ class GraphedOptimizerStep:
         eager ``step_and_update``."""
         opt = self.optimizer
         opt.prepare_step()
-        now = self._snapshot()
         if self._graph is not None:
-            if now == self._held[0]:
+            if self._holds():
                 self._graph.replay()
                 self.replays += 1
                 return
-            self._graph = self._held = None  # something it holds changed: run eagerly, capture later
+            self._drop()  # something it holds changed: run eagerly, capture later
+        now = self._snapshot()
         device = opt.engine.plans.index.device
         self._steady = self._steady + 1 if now == self._seen else 0
         if (not self._failed and self._steady >= 2 and device is not None and device.type == "cuda"
@@ -109,7 +111,7 @@ class GraphedOptimizerStep:
         self._pool.hold(self)
         scale, tracker = self.scaler.device_state()
         grads = [p.grad for p in self.optimizer.engine.plans.index.params]
-        self._graph, self._held = graph, (now, scale, tracker, grads)
+        self._graph, self._held = graph, (now, scale, tracker, grads, self.optimizer.ema_tensors())
         self.captures += 1
         graph.replay()
         self.replays += 1
@@ -119,6 +121,19 @@ class GraphedOptimizerStep:
         """The captured work: the fused ``step_and_update`` only (True when it ran)."""
         fused = self.scaler.fused_update(self.optimizer)
         return fused is not None and self.optimizer.scaled_step(*fused)
+
+    def _holds(self) -> bool:
+        """Whether the graph still holds: :meth:`_snapshot`'s comparison, the cheap way (identities
+        and one tuple of the params' addresses: this runs before every replay)."""
+        now, scale, tracker, grads, ema = self._held
+        opt, scaler = self.optimizer, self.scaler
+        params = opt.engine.plans.index.params
+        held_scale, held_tracker = scaler.device_state()
+        return (opt.engine.plans.generation == now[0] and held_scale is scale and held_tracker is tracker
+                and opt.ema_tensors() is ema and tuple(map(_data_ptr, params)) == now[1]
+                and all(map(operator.is_, map(_grad, params), grads))
+                and (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
+                == now[6:])
 
     def _snapshot(self) -> tuple:
         """What a graph captured now would hold: the tables' generation, the params' and grads'
@@ -133,9 +148,14 @@ class GraphedOptimizerStep:
                 id(opt.ema_tensors()), scaler.get_growth_factor(), scaler.get_backoff_factor(),
                 scaler.get_growth_interval())
 
+    def _drop(self) -> None:
+        self._graph = self._held = None
+        self._pool.renew()  # torch cannot capture again into a pool whose graphs were all freed
+
     def close(self) -> None:
         """Drop the graph; the optimizer steps the usual way again."""
-        self._graph = self._held = self._seen = None
+        self._drop()
+        self._seen = None
         self.optimizer.graph_safe = False
 
 
