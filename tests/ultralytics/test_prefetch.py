@@ -1,0 +1,67 @@
+"""DevicePrefetcher: a loader's dict batches arrive on the GPU, equal and in order, the loader's
+attributes pass through; off CUDA it refuses to be made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._helpers import cuda
+from trainfuse.ultralytics.prefetch import DevicePrefetcher
+
+
+class _Loader:
+    """A loader of dict batches with the attributes ultralytics reads (pinned where it can)."""
+
+    def __init__(self, n: int, pin: bool):
+        g = torch.Generator().manual_seed(0)
+        self.batches = []
+        for i in range(n):
+            img = torch.randint(0, 255, (2, 3, 8, 8), dtype=torch.uint8, generator=g)
+            self.batches.append({"img": img.pin_memory() if pin else img,
+                                 "cls": torch.rand(3, 1, generator=g),
+                                 "im_file": [f"{i}a.jpg", f"{i}b.jpg"], "index": i})
+        self.dataset, self.resets = "dataset", 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_refuses_a_device_that_is_not_cuda():
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        DevicePrefetcher(_Loader(2, False), torch.device("cpu"))
+
+
+@cuda
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_batches_arrive_on_the_gpu_equal_and_in_order(n):
+    loader = _Loader(n, pin=True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    pre = DevicePrefetcher(loader, device)
+    assert len(pre) == n and pre.dataset == "dataset"
+    pre.reset()
+    assert loader.resets == 1
+    for _ in range(2):  # two epochs
+        seen = []
+        for batch, want in zip(pre, loader.batches, strict=True):
+            assert batch["img"].device == device and batch["cls"].device == device
+            assert torch.equal(batch["img"].cpu(), want["img"])
+            assert torch.equal(batch["cls"].cpu(), want["cls"])
+            assert batch["im_file"] == want["im_file"]
+            assert want["img"].device.type == "cpu"  # the loader's own batch is left as it was
+            batch["img"].float().div_(255)  # work on the loop's stream
+            seen.append(batch["index"])
+        assert seen == list(range(n))
+
+
+@cuda
+def test_a_batch_that_is_not_a_dict_is_refused():
+    pre = DevicePrefetcher([torch.zeros(2)], torch.device("cuda"))
+    with pytest.raises(TypeError, match="must be dicts"):
+        next(iter(pre))
