@@ -152,8 +152,18 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimiz
     assert stats.replays >= 150, stats  # each shape's first batch eager, the rest replayed
     assert stats.eager + stats.replays == len(graphed_rec.losses) == 200
     assert "loss" not in vars(tg.model)  # the model's own loss is back
+    stem = {r.kind: r.action for r in tg.report}.get("stem")
+    assert stem == ("on" if model.startswith("yolov5") else None)  # the 6 x 6 stem folds, 3 x 3 not
+    assert "forward" not in vars(tg.model.model[0].conv)  # and its own forward back after
     assert tg.keeps_grads and not te.keeps_grads
     assert all(p.grad is None for p in tg.model.parameters())  # the kept grads are freed at the end
+    if optimizer == "auto":  # AdamW: the phase replayed from its graph, the steps equal all the same
+        phase = tg.phase_stats
+        assert phase["captures"] == 1 and phase["eager"] == 2, phase  # two steady eager steps first
+        assert phase["replays"] == tg.ema.updates - 2 >= 40, phase  # every optimizer step after them
+        assert not tg.optimizer.graph_safe  # handed back at the end
+    else:  # MuSGD's phase, a stock NAdam's: eager
+        assert tg.phase_stats is None
 
     assert torch.equal(torch.stack(graphed_rec.losses), torch.stack(eager_rec.losses))
     assert graphed_rec.scales == eager_rec.scales

@@ -7,52 +7,35 @@ Use it like any ultralytics trainer; every argument keeps its meaning::
 
     YOLO("yolov5n.yaml").train(data="data.yaml", trainer=FusedDetectionTrainer)
 
-What it changes, and nothing else (ultralytics itself is not patched):
+What it changes (ultralytics itself is not patched; docs/integrations.md has the details and where
+results differ on purpose):
 
-- **Optimizer**: ultralytics builds its optimizer and param groups as always (every ``optimizer=``
-  choice, ``auto`` included); an ``SGD``, ``Adam``, ``AdamW`` or ``MuSGD`` (what ``auto`` picks
-  past 10,000 iterations) is then rebuilt over the very same groups (every key kept:
-  ``param_group``, ``lr``, ``momentum``, ``betas``, ``use_muon``, decay; MuSGD's ``muon`` and
-  ``sgd`` factors) as :class:`~trainfuse.optim.FusedSGD`, :class:`~trainfuse.optim.FusedAdam`,
-  :class:`~trainfuse.optim.FusedAdamW` or :class:`~trainfuse.optim.FusedMuSGD`, clipping at
-  ultralytics' norm of 10 inside the step. ``NAdam``, ``RAdam``, ``Adamax`` and ``RMSprop`` stay
-  stock, and the log says why.
-- **Warmup** writes ``lr`` and ``momentum`` into the groups as floats; the kernels read them from a
-  device table refreshed by a non-blocking copy when they change (no recompile, no host sync).
-- **optimizer_step**: ``scaler.step_and_update`` runs one statistics launch (the inf/NaN check,
-  the gradient norm and GradScaler's scale update) and one update launch (unscale, clip, step,
-  EMA of every param and buffer); ``zero_grad`` sets grads to None. Two launches in all (stock:
-  several hundred on yolov5n).
-- **EMA**: :class:`~trainfuse.optim.FusedEMA` replaces ``ModelEMA``, attached to the fused
-  optimizer. Its semantics are ultralytics': one EMA update per ``optimizer_step``, also when
-  GradScaler skips the step for an inf/NaN gradient (the EMA then moves toward the unchanged
-  weights and the buffers, exactly as ``ModelEMA.update`` after a skipped ``scaler.step``).
-- **GradScaler**: :class:`trainfuse.amp.GradScaler` replaces torch's, state included.
-- **Casts** (AMP on CUDA): the weights become float16 (bfloat16 under ``amp="bf16"``) with float32
-  masters in the optimizer, whose update writes both: autocast then casts no weight forward and no
-  grad back (about 120 launches an iteration on yolov5n). See :mod:`trainfuse.ultralytics.casts`.
-- **Loss**: :func:`_criterion` picks the detection loss the model trains with:
-  :class:`~trainfuse.ultralytics.FusedDetectionLoss` (ultralytics' ``v8DetectionLoss`` without host
-  syncs) or, for end-to-end heads (YOLO26, YOLOv10), :class:`~trainfuse.ultralytics.FusedE2ELoss`
-  (``E2ELoss``'s two branches and its decaying weights), with the labels padded to a bucketed
-  capacity on the CPU in ``preprocess_batch``, before ultralytics moves the batch to the GPU.
-- **CUDA graphs** (``cuda_graphs=True``, the default where it is safe): the forward, the loss and
-  the backward run from a CUDA graph per image shape and label capacity
-  (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`); the optimizer phase stays its two eager
-  launches, and the grads are kept and zeroed inside the next replay instead of freed. The
-  progress bar's losses are read back without a host sync (a few iterations late);
-  each epoch's logged means are exact. Whatever the optimizer: a stock one (``NAdam``, ``RAdam``...)
-  runs its own phase eagerly between replays. Off, with the reason logged, on CPU, with
-  ``compile``, or without a fused loss. Choose with
-  ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP with a
-  subclass setting ``cuda_graphs = False``: the ranks rebuild the trainer from its class).
-- **DDP** (``device="0,1"``, ultralytics' own launcher): each rank runs all of the above. With
-  graphs, DDP's wrapper is dropped after ultralytics builds it: the replays backpropagate
-  ultralytics' ``loss * world_size`` as the eager loop does and accumulate the micro-batches'
-  grads in views of one flat float32 buffer, and one all-reduce averages them before each
-  optimizer step (:class:`trainfuse.clients.FlatGrads`), where DDP all-reduces its buckets after
-  every backward. Without graphs DDP's wrapper stays. The weights stay float32 under DDP (no
-  casts), so the grads are reduced in float32 as stock reduces them.
+- **Optimizer**: ultralytics' ``SGD``, ``Adam``, ``AdamW`` or ``MuSGD`` (what ``auto`` picks past
+  10,000 iterations) rebuilt over the very same param groups as its fused drop-in, clipping at
+  ultralytics' norm of 10 inside the step; ``NAdam``, ``RAdam``, ``Adamax`` and ``RMSprop`` stay
+  stock, and the log says why. Warmup's ``lr`` and ``momentum`` reach the kernels through a device
+  table (no recompile, no host sync).
+- **optimizer_step**: two launches (statistics with GradScaler's update, then unscale, clip, step
+  and the EMA of every param and buffer); :class:`~trainfuse.optim.FusedEMA` replaces ``ModelEMA``
+  with its semantics, :class:`trainfuse.amp.GradScaler` torch's GradScaler.
+- **Casts** (AMP on CUDA, one GPU): 16-bit weights with float32 masters in the optimizer
+  (:mod:`trainfuse.ultralytics.casts`).
+- **Loss**: :class:`~trainfuse.ultralytics.FusedDetectionLoss` or, for end-to-end heads (YOLO26,
+  YOLOv10), :class:`~trainfuse.ultralytics.FusedE2ELoss`, without host syncs, the labels padded on
+  the CPU by the loader's workers.
+- **CUDA graphs** (``cuda_graphs=True``, the default where it is safe): forward, loss and backward
+  replayed per image shape and label capacity (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`),
+  the grads kept and zeroed inside the next replay; the fused phase of SGD, Adam and AdamW under AMP
+  replayed from a graph of its own once steady (:class:`~trainfuse.graphs.GraphedOptimizerStep`).
+  Off on CPU, with ``compile``, or without a fused loss; choose with
+  ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP, a subclass
+  setting ``cuda_graphs = False``).
+- **Input side** (CUDA): the first convolution on the space-to-depth image
+  (:mod:`trainfuse.nn.stem`, ``fold_stem``), and the batches copied to the GPU one ahead on a side
+  stream (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`, ``prefetch``).
+- **DDP** (``device="0,1"``): each rank runs all of the above; with graphs, DDP's wrapper gives way to
+  one all-reduce of a flat float32 buffer before each optimizer step
+  (:class:`trainfuse.clients.FlatGrads`). The weights stay float32 under DDP.
 
 Checkpoints stay stock: the optimizer state_dict has torch's layout (no masters), the EMA is a
 plain float32 model saved as ultralytics saves it, so ``last.pt`` / ``best.pt`` load, validate,
@@ -60,8 +43,6 @@ predict and resume with stock ultralytics, and a stock checkpoint resumes with t
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from ultralytics.cfg import get_cfg
@@ -80,69 +61,24 @@ from trainfuse.clients import (
     FlatGrads,
     Report,
     fused_scaler,
-    swap_optimizer,
-    why_not_swappable,
 )
-from trainfuse.optim import FusedEMA, FusedOptimizer
+from trainfuse.graphs import GraphedOptimizerStep
+from trainfuse.nn import stem
+from trainfuse.optim import FusedAdam, FusedEMA, FusedOptimizer, FusedSGD
 from trainfuse.ultralytics.casts import TorchLayoutOptimizer, cast_dtype
-from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
+from trainfuse.ultralytics.choices import CLIP_NORM, check_task, criterion, fused_optimizer, takes_fused_loss
+from trainfuse.ultralytics.e2e_loss import FusedE2ELoss
 from trainfuse.ultralytics.graphed import GraphedLoss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
+from trainfuse.ultralytics.prefetch import DevicePrefetcher
 from trainfuse.ultralytics.targets import PADDED_KEY, PadTargets, add_padded_targets
 
-# ultralytics' optimizer_step clips the gradient norm at this value
-CLIP_NORM = 10.0
 _PREFIX = colorstr("trainfuse:")
-
-
-def _takes_fused_loss(model: torch.nn.Module) -> bool:
-    """Whether a fused loss implements ``model``'s: a plain DetectionModel, end-to-end (YOLO26,
-    YOLOv10: :class:`FusedE2ELoss`) or not (:class:`FusedDetectionLoss`)."""
-    if type(model) is not DetectionModel:
-        return False
-    return takes_fused_e2e_loss(model) or getattr(model.model[-1], "one2one_cv2", None) is None
-
-
-def _criterion(model: torch.nn.Module) -> Any:
-    """The detection loss :class:`FusedDetectionTrainer` installs on ``model``: the one place to
-    switch it. :class:`~trainfuse.ultralytics.FusedE2ELoss` for end-to-end heads,
-    :class:`~trainfuse.ultralytics.FusedDetectionLoss` for the others (:func:`_takes_fused_loss`),
-    else ultralytics' own ``model.init_criterion()``."""
-    if takes_fused_e2e_loss(model):
-        return FusedE2ELoss(model)
-    return FusedDetectionLoss(model) if _takes_fused_loss(model) else model.init_criterion()
-
-
-def fused_optimizer(stock: torch.optim.Optimizer, max_grad_norm: float | None = CLIP_NORM
-                    ) -> tuple[torch.optim.Optimizer | None, str]:
-    """Rebuild ``stock`` (an optimizer ultralytics built) as its fused drop-in over the same groups.
-
-    Args:
-        stock: the optimizer; its param groups are reused with every key they carry.
-        max_grad_norm: the global gradient norm the fused step clips to (None: no clipping).
-
-    Returns:
-        ``(fused optimizer, "")``, or ``(None, reason)`` when it stays stock
-        (:func:`trainfuse.clients.why_not_swappable`: no fused counterpart, state already there...).
-    """
-    reason = why_not_swappable(stock, kernels=False, fresh=True)
-    if reason is not None:
-        return None, reason
-    return swap_optimizer(stock, max_grad_norm=max_grad_norm), ""
+GRAPHED_PHASES = (FusedSGD, FusedAdam)  # their phase, graph-safe, replays from one graph (AdamW: an Adam)
 
 
 def _keep_grads(set_to_none: bool = True) -> None:
     """``zero_grad`` of a stock optimizer while the graphs keep its grads (the next replay zeroes them)."""
-
-
-def _check_task(args: Any) -> None:
-    """Refuse a run of another task (segment, pose, obb, classify): their heads and losses are not
-    fused, and a detection trainer would train them half-way."""
-    if args.task not in (None, "detect"):
-        raise ValueError(
-            f"FusedDetectionTrainer trains detection models (task='detect'); this run's task is "
-            f"{args.task!r} (model={args.model}). Its head and loss are not fused: train it with "
-            "ultralytics' own trainer (leave out trainer=), or pick a detection model")
 
 
 class FusedDetectionTrainer(DetectionTrainer):
@@ -150,14 +86,18 @@ class FusedDetectionTrainer(DetectionTrainer):
     module docstring): ``YOLO("yolov5n.yaml").train(trainer=FusedDetectionTrainer, ...)``.
 
     Attributes:
-        fused_loss: install :func:`_criterion`'s loss (a subclass may set False to train with
-            ultralytics' own loss and fuse only the optimizer phase).
+        fused_loss: install :func:`~trainfuse.ultralytics.choices.criterion`'s loss (a subclass may
+            set False to train with ultralytics' own loss and fuse only the optimizer phase).
         fused_reason: empty when the optimizer is fused, else why it stayed stock.
         fuse_casts: under AMP on CUDA, keep 16-bit weights with float32 masters in the fused
             optimizer (a subclass may set False to keep float32 weights and autocast's casts).
         cuda_graphs: run forward, loss and backward from CUDA graphs where safe (the default);
             also a keyword of the constructor.
         graphs_reason: empty when the step runs from CUDA graphs, else why it runs eagerly.
+        fold_stem: on CUDA, compute the first convolution on the space-to-depth image
+            (:mod:`trainfuse.nn.stem`; a subclass may set False).
+        prefetch: on CUDA, copy the training batches to the GPU one batch ahead on a side stream
+            (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`; a subclass may set False).
         keeps_grads: True once the step runs from CUDA graphs: ``optimizer_step`` then leaves the
             grads in place for the next replay to zero (inside its graph) instead of freeing them.
         report: what the trainer changed and what it left stock, with why
@@ -165,6 +105,8 @@ class FusedDetectionTrainer(DetectionTrainer):
         graph_stats, graph_memory: after a graphed run, the step's
             :attr:`~trainfuse.graphs.CapturedStep.stats` and
             :meth:`~trainfuse.graphs.CapturedStep.memory_report` (None before).
+        phase_stats: after a graphed run whose optimizer phase was graphed, its eager calls,
+            captures and replays (:class:`~trainfuse.graphs.GraphedOptimizerStep`; None before).
     """
 
     fused_loss = True
@@ -175,16 +117,20 @@ class FusedDetectionTrainer(DetectionTrainer):
     _pad_targets = False
     _casts: CastState | None = None
     _graphed: GraphedLoss | None = None
+    _phase: GraphedOptimizerStep | None = None
+    _stem: torch.nn.Module | None = None
+    fold_stem = True
+    prefetch = True
     _flat: FlatGrads | None = None
     keeps_grads = False
-    graph_stats = graph_memory = None
+    graph_stats = graph_memory = phase_stats = None
 
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, cuda_graphs: bool | None = None,
                  **kwargs):
         # before ultralytics checks the dataset, which fails for another task's data first
-        _check_task(get_cfg(cfg, overrides))
+        check_task(get_cfg(cfg, overrides))
         super().__init__(cfg, overrides, *args, **kwargs)
-        _check_task(self.args)
+        check_task(self.args)
         self.report = Report("FusedDetectionTrainer")
         if cuda_graphs is not None:
             if not isinstance(cuda_graphs, bool):
@@ -227,10 +173,10 @@ class FusedDetectionTrainer(DetectionTrainer):
 
     def optimizer_step(self):
         """Unscale, clip at 10, step, EMA update, scale update and zero_grad: two launches when
-        fused (statistics with GradScaler's update, then the update with the EMA folded in), else
-        ultralytics' own phase. With CUDA graphs, zero_grad is left to the next replay
-        (``keeps_grads``). Under DDP with graphs, the accumulated grads are averaged over the ranks
-        first (one all-reduce)."""
+        fused (statistics with GradScaler's update, then the update with the EMA folded in; with
+        graphs, one replay of them), else ultralytics' own phase. With CUDA graphs, zero_grad is
+        left to the next replay (``keeps_grads``). Under DDP with graphs, the accumulated grads are
+        averaged over the ranks first (one all-reduce)."""
         if self._flat is not None:
             self._flat.all_reduce(average=True)  # of the grads of loss * world_size, as DDP averages
         if not self.fused:
@@ -244,7 +190,9 @@ class FusedDetectionTrainer(DetectionTrainer):
                 del self.optimizer.zero_grad
             self._graphed.zero_first = True
             return
-        if isinstance(self.scaler, GradScaler):
+        if self._phase is not None:
+            self._phase()  # replayed from its graph once steady
+        elif isinstance(self.scaler, GradScaler):
             self.scaler.step_and_update(self.optimizer)
         else:  # a scaler of another kind (NPU) keeps its own two calls
             self.scaler.step(self.optimizer)
@@ -269,7 +217,7 @@ class FusedDetectionTrainer(DetectionTrainer):
         self._install_ema()
         model = unwrap_model(self.model)
         if self.fused_loss and isinstance(model, DetectionModel):  # segment, pose, ... keep their own
-            old, model.criterion = getattr(model, "criterion", None), _criterion(model)
+            old, model.criterion = getattr(model, "criterion", None), criterion(model)
             if isinstance(model.criterion, FusedE2ELoss) and old is not None:
                 model.criterion.copy_schedule(old)  # a resume set ultralytics' E2ELoss to its epoch
             self._pad_targets = isinstance(model.criterion, (FusedDetectionLoss, FusedE2ELoss))
@@ -281,7 +229,21 @@ class FusedDetectionTrainer(DetectionTrainer):
                            f"ultralytics' own {type(model.criterion).__name__}: the fused losses implement "
                            "v8DetectionLoss and E2ELoss of plain detection models")
         self._apply_casts()
+        self._fold_stem()
         self._setup_graphs()
+
+    def _fold_stem(self) -> None:
+        """The first convolution (3 channels, stride 2) computed on the space-to-depth input, on
+        CUDA (``fold_stem``): :mod:`trainfuse.nn.stem`."""
+        if not self.fold_stem or self.device.type != "cuda":
+            return
+        first = unwrap_model(self.model).model[0]
+        conv = getattr(first, "conv", first)
+        if conv is self._stem or stem.install(conv):
+            self._stem = conv
+            self._note("stem", type(first).__name__, ON, f"first convolution ({conv.in_channels} channels, "
+                       f"kernel {conv.kernel_size[0]}, stride 2) computed as a stride-1 convolution on the "
+                       "space-to-depth image (same function, tensor-core kernels)")
 
     def _is_ddp_rank(self) -> bool:
         """Whether this is one rank of a DDP run."""
@@ -301,10 +263,17 @@ class FusedDetectionTrainer(DetectionTrainer):
             return "the model trains with ultralytics' own loss, which syncs with the host"
         return ""
 
-    def _setup_graphs(self) -> None:
+    def _drop_graphs(self) -> None:
+        """Drop the step's graphs and the optimizer phase's (the optimizer steps eagerly again)."""
         if self._graphed is not None:
             self._graphed.detach()
             self._graphed = None
+        if self._phase is not None:
+            self._phase.close()
+            self._phase = None
+
+    def _setup_graphs(self) -> None:
+        self._drop_graphs()
         if self._flat is not None:
             self._flat.detach()
             self._flat = None
@@ -329,6 +298,24 @@ class FusedDetectionTrainer(DetectionTrainer):
         self.keeps_grads = True
         self._note("graphs", "cuda_graphs", ON, "forward, loss and backward replayed from CUDA graphs (one "
                    "per image shape and label capacity; each shape's first batch runs eagerly)")
+        why_not = self._phase_unsafe()
+        if why_not:
+            self._note("phase", "optimizer phase", OFF, f"optimizer phase eager: {why_not}")
+            return
+        self._phase = GraphedOptimizerStep(self.optimizer, self.scaler)
+        self._note("phase", "optimizer phase", ON, "optimizer phase (unscale, inf check, clip, step, EMA, "
+                   "scale update) replayed from one CUDA graph after its first steady steps; lr, momentum "
+                   "and the EMA weight written to the device before each replay")
+
+    def _phase_unsafe(self) -> str:
+        """Why the optimizer phase cannot replay from a graph ("" when it can)."""
+        if not self.fused:
+            return f"the optimizer is stock {type(self.optimizer).__name__}"
+        if not isinstance(self.optimizer, GRAPHED_PHASES):
+            return f"{type(self.optimizer).__name__}'s phase is not graph-safe (Muon's steps)"
+        if not self.scaler.is_enabled():
+            return "AMP is off (GradScaler disabled)"
+        return ""
 
     def _apply_casts(self) -> None:
         """16-bit weights with float32 masters in the fused optimizer (AMP on CUDA only)."""
@@ -359,9 +346,17 @@ class FusedDetectionTrainer(DetectionTrainer):
         """Ultralytics' dataset; in training, its batches also carry the labels padded to their
         bucketed capacity (``add_padded_targets``, run by the loader's workers)."""
         dataset = super().build_dataset(img_path, mode, batch)
-        if mode == "train" and self.fused_loss and _takes_fused_loss(unwrap_model(self.model)):
+        if mode == "train" and self.fused_loss and takes_fused_loss(unwrap_model(self.model)):
             dataset.collate_fn = PadTargets(dataset.collate_fn)
         return dataset
+
+    def get_dataloader(self, dataset_path: str, batch_size: int = 16, rank: int = 0, mode: str = "train"):
+        """Ultralytics' loader; in training on CUDA (``prefetch``), its batches copied to the GPU one
+        batch ahead on a side stream (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`)."""
+        loader = super().get_dataloader(dataset_path, batch_size, rank, mode)
+        if mode == "train" and self.prefetch and self.device.type == "cuda":
+            loader = DevicePrefetcher(loader, self.device)
+        return loader
 
     def preprocess_batch(self, batch: dict) -> dict:
         """Pad the labels on the CPU where the loader did not, then ultralytics' preprocessing
@@ -373,9 +368,8 @@ class FusedDetectionTrainer(DetectionTrainer):
     def _load_checkpoint_state(self, ckpt):
         # the weights may change storage: the graphs are dropped and made anew after (and the
         # EMA's copy of the model must not carry them)
-        graphed, self._graphed = self._graphed, None
-        if graphed is not None:
-            graphed.detach()
+        graphed = self._graphed
+        self._drop_graphs()
         # resume and NaN recovery load the EMA into a fresh ModelEMA: make it fused again. NaN
         # recovery runs mid-training, on cast weights: float32 again first (the EMA copies the
         # model; the optimizer state loaded has no masters), cast again after
@@ -436,8 +430,12 @@ def _on_train_end(trainer) -> None:
     ``loss`` back and drop the graphs."""
     if (graphed := _graphed(trainer)) is not None:
         trainer.graph_stats, trainer.graph_memory = graphed.step.stats, graphed.step.memory_report()
-        graphed.detach()
-        trainer._graphed = None
+        if (phase := trainer._phase) is not None:
+            trainer.phase_stats = {"eager": phase.eager, "captures": phase.captures, "replays": phase.replays}
+        trainer._drop_graphs()
+    if isinstance(trainer, FusedDetectionTrainer) and trainer._stem is not None:
+        stem.uninstall(trainer._stem)  # the model computes its stem as before
+        trainer._stem = None
     if isinstance(trainer, FusedDetectionTrainer) and trainer._flat is not None:
         trainer._flat.detach()  # the process group ends with training
         trainer._flat = None
