@@ -189,6 +189,46 @@ class LaunchCounter:
             self.done = True
 
 
+class PhaseHostTimer:
+    """Host time of each ``trainer.optimizer_step()`` inside the training loop, no sync around it
+    (what the phase's Python and launches cost the host), the first ``skip`` calls left out.
+
+    Example:
+        >>> timer = PhaseHostTimer().attach(model)       # doctest: +SKIP
+        >>> model.train(data=..., epochs=3)              # doctest: +SKIP
+        >>> timer.median_ms                              # doctest: +SKIP
+    """
+
+    def __init__(self, skip: int = 20) -> None:
+        self.skip, self.calls = skip, 0
+        self.ms: list[float] = []
+
+    def attach(self, model) -> PhaseHostTimer:
+        model.add_callback("on_train_start", self.on_train_start)
+        model.add_callback("on_train_end", self.on_train_end)
+        return self
+
+    def on_train_start(self, trainer) -> None:
+        step = trainer.optimizer_step
+
+        def timed() -> None:
+            t0 = time.perf_counter()
+            step()
+            t1 = time.perf_counter()
+            self.calls += 1
+            if self.calls > self.skip:
+                self.ms.append((t1 - t0) * 1e3)
+
+        trainer.optimizer_step = timed  # the instance's, for the loop only
+
+    def on_train_end(self, trainer) -> None:
+        trainer.__dict__.pop("optimizer_step", None)
+
+    @property
+    def median_ms(self) -> float | None:
+        return statistics.median(self.ms) if self.ms else None
+
+
 def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[list[float], int | None]:
     """Time ``trainer.optimizer_step()`` (unscale, clip, step, EMA, zero_grad) on its own: the
     wall time of each call in ms, the GPU synchronized before and after, on gradients of
@@ -308,5 +348,5 @@ def plot_runs(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
     return path
 
 
-__all__ = ["LaunchCounter", "LoopTimer", "device_launches", "final_map", "host_launches", "optimizer_phase",
-           "plot_runs", "runs_table"]
+__all__ = ["LaunchCounter", "LoopTimer", "PhaseHostTimer", "device_launches", "final_map", "host_launches",
+           "optimizer_phase", "plot_runs", "runs_table"]
