@@ -183,6 +183,8 @@ def _graphed_ranks(device: torch.device, xs: list[torch.Tensor]) -> list[list[to
         steps.append([torch.stack([p.grad.flatten().sum() for p in m.parameters() if p.requires_grad]).cpu()
                       for m in (net, ref)] + [torch.tensor(sync.replays)])
     assert graphed.stats.replays >= 2
+    graphed.uninstall()  # its graphs hold NCCL work: freed before the process group is destroyed
+    torch.cuda.synchronize()
     return steps
 
 
