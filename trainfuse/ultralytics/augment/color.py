@@ -1,0 +1,82 @@
+"""``RandomHSV`` on a batch: BGR to OpenCV's 8-bit HSV (hue in [0, 180)), one lookup table per
+channel and image built from the gains as ultralytics builds it, back to BGR.
+
+The forward conversion is OpenCV's integer arithmetic (12-bit reciprocal tables), so hue,
+saturation and value match ``cv2.cvtColor(img, COLOR_BGR2HSV)`` exactly; the way back is its float
+formula (sector of the hue, ``v * (1 - s * f)``), rounded to uint8 as OpenCV rounds. OpenCV's SIMD
+paths compute that formula in another order, so a channel may differ from its result by one level.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SHIFT = 12
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    i = torch.arange(256, dtype=torch.float64)
+    sdiv = torch.where(i > 0, torch.round((255 << _SHIFT) / i.clamp(min=1)), torch.zeros_like(i))
+    hdiv = torch.where(i > 0, torch.round((180 << _SHIFT) / (6 * i.clamp(min=1))), torch.zeros_like(i))
+    return sdiv.to(device, torch.int64), hdiv.to(device, torch.int64)
+
+
+def bgr_to_hsv(images: torch.Tensor) -> torch.Tensor:
+    """uint8 BGR (N, 3, H, W) to OpenCV's 8-bit HSV, exactly (``COLOR_BGR2HSV``)."""
+    b, g, r = images.to(torch.int64).unbind(1)
+    v = torch.maximum(torch.maximum(b, g), r)
+    diff = v - torch.minimum(torch.minimum(b, g), r)
+    sdiv, hdiv = _tables(images.device)
+    half = 1 << (_SHIFT - 1)
+    s = torch.div(diff * sdiv[v] + half, 1 << _SHIFT, rounding_mode="floor")
+    h = torch.where(v == r, g - b, torch.where(v == g, b - r + 2 * diff, r - g + 4 * diff))
+    h = torch.div(h * hdiv[diff] + half, 1 << _SHIFT, rounding_mode="floor")
+    h = torch.where(h < 0, h + 180, h)
+    return torch.stack((h, s, v), 1).to(torch.uint8)
+
+
+# which of (v, v(1-s), v(1-s f), v(1-s(1-f))) each of b, g, r takes, per hue sector (OpenCV's table)
+_SECTORS = torch.tensor([[1, 3, 0], [1, 0, 2], [3, 0, 1], [0, 2, 1], [0, 1, 3], [2, 1, 0]])
+
+
+def hsv_to_bgr(hsv: torch.Tensor) -> torch.Tensor:
+    """OpenCV's 8-bit HSV (N, 3, H, W) back to uint8 BGR (``COLOR_HSV2BGR``'s formula)."""
+    h, s, v = hsv.float().unbind(1)
+    s, v = s * (1 / 255), v * (1 / 255)
+    h = torch.remainder(h * (6 / 180), 6)
+    sector = torch.floor(h)
+    f = h - sector
+    sector = sector.long().clamp(0, 5)
+    tab = torch.stack((v, v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))), 1)  # (N, 4, H, W)
+    pick = _SECTORS.to(hsv.device)[sector].permute(0, 3, 1, 2)  # (N, 3, H, W)
+    bgr = torch.gather(tab, 1, pick)
+    bgr = torch.where((s == 0).unsqueeze(1), v.unsqueeze(1).expand_as(bgr), bgr)
+    return torch.round(bgr * 255).clamp_(0, 255).to(torch.uint8)  # round half to even, as cvRound
+
+
+def hsv_luts(gains: torch.Tensor) -> torch.Tensor:
+    """(N, 3, 256) uint8 lookup tables from gains (N, 3), as ``RandomHSV`` builds them."""
+    x = torch.arange(256, dtype=torch.float64, device=gains.device)
+    r = gains.to(torch.float64)
+    hue = torch.remainder(x + r[:, :1] * 180, 180)
+    sat = (x * (r[:, 1:2] + 1)).clamp(0, 255)
+    val = (x * (r[:, 2:3] + 1)).clamp(0, 255)
+    sat[:, 0] = 0  # ultralytics keeps pure white white
+    return torch.stack((hue, sat, val), 1).to(torch.uint8)  # truncation, as NumPy's astype
+
+
+def hsv_jitter(images: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+    """``RandomHSV`` on uint8 BGR images (N, 3, H, W) with per-image gains (N, 3): new images."""
+    if images.dim() != 4 or images.shape[1] != 3 or images.dtype != torch.uint8:
+        raise ValueError(f"hsv_jitter: images must be uint8 (N, 3, H, W), got {images.dtype} "
+                         f"{tuple(images.shape)}")
+    if gains.shape != (images.shape[0], 3):
+        raise ValueError(f"hsv_jitter: gains must be ({images.shape[0]}, 3), got {tuple(gains.shape)}")
+    hsv = bgr_to_hsv(images).long()
+    luts = hsv_luts(gains.to(images.device)).long()  # (N, 3, 256)
+    n, c, h, w = hsv.shape
+    moved = torch.gather(luts, 2, hsv.view(n, c, h * w)).view(n, c, h, w)
+    return hsv_to_bgr(moved)
+
+
+__all__ = ["bgr_to_hsv", "hsv_jitter", "hsv_luts", "hsv_to_bgr"]
