@@ -55,17 +55,23 @@ def _parser():
     parser.add_argument("--devices", default="0",
                         help="CUDA devices; several (0,1) train with ultralytics' DDP (bench.yolo_ddp)")
     parser.add_argument("--imgsz", type=int, default=640)
-    parser.add_argument("--images", type=int, default=512, help="synthetic training images")
+    parser.add_argument("--images", type=int, default=None, help="synthetic training images (512; 1,024 "
+                        "with --photo)")
     parser.add_argument("--val-images", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=30, help="epochs of each run (quality needs ~30)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--photo", action="store_true",
+                        help="photo-like 640x480 JPEGs of COCO's size (1,024 unless --images), cache off: "
+                        "the loader alone, stock and ours in images/s (bench.yolo_photo)")
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "trainfuse-bench-shapes"),
                         help="where the synthetic dataset is generated (reused when it matches)")
     return parser
 
 
-def _run(kind: str, args, data: str, project: Path, device: int | str = 0) -> dict:
+def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
+              cache: str | bool = "ram") -> tuple[dict, object]:
+    """One timed training run of ``kind`` (``stock`` or ``trainfuse``): its summary and trainer."""
     import torch
     from ultralytics import YOLO
 
@@ -83,7 +89,7 @@ def _run(kind: str, args, data: str, project: Path, device: int | str = 0) -> di
     extra = {"trainer": FusedDetectionTrainer} if kind == "trainfuse" else {}
     torch.cuda.reset_peak_memory_stats()
     model.train(data=data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, seed=args.seed,
-                workers=args.workers, cache="ram", deterministic=False, val=False, plots=False, device=device,
+                workers=args.workers, cache=cache, deterministic=False, val=False, plots=False, device=device,
                 project=str(project), name=kind, exist_ok=True, verbose=False, optimizer=args.optimizer,
                 **extra)
     trainer = model.trainer
@@ -199,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if started is None:
         return None
     args, report, _ = started
+    if args.images is None:
+        args.images = 1024 if args.photo else 512
     if args.quick:
         args.epochs, args.images, args.val_images = 1, 256, 32
     out = Path(args.out)
@@ -214,9 +222,17 @@ def main(argv: list[str] | None = None) -> dict | None:
         return report
     from trainfuse.ultralytics.shapes import make_shapes_dataset
 
-    folder = Path(args.data_dir) / f"{args.imgsz}px-{args.images}-seed{args.seed}"
+    kind = "photo-" if args.photo else ""
+    folder = Path(args.data_dir) / f"{kind}{args.imgsz}px-{args.images}-seed{args.seed}"
     data = str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
-                                   seed=args.seed))
+                                   seed=args.seed, photo=args.photo))
+    if args.photo:
+        from trainfuse.bench import yolo_photo
+
+        yolo_photo.run(report, args, data, out, ultralytics.__version__)
+        report["_bench"] = "yolo"
+        save_report(report, args.out, "yolo-photo")
+        return report
     if len(args.devices.split(",")) > 1:
         from trainfuse.bench import yolo_ddp
 
@@ -226,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         return report
     runs, trainers = {}, {}
     for kind in ("stock", "trainfuse"):
-        runs[kind], trainers[kind] = _run(kind, args, data, out / "yolo-runs", device=args.devices)
+        runs[kind], trainers[kind] = train_run(kind, args, data, out / "yolo-runs", device=args.devices)
     for kind, (ms, launches) in _phases(trainers).items():
         runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)

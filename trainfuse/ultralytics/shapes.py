@@ -27,19 +27,25 @@ _JITTER = 40  # per-channel colour jitter: the hue identifies the class, the sha
 _SIZE = (0.06, 0.3)  # object width and height, as fractions of the image side
 
 
-def _background(rng: np.random.Generator, size: int) -> np.ndarray:
-    """A textured background: a smooth colour field, fine noise and a few dim random lines."""
+def _background(rng: np.random.Generator, w: int, h: int, photo: bool) -> np.ndarray:
+    """A textured background: a smooth colour field, fine noise and a few dim random lines; with
+    ``photo``, a busier field and stronger grain, which JPEG compresses about as badly as a photo."""
     import cv2
 
-    coarse = rng.integers(0, 110, (4, 4, 3), dtype=np.uint8)
-    img = cv2.resize(coarse, (size, size), interpolation=cv2.INTER_CUBIC)
-    noise = rng.integers(-20, 21, (size, size, 3), dtype=np.int16)
+    coarse = rng.integers(0, 110, (12, 16, 3) if photo else (4, 4, 3), dtype=np.uint8)
+    img = cv2.resize(coarse, (w, h), interpolation=cv2.INTER_CUBIC)
+    grain = 30 if photo else 20
+    noise = rng.integers(-grain, grain + 1, (h, w, 3), dtype=np.int16)
     img = np.clip(img.astype(np.int16) + noise, 0, 255).astype(np.uint8)
     for _ in range(int(rng.integers(2, 7))):
-        p1 = tuple(int(v) for v in rng.integers(0, size, 2))
-        p2 = tuple(int(v) for v in rng.integers(0, size, 2))
+        if photo:
+            p1 = (int(rng.integers(0, w)), int(rng.integers(0, h)))
+            p2 = (int(rng.integers(0, w)), int(rng.integers(0, h)))
+        else:  # square: the draws of the datasets made before photos existed
+            p1 = tuple(int(v) for v in rng.integers(0, w, 2))
+            p2 = tuple(int(v) for v in rng.integers(0, w, 2))
         shade = tuple(int(v) for v in rng.integers(40, 120, 3))
-        cv2.line(img, p1, p2, shade, max(1, size // 160))
+        cv2.line(img, p1, p2, shade, max(1, min(w, h) // 160))
     return img
 
 
@@ -64,15 +70,16 @@ def _draw(img: np.ndarray, cls: int, box: tuple[int, int, int, int], color: tupl
         cv2.rectangle(img, (x1, cy - thick // 2), (x2, cy + thick // 2), color, -1)
 
 
-def _image(rng: np.random.Generator, size: int, nc: int, max_objects: int) -> tuple[np.ndarray, list[str]]:
-    img = _background(rng, size)
+def _image(rng: np.random.Generator, width: int, height: int, nc: int, max_objects: int,
+           photo: bool = False) -> tuple[np.ndarray, list[str]]:
+    img = _background(rng, width, height, photo)
     lines = []
     for _ in range(int(rng.integers(1, max_objects + 1))):
         cls = int(rng.integers(0, nc))
         w, h = rng.uniform(*_SIZE, 2)
         xc, yc = rng.uniform(w / 2, 1 - w / 2), rng.uniform(h / 2, 1 - h / 2)
-        x1, y1 = math.floor((xc - w / 2) * size), math.floor((yc - h / 2) * size)
-        x2, y2 = math.ceil((xc + w / 2) * size) - 1, math.ceil((yc + h / 2) * size) - 1
+        x1, y1 = math.floor((xc - w / 2) * width), math.floor((yc - h / 2) * height)
+        x2, y2 = math.ceil((xc + w / 2) * width) - 1, math.ceil((yc + h / 2) * height) - 1
         jitter = rng.integers(-_JITTER, _JITTER + 1, 3)
         color = tuple(int(np.clip(c + j, 0, 255)) for c, j in zip(_HUES[cls], jitter))
         _draw(img, cls, (x1, y1, x2, y2), color)
@@ -81,17 +88,20 @@ def _image(rng: np.random.Generator, size: int, nc: int, max_objects: int) -> tu
 
 
 def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, imgsz: int = 640,
-                        seed: int = 0, nc: int = len(CLASSES), max_objects: int = 8) -> Path:
+                        seed: int = 0, nc: int = len(CLASSES), max_objects: int = 8,
+                        photo: bool = False) -> Path:
     """Write the dataset under ``root`` (or reuse it when made with the same arguments).
 
     Args:
         root: the dataset folder (created).
         n_train: training images.
         n_val: validation images.
-        imgsz: image side in pixels (square images).
+        imgsz: image side in pixels (square images); with ``photo``, the width (4:3 images).
         seed: every pixel and label follows from it.
         nc: number of classes, 1 to ``len(CLASSES)`` (the first ``nc`` shapes).
         max_objects: each image holds 1 to ``max_objects`` shapes (they may overlap).
+        photo: 4:3 images whose grain makes JPEGs of a photo's size (about 190 KB at 640 x 480,
+            COCO's size), for benchmarks of a loader that decodes every image every epoch.
 
     Returns:
         The path of ``data.yaml``, ready for ``YOLO(...).train(data=...)``.
@@ -107,7 +117,7 @@ def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, i
                          "imgsz >= 32 and max_objects >= 1")
     root = Path(root)
     spec = {"n_train": n_train, "n_val": n_val, "imgsz": imgsz, "seed": seed, "nc": nc,
-            "max_objects": max_objects, "version": 1}
+            "max_objects": max_objects, "version": 1, **({"photo": True} if photo else {})}
     marker, yaml = root / "shapes.json", root / "data.yaml"
     if marker.exists() and yaml.exists() and json.loads(marker.read_text()) == spec:
         return yaml
@@ -119,7 +129,7 @@ def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, i
             for old in folder.iterdir():  # a different earlier dataset must not leave files behind
                 old.unlink()
         for i in range(n):
-            img, lines = _image(rng, imgsz, nc, max_objects)
+            img, lines = _image(rng, imgsz, imgsz * 3 // 4 if photo else imgsz, nc, max_objects, photo)
             cv2.imwrite(str(images / f"{i:05d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 95])
             (labels / f"{i:05d}.txt").write_text("\n".join(lines) + "\n")
     for cache in root.glob("labels/*.cache"):  # ultralytics' label cache of an earlier dataset

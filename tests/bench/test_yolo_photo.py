@@ -1,0 +1,39 @@
+"""The photo benchmark's pieces on the CPU: photo-like JPEGs of a photo's size, 4:3, their labels
+inside the image; ultralytics' training loader alone timed per epoch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ultralytics")
+cv2 = pytest.importorskip("cv2")
+
+from trainfuse.bench.yolo_photo import loader_rates  # noqa: E402
+from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
+
+
+def test_photo_jpegs_have_a_photos_size_and_shape(tmp_path):
+    yaml = make_shapes_dataset(tmp_path / "p", n_train=3, n_val=1, imgsz=640, photo=True)
+    root = Path(yaml).parent
+    jpegs = sorted((root / "images" / "train").glob("*.jpg"))
+    assert len(jpegs) == 3
+    kb = np.mean([p.stat().st_size for p in jpegs]) / 1024
+    assert 120 < kb < 260, kb  # COCO's mean is about 160-195 KB at this size
+    assert cv2.imread(str(jpegs[0])).shape == (480, 640, 3)
+    for label in (root / "labels" / "train").glob("*.txt"):
+        rows = np.loadtxt(label, ndmin=2)
+        xc, yc, w, h = rows[:, 1:].T
+        assert ((xc - w / 2 >= 0) & (xc + w / 2 <= 1) & (yc - h / 2 >= 0) & (yc + h / 2 <= 1)).all()
+    square = make_shapes_dataset(tmp_path / "s", n_train=1, n_val=1, imgsz=64)
+    first = next((Path(square).parent / "images" / "train").glob("*.jpg"))
+    assert cv2.imread(str(first)).shape == (64, 64, 3)
+
+
+def test_the_loader_alone_is_timed_per_epoch(tmp_path, monkeypatch):
+    monkeypatch.setenv("YOLO_OFFLINE", "1")
+    yaml = make_shapes_dataset(tmp_path / "p", n_train=8, n_val=2, imgsz=64, photo=True)
+    rates = loader_rates(str(yaml), imgsz=64, batch=4, workers=0, epochs=2)
+    assert len(rates) == 2 and all(r > 0 for r in rates)
