@@ -235,7 +235,7 @@ class FusedDetectionTrainer(DetectionTrainer):
     def _fold_stem(self) -> None:
         """The first convolution (3 channels, stride 2) computed on the space-to-depth input, on
         CUDA (``fold_stem``): :mod:`trainfuse.nn.stem`."""
-        if not self.fold_stem or self.device.type != "cuda":
+        if not self.fold_stem or self.device.type != "cuda" or self.args.compile:  # compile: its own kernels
             return
         first = unwrap_model(self.model).model[0]
         conv = getattr(first, "conv", first)
