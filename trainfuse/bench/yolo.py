@@ -31,7 +31,6 @@ ours on those GPUs, and ours on one GPU for the scaling (:mod:`trainfuse.bench.y
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import tempfile
 from pathlib import Path
@@ -67,46 +66,6 @@ def _parser():
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "trainfuse-bench-shapes"),
                         help="where the synthetic dataset is generated (reused when it matches)")
     return parser
-
-
-def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
-              cache: str | bool = "ram") -> tuple[dict, object]:
-    """One timed training run of ``kind`` (``stock`` or ``trainfuse``): its summary and trainer."""
-    import torch
-    from ultralytics import YOLO
-
-    from trainfuse.bench.yolo_harness import LaunchCounter, LoopTimer, PhaseHostTimer, final_map
-    from trainfuse.ultralytics import FusedDetectionTrainer
-
-    model = YOLO(args.model)
-    timer = LoopTimer().attach(model)
-    phase_timer = PhaseHostTimer().attach(model)
-    # one accumulation cycle is profiled: after ultralytics' warmup ramp of accumulate (3 epochs),
-    # or after 8 iterations in a run too short for that
-    nb = -(-args.images // args.batch)
-    ramp = round(min(3, args.epochs - 1) * nb)
-    counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer).attach(model)
-    extra = {"trainer": FusedDetectionTrainer} if kind == "trainfuse" else {}
-    torch.cuda.reset_peak_memory_stats()
-    model.train(data=data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, seed=args.seed,
-                workers=args.workers, cache=cache, deterministic=False, val=False, plots=False, device=device,
-                project=str(project), name=kind, exist_ok=True, verbose=False, optimizer=args.optimizer,
-                **extra)
-    trainer = model.trainer
-    summary = timer.summary(args.batch)
-    summary["map50"], summary["map50_95"] = final_map(trainer)
-    summary["launches_per_iteration"] = counter.per_iteration
-    summary["profiled_iterations"] = counter.iterations
-    summary["optimizer"] = type(trainer.optimizer).__name__
-    summary["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    summary["host_launches_per_iteration"] = counter.host_per_iteration
-    summary["phase_host_ms"] = phase_timer.median_ms
-    if getattr(trainer, "phase_stats", None) is not None:
-        summary["phase_graph"] = trainer.phase_stats
-    if getattr(trainer, "graph_stats", None) is not None:
-        summary["graphs"] = dataclasses.asdict(trainer.graph_stats)
-    summary["losses"], summary["iter_ms_all"] = timer.losses, timer.iter_ms()
-    return summary, trainer
 
 
 def _phases(trainers: dict, rounds: int = 4, calls: int = 25) -> dict[str, tuple[float, int | None]]:
@@ -240,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         report["_bench"] = "yolo"
         save_report(report, args.out, family(args.model, args.optimizer, args.devices))
         return report
+    from trainfuse.bench.yolo_harness import train_run
+
     runs, trainers = {}, {}
     for kind in ("stock", "trainfuse"):
         runs[kind], trainers[kind] = train_run(kind, args, data, out / "yolo-runs", device=args.devices)

@@ -1,6 +1,6 @@
-"""Measuring ultralytics training runs: loop time per iteration, launch counts, the optimizer
-phase on its own, and the comparison table and PNG that ``python -m trainfuse.bench yolo`` and
-``examples/yolov5/train.py`` print.
+"""Measuring ultralytics training runs: one timed run (:func:`train_run`), loop time per
+iteration, launch counts, the optimizer phase on its own and inside the loop, and the comparison
+table and PNG that ``python -m trainfuse.bench yolo`` and ``examples/yolov5/train.py`` print.
 
 Everything here hooks into a run through ultralytics' own callbacks (``model.add_callback``); the
 trainer is not touched. The training-loop time of an iteration runs from ``on_train_batch_start``
@@ -11,6 +11,7 @@ iteration's end to the next's start.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -348,5 +349,43 @@ def plot_runs(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
     return path
 
 
+def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
+              cache: str | bool = "ram") -> tuple[dict, object]:
+    """One timed training run of ``kind`` (``stock`` or ``trainfuse``): its summary and trainer."""
+    from ultralytics import YOLO
+
+    from trainfuse.ultralytics import FusedDetectionTrainer
+
+    model = YOLO(args.model)
+    timer = LoopTimer().attach(model)
+    phase_timer = PhaseHostTimer().attach(model)
+    # one accumulation cycle is profiled: after ultralytics' warmup ramp of accumulate (3 epochs),
+    # or after 8 iterations in a run too short for that
+    nb = -(-args.images // args.batch)
+    ramp = round(min(3, args.epochs - 1) * nb)
+    counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer).attach(model)
+    extra = {"trainer": FusedDetectionTrainer} if kind == "trainfuse" else {}
+    torch.cuda.reset_peak_memory_stats()
+    model.train(data=data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, seed=args.seed,
+                workers=args.workers, cache=cache, deterministic=False, val=False, plots=False, device=device,
+                project=str(project), name=kind, exist_ok=True, verbose=False, optimizer=args.optimizer,
+                **extra)
+    trainer = model.trainer
+    summary = timer.summary(args.batch)
+    summary["map50"], summary["map50_95"] = final_map(trainer)
+    summary["launches_per_iteration"] = counter.per_iteration
+    summary["profiled_iterations"] = counter.iterations
+    summary["optimizer"] = type(trainer.optimizer).__name__
+    summary["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    summary["host_launches_per_iteration"] = counter.host_per_iteration
+    summary["phase_host_ms"] = phase_timer.median_ms
+    if getattr(trainer, "phase_stats", None) is not None:
+        summary["phase_graph"] = trainer.phase_stats
+    if getattr(trainer, "graph_stats", None) is not None:
+        summary["graphs"] = dataclasses.asdict(trainer.graph_stats)
+    summary["losses"], summary["iter_ms_all"] = timer.losses, timer.iter_ms()
+    return summary, trainer
+
+
 __all__ = ["LaunchCounter", "LoopTimer", "PhaseHostTimer", "device_launches", "final_map", "host_launches",
-           "optimizer_phase", "plot_runs", "runs_table"]
+           "optimizer_phase", "plot_runs", "runs_table", "train_run"]

@@ -43,7 +43,7 @@ def loader_rates(data: str, imgsz: int, batch: int, workers: int, epochs: int = 
 
 def run(report: dict, args, data: str, out: Path, version: str) -> None:
     """Measure the loader alone, then stock and ours, into ``report``."""
-    from trainfuse.bench.yolo import train_run
+    from trainfuse.bench.yolo_harness import train_run
 
     jpegs = (Path(data).parent / "images" / "train").glob("*.jpg")
     kb = sum(p.stat().st_size for p in jpegs) / args.images / 1024
