@@ -35,6 +35,18 @@ def _dense(p: torch.Tensor) -> bool:
     return True
 
 
+def reduce_in_place(tensor: torch.Tensor, group: dist.ProcessGroup | None, world: int, average: bool,
+                    async_op: bool = False):
+    """Sum ``tensor`` over ``group``'s ``world`` ranks in place; with ``average``, divide by the
+    world size first, as DDP does (NCCL divides inside the collective: no pass of our own). The
+    work with ``async_op``, else None."""
+    if average and dist.get_backend(group) == "nccl":
+        return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    if average:
+        tensor.div_(world)
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
 class FlatGrads:
     """One zeroed buffer per (device, dtype) of ``params`` and a ``.grad`` view of it per param.
 
@@ -110,14 +122,8 @@ class FlatGrads:
             moved = [i for i, (p, g) in enumerate(zip(self.params, self.grads)) if p.grad is not g]
             raise RuntimeError(f"FlatGrads.all_reduce: the grads of params {moved[:8]} are no longer views "
                                "of the flat buffers (set to None or replaced); call attach() after zero_grad")
-        nccl = dist.get_backend(self.group) == "nccl"
         for buffer in self.buffers.values():
-            if average and nccl:  # NCCL scales inside the collective: no pass of our own
-                dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=self.group)
-                continue
-            if average:
-                buffer.div_(world)
-            dist.all_reduce(buffer, group=self.group)
+            reduce_in_place(buffer, self.group, world, average)
 
     def detach(self) -> None:
         """Set the params' grads that are still views back to None (the buffers go with this object)."""
@@ -126,4 +132,4 @@ class FlatGrads:
                 p.grad = None
 
 
-__all__ = ["FlatGrads"]
+__all__ = ["FlatGrads", "reduce_in_place"]

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from trainfuse.clients.flat_grads import FlatGrads
+from trainfuse.clients.flat_grads import FlatGrads, reduce_in_place
 
 CAP_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
 
@@ -156,11 +156,7 @@ class GradBuckets:
         if world == 1:
             return None
         key, (start, stop), _ = self.buckets[b]
-        view = self.flat.buffers[key][start:stop]
-        if dist.get_backend(group) == "nccl":
-            return dist.all_reduce(view, op=dist.ReduceOp.AVG, group=group, async_op=True)
-        view.div_(world)
-        return dist.all_reduce(view, group=group, async_op=True)
+        return reduce_in_place(self.flat.buffers[key][start:stop], group, world, average=True, async_op=True)
 
 
 __all__ = ["BucketLaunch", "GradBuckets"]
