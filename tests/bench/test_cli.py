@@ -21,6 +21,7 @@ ARGS = {
     "mlp": ["--no-compile", "--only", "relu", "--sweep", "--set-to-none"],
     "optim": ["--no-compile", "--only", "GPT", "--sweep-only", "--configs", "512x8x4"],
     "lightning": ["--quick"],
+    "stem": ["--batch", "2", "--imgsz", "64"],
     "yolo": ["--quick"],
     "yolo-quality": ["--models", "yolov5n.yaml", "--seeds", "0", "--epochs", "1"],
     "yolo-loss": ["--quick"],

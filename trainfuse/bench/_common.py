@@ -67,6 +67,8 @@ FAMILIES = {
             "Linear + activation chains, forward + backward: eager, torch.compile, FusedMLP"),
     "yolo-loss": ("trainfuse.bench.yolo_loss",
                   "YOLO detection loss, forward + backward: v8DetectionLoss / E2ELoss against fused ones"),
+    "stem": ("trainfuse.bench.stem",
+             "a detector's first convolution, forward + weight grad: conv2d against the space-to-depth fold"),
     "yolo": ("trainfuse.bench.yolo",
              "YOLOv5 training: ultralytics' DetectionTrainer against FusedDetectionTrainer"),
     "yolo-quality": ("trainfuse.bench.yolo_quality",
