@@ -24,10 +24,14 @@ MEMBERS = set(OptimizerClient.__annotations__) | {
 
 
 def _fused_classes() -> list[type]:
+    """trainfuse's subclasses of FusedOptimizer; not the wrappers Lightning makes at run time
+    (``LightningFusedAdamW``, whose ``__init__`` takes an optimizer), which an earlier test of
+    the same process leaves behind."""
     found, todo = [], [FusedOptimizer]
     while todo:
         for sub in todo.pop().__subclasses__():
-            found.append(sub)
+            if sub.__module__.startswith("trainfuse."):
+                found.append(sub)
             todo.append(sub)
     return found
 

@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             if folded:  # forced for the 3 x 3 stem too, which the trainer would leave alone
                 conv.forward = lambda t, c=conv, pad=p: stem.folded_conv2d(t, c.weight, c.bias, pad)
             times[folded] = kernel_ms(_step(conv, x))
-        add_row(report, workload, "torch conv2d", trainfuse=False, gpu_ms=times[False])
-        add_row(report, workload, "space-to-depth fold", trainfuse=True, gpu_ms=times[True])
+        add_row(report, workload, "torch conv2d", trainfuse=False, do_bench_ms=times[False])
+        add_row(report, workload, "space-to-depth fold", trainfuse=True, do_bench_ms=times[True])
         rows.append([name, f"{times[False]:.3f}", f"{times[True]:.3f}", f"{times[False] / times[True]:.2f}x",
                      "folded" if stem.foldable(nn.Conv2d(3, 16, k, 2, p)) else "left alone"])
     print_table("stem convolution, GPU ms per call", ["stem", "torch", "folded", "speedup", "trainer"], rows)
