@@ -11,13 +11,16 @@ a batch, and each copied tensor is marked as used there (``record_stream``), so 
 reused before that stream is done with it. Batches come from pinned memory (ultralytics' loaders
 pin), so the copies do not block the host.
 
+A ``finish`` callable runs on each batch on the side stream too, after its copies: the trainer's
+GPU augmentation, which then also overlaps the step before.
+
 Everything else is the wrapped loader's: its length, dataset, sampler, ``reset()`` and ``close()``
 (attribute access passes through).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,13 +32,16 @@ class DevicePrefetcher:
     Args:
         loader: the training loader (batches are dicts of tensors and other values).
         device: a CUDA device.
+        finish: called on each batch once its copies are launched, on the side stream (the
+            deferred augmentation); returns the batch the loop gets.
     """
 
-    def __init__(self, loader: Any, device: torch.device) -> None:
+    def __init__(self, loader: Any, device: torch.device, finish: Callable[[dict], dict] | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(f"DevicePrefetcher: device must be a CUDA device, got {device}")
         self.loader = loader
         self.device = device
+        self.finish = finish
         self._stream: torch.cuda.Stream | None = None
 
     def __len__(self) -> int:
@@ -73,6 +79,8 @@ class DevicePrefetcher:
         with torch.cuda.stream(stream):  # allocated from the side stream's own pool
             moved = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
+            if self.finish is not None:
+                moved = self.finish(moved)
             event = torch.cuda.Event()
             event.record(stream)
         return moved, event

@@ -30,9 +30,11 @@ results differ on purpose):
   Off on CPU, with ``compile``, or without a fused loss; choose with
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP, a subclass
   setting ``cuda_graphs = False``).
-- **Input side** (CUDA): the first convolution on the space-to-depth image
-  (:mod:`trainfuse.nn.stem`, ``fold_stem``), and the batches copied to the GPU one ahead on a side
-  stream (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`, ``prefetch``).
+- **Input side** (CUDA): the random warp, HSV jitter and flips of the training batches on the GPU,
+  with ultralytics' own random draws (``gpu_augment``, :mod:`trainfuse.ultralytics.loading`); the
+  first convolution on the space-to-depth image (:mod:`trainfuse.nn.stem`, ``fold_stem``); the
+  batches copied to the GPU one ahead on a side stream
+  (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`, ``prefetch``).
 - **DDP** (``device="0,1"``): each rank runs all of the above; with graphs, DDP's wrapper gives way to
   one all-reduce of a flat float32 buffer before each optimizer step
   (:class:`trainfuse.clients.FlatGrads`). The weights stay float32 under DDP.
@@ -70,8 +72,8 @@ from trainfuse.ultralytics.choices import CLIP_NORM, check_task, criterion, fuse
 from trainfuse.ultralytics.e2e_loss import FusedE2ELoss
 from trainfuse.ultralytics.graphed import GraphedLoss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
-from trainfuse.ultralytics.prefetch import DevicePrefetcher
-from trainfuse.ultralytics.targets import PADDED_KEY, PadTargets, add_padded_targets
+from trainfuse.ultralytics.loading import BatchLoading
+from trainfuse.ultralytics.targets import PadTargets
 
 _PREFIX = colorstr("trainfuse:")
 GRAPHED_PHASES = (FusedSGD, FusedAdam)  # their phase, graph-safe, replays from one graph (AdamW: an Adam)
@@ -81,7 +83,7 @@ def _keep_grads(set_to_none: bool = True) -> None:
     """``zero_grad`` of a stock optimizer while the graphs keep its grads (the next replay zeroes them)."""
 
 
-class FusedDetectionTrainer(DetectionTrainer):
+class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
     """``ultralytics.models.yolo.detect.DetectionTrainer`` with a fused optimizer phase (see the
     module docstring): ``YOLO("yolov5n.yaml").train(trainer=FusedDetectionTrainer, ...)``.
 
@@ -96,8 +98,8 @@ class FusedDetectionTrainer(DetectionTrainer):
         graphs_reason: empty when the step runs from CUDA graphs, else why it runs eagerly.
         fold_stem: on CUDA, compute the first convolution on the space-to-depth image
             (:mod:`trainfuse.nn.stem`; a subclass may set False).
-        prefetch: on CUDA, copy the training batches to the GPU one batch ahead on a side stream
-            (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`; a subclass may set False).
+        gpu_augment, augment_reason, prefetch: the training batches' augmentation on the GPU and
+            their copies one batch ahead (:class:`~trainfuse.ultralytics.loading.BatchLoading`).
         keeps_grads: True once the step runs from CUDA graphs: ``optimizer_step`` then leaves the
             grads in place for the next replay to zero (inside its graph) instead of freeing them.
         report: what the trainer changed and what it left stock, with why
@@ -120,13 +122,14 @@ class FusedDetectionTrainer(DetectionTrainer):
     _phase: GraphedOptimizerStep | None = None
     _stem: torch.nn.Module | None = None
     fold_stem = True
-    prefetch = True
     _flat: FlatGrads | None = None
     keeps_grads = False
     graph_stats = graph_memory = phase_stats = None
 
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, cuda_graphs: bool | None = None,
-                 **kwargs):
+                 gpu_augment: bool | None = None, **kwargs):
+        if gpu_augment is not None and not isinstance(gpu_augment, bool):
+            raise TypeError(f"FusedDetectionTrainer: gpu_augment must be True, False or None, got {gpu_augment!r}")
         # before ultralytics checks the dataset, which fails for another task's data first
         check_task(get_cfg(cfg, overrides))
         super().__init__(cfg, overrides, *args, **kwargs)
@@ -137,6 +140,8 @@ class FusedDetectionTrainer(DetectionTrainer):
                 raise TypeError(f"FusedDetectionTrainer: cuda_graphs must be True or False, "
                                 f"got {cuda_graphs!r}")
             self.cuda_graphs = cuda_graphs
+        if gpu_augment is not None:
+            self.gpu_augment = gpu_augment
         # first in line, so that every other epoch-end callback sees the exact loss means; the
         # dict may be the YOLO object's, shared with its later trainers: once only
         for event, callback in _GRAPH_CALLBACKS.items():
@@ -144,11 +149,12 @@ class FusedDetectionTrainer(DetectionTrainer):
                 self.callbacks[event].insert(0, callback)
 
     def train(self):
-        """Ultralytics' ``train``; under DDP, a warning where ``cuda_graphs`` was given to the
-        constructor (the ranks rebuild the trainer from its class and would not see it)."""
-        if self.ddp and self.cuda_graphs != type(self).cuda_graphs:
-            LOGGER.warning(f"{_PREFIX} cuda_graphs={self.cuda_graphs} does not reach the DDP ranks, which "
-                           "rebuild the trainer from its class: use a subclass that sets cuda_graphs")
+        """Ultralytics' ``train``; under DDP, a warning where ``cuda_graphs`` or ``gpu_augment`` was
+        given to the constructor (the ranks rebuild the trainer from its class and would not see it)."""
+        for name in ("cuda_graphs", "gpu_augment"):
+            if self.ddp and getattr(self, name) != getattr(type(self), name):
+                LOGGER.warning(f"{_PREFIX} {name}={getattr(self, name)} does not reach the DDP ranks, which "
+                               f"rebuild the trainer from its class: use a subclass that sets {name}")
         return super().train()
 
     # ---- optimizer -------------------------------------------------------------------------------
@@ -341,29 +347,6 @@ class FusedDetectionTrainer(DetectionTrainer):
             return super().save_model()
         finally:
             self.optimizer = optimizer
-
-    def build_dataset(self, img_path: str, mode: str = "train", batch: int | None = None):
-        """Ultralytics' dataset; in training, its batches also carry the labels padded to their
-        bucketed capacity (``add_padded_targets``, run by the loader's workers)."""
-        dataset = super().build_dataset(img_path, mode, batch)
-        if mode == "train" and self.fused_loss and takes_fused_loss(unwrap_model(self.model)):
-            dataset.collate_fn = PadTargets(dataset.collate_fn)
-        return dataset
-
-    def get_dataloader(self, dataset_path: str, batch_size: int = 16, rank: int = 0, mode: str = "train"):
-        """Ultralytics' loader; in training on CUDA (``prefetch``), its batches copied to the GPU one
-        batch ahead on a side stream (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`)."""
-        loader = super().get_dataloader(dataset_path, batch_size, rank, mode)
-        if mode == "train" and self.prefetch and self.device.type == "cuda":
-            loader = DevicePrefetcher(loader, self.device)
-        return loader
-
-    def preprocess_batch(self, batch: dict) -> dict:
-        """Pad the labels on the CPU where the loader did not, then ultralytics' preprocessing
-        (which moves the padded labels to the device with the rest of the batch)."""
-        if self._pad_targets and PADDED_KEY not in batch and batch["batch_idx"].device.type == "cpu":
-            add_padded_targets(batch)
-        return super().preprocess_batch(batch)
 
     def _load_checkpoint_state(self, ckpt):
         # the weights may change storage: the graphs are dropped and made anew after (and the

@@ -39,8 +39,10 @@ def bgr_to_hsv(images: torch.Tensor) -> torch.Tensor:
 _SECTORS = torch.tensor([[1, 3, 0], [1, 0, 2], [3, 0, 1], [0, 2, 1], [0, 1, 3], [2, 1, 0]])
 
 
-def hsv_to_bgr(hsv: torch.Tensor) -> torch.Tensor:
-    """OpenCV's 8-bit HSV (N, 3, H, W) back to uint8 BGR (``COLOR_HSV2BGR``'s formula)."""
+def hsv_to_bgr(hsv: torch.Tensor, vector_block: int = 0) -> torch.Tensor:
+    """OpenCV's 8-bit HSV (N, 3, H, W) back to uint8 BGR (``COLOR_HSV2BGR``'s formula), rounded
+    half to even, or down in each row's first ``W - W % vector_block`` columns where
+    ``vector_block`` > 0 (OpenCV 5's vectorized path: :func:`opencv_vector_block`)."""
     h, s, v = hsv.float().unbind(1)
     s, v = s * (1 / 255), v * (1 / 255)
     h = torch.remainder(h * (6 / 180), 6)
@@ -50,8 +52,30 @@ def hsv_to_bgr(hsv: torch.Tensor) -> torch.Tensor:
     tab = torch.stack((v, v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))), 1)  # (N, 4, H, W)
     pick = _SECTORS.to(hsv.device)[sector].permute(0, 3, 1, 2)  # (N, 3, H, W)
     bgr = torch.gather(tab, 1, pick)
-    bgr = torch.where((s == 0).unsqueeze(1), v.unsqueeze(1).expand_as(bgr), bgr)
-    return torch.round(bgr * 255).clamp_(0, 255).to(torch.uint8)  # round half to even, as cvRound
+    tab_bgr = bgr = torch.where((s == 0).unsqueeze(1), v.unsqueeze(1).expand_as(bgr), bgr)
+    bgr = torch.round(bgr * 255)  # half to even, as cvRound
+    if vector_block > 0:
+        width = hsv.shape[-1]
+        down = torch.arange(width, device=hsv.device) < width - width % vector_block
+        bgr = torch.where(down, torch.floor(tab_bgr * 255), bgr)
+    return bgr.clamp_(0, 255).to(torch.uint8)
+
+
+def opencv_vector_block() -> int:
+    """How many columns at a time the installed OpenCV's vectorized ``COLOR_HSV2BGR`` converts,
+    rounding down (OpenCV 5.0: 32, the last ``W % 32`` columns of a row rounded half to even by its
+    scalar path), or 0 where it rounds like the scalar path: one conversion of a 127-pixel row of
+    HSV (0, 1, 1), 0.996 in blue before rounding."""
+    import cv2
+    import numpy as np
+
+    width = 127
+    row = np.tile(np.array([[[0, 1, 1]]], dtype=np.uint8), (1, width, 1))
+    rounded_up = np.nonzero(cv2.cvtColor(row, cv2.COLOR_HSV2BGR)[0, :, 0])[0]
+    tail = width - (int(rounded_up[0]) if len(rounded_up) else width)  # width % block
+    if tail == width:
+        return 0
+    return next(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if width % b == tail)
 
 
 def hsv_luts(gains: torch.Tensor) -> torch.Tensor:
@@ -79,4 +103,4 @@ def hsv_jitter(images: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
     return hsv_to_bgr(moved)
 
 
-__all__ = ["bgr_to_hsv", "hsv_jitter", "hsv_luts", "hsv_to_bgr"]
+__all__ = ["bgr_to_hsv", "hsv_jitter", "hsv_luts", "hsv_to_bgr", "opencv_vector_block"]

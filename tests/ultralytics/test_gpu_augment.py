@@ -1,0 +1,261 @@
+"""The GPU augmentation path: its kernel against its torch reference (bit for bit) and against
+OpenCV; a deferred dataset against ultralytics' own on the same seeds (pixels within a level,
+boxes within 1e-3 px, the same boxes dropped); the cases that keep the CPU path; and training runs
+of FusedDetectionTrainer with and without it."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ultralytics")
+cv2 = pytest.importorskip("cv2")
+
+from ultralytics.cfg import get_cfg  # noqa: E402
+from ultralytics.data.augment import RandomHSV  # noqa: E402
+from ultralytics.data.build import build_yolo_dataset  # noqa: E402
+from ultralytics.data.utils import check_det_dataset  # noqa: E402
+
+from trainfuse.ultralytics.augment import deferred  # noqa: E402
+from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred  # noqa: E402
+from trainfuse.ultralytics.augment.color import hsv_luts, opencv_vector_block  # noqa: E402
+from trainfuse.ultralytics.augment.kernel import augment_images, augment_images_reference  # noqa: E402
+from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
+from trainfuse.ultralytics.targets import PADDED_KEY  # noqa: E402
+
+
+def _packed(dims, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dims = torch.tensor(dims, dtype=torch.int32).reshape(-1, 2)
+    sizes = (dims[:, 0] * dims[:, 1] * 3).long()
+    starts = torch.cumsum(sizes, 0) - sizes
+    return torch.randint(0, 256, (int(sizes.sum()),), dtype=torch.uint8, generator=g), starts, dims
+
+
+def _matrices(n, perspective):
+    out = []
+    for i in range(n):
+        a, s = 0.4 * i - 0.3, 0.7 + 0.35 * i
+        m = torch.tensor([[s * math.cos(a), s * math.sin(a), 3.0 - 2 * i], [-s * math.sin(a), s * math.cos(a), -1.5],
+                          [1e-3 * i if perspective else 0.0, -5e-4 if perspective else 0.0, 1.0]],
+                         dtype=torch.float64)
+        out.append(torch.linalg.inv(m).reshape(9))
+    return torch.stack(out) if out else torch.zeros(0, 9, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dims,size", [
+    ([[20, 30], [0, 0], [9, 11]], (17, 13)),  # an image the warp never reads
+    ([[1, 1]], (5, 3)),
+    ([[33, 7], [7, 33]], (31, 1)),
+    ([], (8, 8)),  # no images
+    ([[4, 4]], (0, 6)),  # an empty output
+])
+@pytest.mark.parametrize("perspective", [False, True])
+@pytest.mark.parametrize("hsv", [False, 0, 4, 32])  # no HSV; HSV with no, 4- and 32-column vector blocks
+def test_kernel_equals_its_torch_reference(dims, size, perspective, hsv, kernels):
+    packed, starts, dims = _packed(dims)
+    n = starts.numel()
+    g = torch.Generator().manual_seed(n)
+    inverse = _matrices(n, perspective)
+    origins = torch.randint(0, 3, (n, 2), dtype=torch.int32, generator=g)
+    flips = torch.rand(n, 2, generator=g) < 0.5
+    luts = hsv_luts(torch.rand(n, 3, dtype=torch.float64, generator=g) - 0.5) if hsv is not False else None
+    swaps = torch.arange(n) % 2 == 0
+    block = hsv or 0
+    out = augment_images(packed, starts, dims, inverse, origins, flips, luts, swaps, size, perspective, block)
+    ref = augment_images_reference(packed, starts, dims, inverse, origins, flips, luts, swaps, size, perspective,
+                                   block)
+    assert out.shape == (n, 3, size[1], size[0]) and out.dtype == torch.uint8
+    assert torch.equal(out, ref)
+
+
+def _smooth(seed, h, w):
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (h // 6 + 1, w // 6 + 1, 3), dtype=np.uint8)
+    return cv2.resize(small, (w, h), interpolation=cv2.INTER_CUBIC)
+
+
+@pytest.mark.parametrize("perspective", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_matches_opencv_warp_and_random_hsv(perspective, seed, kernels, monkeypatch):
+    img = _smooth(seed, 50, 60)
+    img[:4, :4] = 255  # pure white stays white through RandomHSV
+    m = np.array([[1.1, 0.2, -4.0], [-0.15, 0.9, 3.0], [8e-4 if perspective else 0, -6e-4 if perspective else 0, 1]],
+                 dtype=np.float32)
+    size = (40, 36)
+    warp = cv2.warpPerspective if perspective else (lambda i, mm, s, **k: cv2.warpAffine(i, mm[:2], s, **k))
+    warped = warp(img, m, size, borderValue=(114, 114, 114, 114))
+    gains = np.random.default_rng(seed).uniform(-1, 1, 3)
+    monkeypatch.setattr(np.random, "uniform", lambda *a, **k: gains)
+    hyp = (0.015, 0.7, 0.4)
+    ref = RandomHSV(*hyp).apply_image({"img": warped.copy()})["img"].astype(int)
+    luts = hsv_luts(torch.from_numpy(gains * np.array(hyp))[None])
+    inverse = torch.from_numpy(np.linalg.inv(m.astype(np.float64))).reshape(1, 9)
+    packed = torch.from_numpy(img).reshape(-1)
+    for lut, want in ((None, warped.astype(int)), (luts, ref)):
+        out = augment_images(packed, torch.zeros(1, dtype=torch.long), torch.tensor([[50, 60]], dtype=torch.int32),
+                             inverse, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.bool), lut,
+                             torch.zeros(1, dtype=torch.bool), size, perspective, opencv_vector_block())
+        diff = np.abs(out[0].permute(1, 2, 0).numpy().astype(int) - want)
+        # OpenCV 5's bilinear and HSV arithmetic; a source point within float error of a pixel
+        # boundary, or a value of a rounding tie, may fall the other way
+        assert diff.max() <= 2 and (diff == 0).mean() > 0.995, (diff.max(), (diff == 0).mean())
+
+
+def test_bad_arguments_are_refused_before_any_work():
+    packed, starts, dims = _packed([[4, 4]])
+    args = [packed, starts, dims, _matrices(1, False), torch.zeros(1, 2, dtype=torch.int32),
+            torch.zeros(1, 2, dtype=torch.bool), None, torch.zeros(1, dtype=torch.bool), (4, 4)]
+    with pytest.raises(ValueError, match="packed must be uint8"):
+        augment_images(packed.float(), *args[1:])
+    bad = list(args)
+    bad[3] = torch.zeros(2, 9, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"inverse must have shape \(1, 9\)"):
+        augment_images(*bad)
+    bad = list(args)
+    bad[6] = torch.zeros(1, 3, 256, dtype=torch.int32)
+    with pytest.raises(ValueError, match="luts must be uint8"):
+        augment_images(*bad)
+
+
+# ---- a deferred dataset against ultralytics' own -------------------------------------------------
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    yaml = make_shapes_dataset(tmp_path_factory.mktemp("gpu-augment"), n_train=8, n_val=2, imgsz=96, photo=True)
+    return check_det_dataset(str(yaml))
+
+
+def _datasets(data, **overrides):
+    cfg = get_cfg(overrides={"imgsz": 96, **overrides})
+    stock = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
+    ours = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
+    assert deferred.unsupported(ours, cfg) == ""
+    deferred.install(ours, copy.copy(cfg), pad=True)
+    return stock, ours
+
+
+def _batch(dataset, seed, images=(0, 3, 5)):
+    samples = []
+    for k, i in enumerate(images):
+        random.seed(seed * 10 + k)
+        np.random.seed(seed * 10 + k)
+        samples.append(dataset[i])
+    return dataset.collate_fn(samples)
+
+
+def _assert_like_stock(stock, ours):
+    keep = ours["bboxes"].sum(1) > 0
+    assert keep.sum() == len(stock["bboxes"])  # the same boxes dropped ...
+    torch.testing.assert_close(ours["bboxes"][keep], stock["bboxes"], atol=1e-3 / 96, rtol=0)  # ... and kept
+    assert torch.equal(ours["cls"][keep], stock["cls"]) and torch.equal(ours["batch_idx"][keep], stock["batch_idx"])
+    assert (ours["cls"][~keep] == 0).all()
+    assert ours["img"].shape == stock["img"].shape and ours["img"].dtype == torch.uint8
+    diff = (ours["img"].int() - stock["img"].int()).abs()
+    assert (diff == 0).float().mean() > 0.99 and (diff <= 1).float().mean() > 0.9999, (diff.max(), diff.float().mean())
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # ultralytics' defaults: mosaic, scale 0.5, translate 0.1, HSV, fliplr 0.5
+    {"degrees": 20.0, "shear": 5.0, "perspective": 0.0005, "flipud": 0.5, "translate": 0.3},
+    {"mosaic": 0.0, "fliplr": 1.0, "scale": 0.9},  # close_mosaic's epochs: one letterboxed image
+    {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0, "bgr": 0.5},
+], ids=["defaults", "warp-all", "no-mosaic", "no-hsv-bgr"])
+def test_deferred_batches_equal_stock_batches_on_the_same_seeds(data, overrides, kernels):
+    stock, ours = _datasets(data, **overrides)
+    for seed in range(3):
+        out = _batch(ours, seed)
+        assert is_deferred(out) and out["aug_packed"].numel() < 3 * (2 * 96) ** 2 * 3  # crops, not mosaics
+        capacity = out["aug_capacity"]
+        out = finish_batch(out)
+        _assert_like_stock(_batch(stock, seed), out)
+        assert not any(k.startswith("aug_") for k in out)
+        padded = out[PADDED_KEY]
+        assert padded.shape == (3, capacity, 5)
+        torch.testing.assert_close(padded[..., 1:].sum((1, 2)), torch.stack(
+            [out["bboxes"][out["batch_idx"] == i].sum() for i in range(3)]))
+
+
+def test_close_mosaic_rebuilds_deferred_transforms(data):
+    stock, ours = _datasets(data)
+    hyp = get_cfg(overrides={"imgsz": 96})
+    stock.close_mosaic(copy.copy(hyp))
+    ours.close_mosaic(copy.copy(hyp))
+    _assert_like_stock(_batch(stock, 7), finish_batch(_batch(ours, 7)))
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    ({"mixup": 0.1}, "mixup=0.1"), ({"cutmix": 0.2}, "cutmix=0.2"), ({"copy_paste": 0.1}, "copy_paste=0.1"),
+    ({"rect": True}, "rect batches"),
+])
+def test_what_keeps_the_cpu_path_says_why(data, overrides, reason):
+    cfg = get_cfg(overrides={"imgsz": 96, **overrides})
+    dataset = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
+    assert reason in deferred.unsupported(dataset, cfg)
+
+
+def test_polygon_labels_keep_the_cpu_path(data):
+    cfg = get_cfg(overrides={"imgsz": 96})
+    dataset = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
+    dataset.labels[0]["segments"] = [np.zeros((4, 2), np.float32)]
+    assert "polygon labels" in deferred.unsupported(dataset, cfg)
+
+
+def test_a_batch_without_labels_finishes(data):
+    _, ours = _datasets(data)
+    out = _batch(ours, 0)
+    for key in ("cls", "bboxes", "batch_idx"):
+        out[key] = out[key][:0]
+    out = finish_batch(out)
+    assert out["bboxes"].shape == (0, 4) and out[PADDED_KEY].shape == (3, out[PADDED_KEY].shape[1], 5)
+    assert not out[PADDED_KEY].any()
+
+
+# ---- training --------------------------------------------------------------------------------------
+def _train(data_yaml, tmp_path, name, **kwargs):
+    from ultralytics import YOLO
+
+    from trainfuse.ultralytics import FusedDetectionTrainer
+
+    model = YOLO("yolov5n.yaml")
+    model.train(data=data_yaml, epochs=2, imgsz=64, batch=4, workers=0, device="cpu", seed=0, deterministic=True,
+                plots=True, val=False, close_mosaic=1, project=str(tmp_path), name=name, exist_ok=True,
+                verbose=False, trainer=functools.partial(FusedDetectionTrainer, **kwargs))
+    return model.trainer
+
+
+def test_training_with_gpu_augmentation_tracks_the_cpu_path(tmp_path):
+    data_yaml = str(make_shapes_dataset(tmp_path / "data", n_train=8, n_val=2, imgsz=64))
+    cpu = _train(data_yaml, tmp_path, "cpu", gpu_augment=False)
+    gpu = _train(data_yaml, tmp_path, "gpu", gpu_augment=True)
+    assert cpu.augment_reason == "gpu_augment=False" and gpu.augment_reason == ""
+    assert [r.action for r in gpu.report if r.kind == "augment"] == ["on"]
+    assert [r.action for r in cpu.report if r.kind == "augment"] == ["off"]
+    for key in ("box_loss", "cls_loss", "dfl_loss"):  # the same images within a level, the same labels
+        torch.testing.assert_close(gpu.tloss[key], cpu.tloss[key], rtol=0.1, atol=1e-3)
+    assert (tmp_path / "gpu" / "train_batch0.jpg").exists()  # plotted without the dropped rows
+
+
+def test_gpu_augment_must_be_a_bool():
+    from trainfuse.ultralytics import FusedDetectionTrainer
+
+    with pytest.raises(TypeError, match="gpu_augment must be True, False or None"):
+        FusedDetectionTrainer(overrides={"data": "coco8.yaml"}, gpu_augment="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefetcher finishes batches on a CUDA side stream")
+def test_prefetcher_finishes_deferred_batches_on_its_side_stream(data):
+    from trainfuse.ultralytics.prefetch import DevicePrefetcher
+    from trainfuse.ultralytics.loading import _finish_deferred
+
+    stock, ours = _datasets(data)
+    batches = [_batch(ours, s) for s in range(3)]
+    prefetched = list(DevicePrefetcher(batches, torch.device("cuda"), finish=_finish_deferred))
+    for seed, out in enumerate(prefetched):
+        assert out["img"].is_cuda
+        _assert_like_stock(_batch(stock, seed), {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()})

@@ -1,0 +1,239 @@
+"""The loader's side of GPU augmentation: ultralytics' own training transforms, with the per-pixel
+work of four of them deferred to the GPU (:mod:`trainfuse.ultralytics.augment.batch`).
+
+:func:`install` swaps, in a training dataset's transform chain (and again whenever ultralytics
+rebuilds it, as ``close_mosaic`` does), each of these for a subclass that draws its random numbers
+with the very calls and in the very order the stock transform makes, records what it drew and
+leaves the pixels alone:
+
+- ``RandomPerspective``: draws the matrix; the image is cropped to the part the warp reads (plus
+  one pixel for the bilinear neighbours) and the boxes stay in the pre-warp pixels, unfiltered;
+- ``RandomHSV``: draws the gains and builds the three lookup tables as ultralytics builds them;
+- ``RandomFlip``: draws the flip;
+- ``Format``: draws its BGR/RGB choice and hands the crop over as HWC uint8.
+
+Every other transform (``Mosaic``, ``LetterBox``, ``CopyPaste``, ``MixUp`` and ``CutMix`` at
+probability 0, ``Albumentations``) runs as it is, so a worker's random stream, and with it every
+parameter of every image, is the stock run's. The workers then decode, paste the mosaic and crop;
+:class:`DeferredCollate` packs a batch's crops into one flat uint8 tensor with what the GPU needs.
+
+:func:`unsupported` says why a dataset or its hyperparameters keep the CPU path: ``mixup`` and
+``cutmix`` (they blend two warped images), ``copy_paste``, polygon labels (ultralytics computes the
+warped boxes from the polygons), segment, pose and OBB datasets, ``rect`` batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import numpy as np
+import torch
+from ultralytics.data.augment import Compose, Format, RandomFlip, RandomHSV, RandomPerspective
+from ultralytics.data.dataset import YOLODataset
+
+from trainfuse.ultralytics.augment.color import opencv_vector_block
+from trainfuse.ultralytics.targets import target_capacity
+
+KEYS = ("aug_packed", "aug_starts", "aug_dims", "aug_inverse", "aug_origins", "aug_luts", "aug_swaps", "aug_matrix",
+        "aug_scale", "aug_flips", "aug_size", "aug_perspective", "aug_vector_block", "aug_capacity")
+
+
+def unsupported(dataset, hyp) -> str:
+    """Why ``dataset`` (a training ``YOLODataset``) with ``hyp`` keeps ultralytics' CPU
+    augmentation ("" when the GPU path covers it)."""
+    if type(dataset) is not YOLODataset:
+        return f"the dataset is a {type(dataset).__name__}, not a plain YOLODataset"
+    if not dataset.augment or dataset.rect:
+        return "rect batches" if dataset.rect else "the dataset does not augment"
+    if dataset.use_segments or dataset.use_keypoints or dataset.use_obb:
+        return "masks, keypoints and oriented boxes stay on the CPU"
+    for name in ("mixup", "cutmix", "copy_paste"):
+        if getattr(hyp, name, 0.0):
+            return f"{name}={getattr(hyp, name)} blends or pastes images after the warp, on the CPU"
+    if getattr(hyp, "augmentations", None):
+        return "custom Albumentations transforms"
+    if any(len(label.get("segments", ())) for label in dataset.labels):
+        return "polygon labels (ultralytics derives the warped boxes from the polygons)"
+    if getattr(dataset, "channels", 3) != 3:
+        return f"{dataset.channels}-channel images"
+    return ""
+
+
+def _region(matrix: np.ndarray, image_hw: tuple[int, int], size: tuple[int, int], perspective: bool
+            ) -> tuple[int, int, int, int]:
+    """``(x0, y0, x1, y1)``: the pixels of an image of ``image_hw`` the warp to ``size`` (w, h) reads."""
+    h, w = image_hw
+    inverse = np.linalg.inv(matrix.astype(np.float64))
+    corners = np.array([[0, size[0] - 1, 0, size[0] - 1], [0, 0, size[1] - 1, size[1] - 1], [1, 1, 1, 1]],
+                       dtype=np.float64)
+    src = inverse @ corners
+    if perspective:
+        if (src[2] <= 0).any():  # the horizon crosses the output: read everything
+            return 0, 0, w, h
+        src = src[:2] / src[2]
+    x0 = int(np.clip(np.floor(src[0].min()) - 1, 0, w))
+    y0 = int(np.clip(np.floor(src[1].min()) - 1, 0, h))
+    x1 = int(np.clip(np.floor(src[0].max()) + 2, x0, w))
+    y1 = int(np.clip(np.floor(src[1].max()) + 2, y0, h))
+    return x0, y0, x1, y1
+
+
+class DeferredPerspective(RandomPerspective):
+    """``RandomPerspective`` that draws its matrix and crops the image to what the warp reads."""
+
+    def apply_image(self, labels, params=None):
+        img = labels["img"]
+        size = tuple(int(v) for v in params["size"])
+        x0, y0, x1, y1 = _region(params["M"], img.shape[:2], size, bool(self.perspective))
+        labels["img"] = img[y0:y1, x0:x1]
+        labels["warp"] = {"M": params["M"].astype(np.float64), "origin": (x0, y0), "scale": float(params["scale"]),
+                          "size": size, "perspective": bool(self.perspective)}
+        labels["resized_shape"] = size[::-1]
+        return labels
+
+    def apply_instances(self, labels, params=None):
+        instances = labels["instances"]  # left in pre-warp pixels, xyxy: the GPU warps and filters
+        instances.convert_bbox(format="xyxy")
+        instances.denormalize(*params["orig_shape"][::-1])
+        return labels
+
+
+class DeferredHSV(RandomHSV):
+    """``RandomHSV`` that draws its gains and keeps the lookup tables (``hsv_lut``, 3 x 256)."""
+
+    def apply_image(self, labels, params=None):
+        if labels["img"].shape[-1] != 3 or not (self.hgain or self.sgain or self.vgain):
+            return labels
+        r = np.random.uniform(-1, 1, 3) * [self.hgain, self.sgain, self.vgain]  # the stock draw
+        x = np.arange(0, 256, dtype=r.dtype)
+        hue = ((x + r[0] * 180) % 180).astype(np.uint8)
+        sat = np.clip(x * (r[1] + 1), 0, 255).astype(np.uint8)
+        val = np.clip(x * (r[2] + 1), 0, 255).astype(np.uint8)
+        sat[0] = 0  # as ultralytics: pure white stays white
+        labels["hsv_lut"] = np.stack((hue, sat, val))
+        return labels
+
+
+class DeferredFlip(RandomFlip):
+    """``RandomFlip`` that draws its flip and keeps it (``flips``: vertical, horizontal)."""
+
+    def apply_image(self, labels, params=None):
+        flips = labels.setdefault("flips", [False, False])
+        flips[0 if params["direction"] == "vertical" else 1] |= bool(params["flip"])
+        return labels
+
+    def apply_instances(self, labels, params=None):
+        return labels
+
+
+class DeferredFormat(Format):
+    """``Format`` that draws its BGR-to-RGB choice and hands over the HWC crop and pre-warp boxes."""
+
+    def get_params(self, labels):
+        return {"cls": labels.pop("cls"), "instances": labels.pop("instances")}
+
+    def apply_image(self, labels, params=None):
+        img = labels.pop("img")
+        labels["rgb"] = random.uniform(0, 1) > self.bgr and img.shape[-1] == 3  # the stock draw
+        labels["img"] = torch.from_numpy(np.ascontiguousarray(img))
+        return labels
+
+    def apply_instances(self, labels, params=None):
+        boxes, cls = params["instances"].bboxes, params["cls"]
+        n = len(boxes)
+        labels["cls"] = torch.from_numpy(np.asarray(cls, dtype=np.float32).reshape(n, 1))
+        labels["bboxes"] = torch.from_numpy(np.asarray(boxes, dtype=np.float32).reshape(n, 4))
+        labels["batch_idx"] = torch.zeros(n)
+        return labels
+
+
+_DEFERRED = {RandomPerspective: DeferredPerspective, RandomHSV: DeferredHSV, RandomFlip: DeferredFlip,
+             Format: DeferredFormat}
+
+
+def defer(transforms: Compose) -> Compose:
+    """``transforms`` with the four transforms above swapped for their deferred subclasses, in
+    place (nested ``Compose`` and the mix transforms' ``pre_transform`` included); returns it."""
+    seen = set()
+
+    def walk(compose):
+        if id(compose) in seen:
+            return
+        seen.add(id(compose))
+        for i, t in enumerate(compose.transforms):
+            if type(t) in _DEFERRED:
+                swapped = _DEFERRED[type(t)].__new__(_DEFERRED[type(t)])
+                swapped.__dict__.update(t.__dict__)
+                compose.transforms[i] = swapped
+            elif isinstance(t, Compose):
+                walk(t)
+            elif isinstance(getattr(t, "pre_transform", None), Compose):
+                walk(t.pre_transform)
+
+    walk(transforms)
+    if not any(isinstance(t, DeferredFormat) for t in transforms.transforms):
+        raise ValueError("defer: the transforms end without ultralytics' Format")
+    return transforms
+
+
+class _DeferredBuild:
+    """A dataset's ``build_transforms`` whose result is deferred (``close_mosaic`` rebuilds)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __call__(self, hyp):
+        return defer(type(self.dataset).build_transforms(self.dataset, hyp))
+
+
+def install(dataset, hyp, *, pad: bool) -> None:
+    """Defer ``dataset``'s augmentation to the GPU: its transforms (now and when rebuilt) and its
+    ``collate_fn`` (:class:`DeferredCollate`; ``pad``: also the padded-label capacity)."""
+    dataset.build_transforms = _DeferredBuild(dataset)
+    dataset.transforms = dataset.build_transforms(hyp)
+    dataset.collate_fn = DeferredCollate(pad=pad)
+
+
+@functools.cache
+def _vector_block() -> int:
+    return opencv_vector_block()
+
+
+class DeferredCollate:
+    """Collate the deferred samples: ultralytics' collate for the labels (pre-warp xyxy pixels), and
+    the crops packed into one flat uint8 tensor with their starts, sizes, maps and tables under the
+    ``aug_`` keys (:data:`KEYS`) that :func:`~trainfuse.ultralytics.augment.batch.finish_batch` reads."""
+
+    def __init__(self, pad: bool) -> None:
+        self.pad = pad
+
+    def __call__(self, samples: list[dict]) -> dict:
+        crops = [s.pop("img") for s in samples]
+        warps = [s.pop("warp") for s in samples]
+        luts = [s.pop("hsv_lut", None) for s in samples]
+        flips = [s.pop("flips", [False, False]) for s in samples]
+        swaps = [s.pop("rgb") for s in samples]
+        batch = YOLODataset.collate_fn(samples)
+        n = len(crops)
+        sizes = torch.tensor([c.numel() for c in crops], dtype=torch.int64)
+        batch["aug_packed"] = torch.cat([c.reshape(-1) for c in crops]) if n else torch.zeros(0, dtype=torch.uint8)
+        batch["aug_starts"] = torch.cumsum(sizes, 0) - sizes
+        batch["aug_dims"] = torch.tensor([c.shape[:2] for c in crops], dtype=torch.int32).reshape(n, 2)
+        batch["aug_inverse"] = torch.from_numpy(np.stack([np.linalg.inv(w["M"]) for w in warps]).reshape(n, 9))
+        batch["aug_origins"] = torch.tensor([w["origin"] for w in warps], dtype=torch.int32).reshape(n, 2)
+        batch["aug_luts"] = (None if all(lut is None for lut in luts) else torch.from_numpy(np.stack(
+            [np.stack([np.arange(256, dtype=np.uint8)] * 3) if lut is None else lut for lut in luts])))
+        batch["aug_swaps"] = torch.tensor(swaps, dtype=torch.bool)
+        batch["aug_matrix"] = torch.from_numpy(np.stack([w["M"] for w in warps]).reshape(n, 3, 3))
+        batch["aug_scale"] = torch.tensor([w["scale"] for w in warps], dtype=torch.float64)
+        batch["aug_flips"] = torch.tensor(flips, dtype=torch.bool).reshape(n, 2)
+        batch["aug_size"] = warps[0]["size"] if n else (0, 0)
+        batch["aug_perspective"] = bool(n and warps[0]["perspective"])
+        batch["aug_vector_block"] = _vector_block()
+        batch["aug_capacity"] = target_capacity(batch["batch_idx"], n) if self.pad else None
+        return batch
+
+
+__all__ = ["DeferredCollate", "DeferredFlip", "DeferredFormat", "DeferredHSV", "DeferredPerspective",
+           "KEYS", "defer", "install", "unsupported"]

@@ -1,0 +1,111 @@
+"""The training batches of :class:`~trainfuse.ultralytics.FusedDetectionTrainer`: how they are built,
+augmented, padded and brought to the GPU (a mixin of the trainer; the rest of it is the step).
+
+- **GPU augmentation** (``gpu_augment``): the loader's workers decode, paste the mosaic and crop;
+  the random warp, HSV jitter and flips run on the GPU, the whole batch in one kernel, with the
+  very random parameters ultralytics' CPU transforms would have drawn
+  (:mod:`trainfuse.ultralytics.augment.deferred`, :func:`~trainfuse.ultralytics.augment.batch.
+  finish_batch`). On by default on CUDA where the dataset and hyperparameters allow it
+  (:func:`~trainfuse.ultralytics.augment.deferred.unsupported` says when they do not).
+- **Padded labels**: with a fused loss, the batch carries its labels padded to a capacity the
+  workers count on the CPU (no host sync in the loss).
+- **Prefetch** (``prefetch``): batches copied to the GPU one ahead on a side stream, and finished
+  there when their augmentation is deferred
+  (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`).
+"""
+
+from __future__ import annotations
+
+from ultralytics.utils.torch_utils import unwrap_model
+
+from trainfuse.clients import OFF, ON
+from trainfuse.ultralytics.choices import takes_fused_loss
+from trainfuse.ultralytics.prefetch import DevicePrefetcher
+from trainfuse.ultralytics.targets import PADDED_KEY, PadTargets, add_padded_targets
+
+
+class BatchLoading:
+    """The trainer's dataset, loader and ``preprocess_batch`` (see the module).
+
+    Attributes:
+        gpu_augment: None (the default) augments on the GPU on CUDA where supported; True also on
+            other devices (through the torch path); False keeps ultralytics' CPU transforms.
+            Also a keyword of the trainer's constructor.
+        augment_reason: empty when the training batches are augmented on the GPU, else why not.
+        prefetch: on CUDA, copy the training batches to the GPU one batch ahead on a side stream
+            (a subclass may set False).
+    """
+
+    gpu_augment: bool | None = None
+    augment_reason = "no training dataset yet"
+    prefetch = True
+
+    def _augment_off(self, dataset) -> str:
+        """Why the training batches keep ultralytics' CPU augmentation ("" when they do not)."""
+        if self.gpu_augment is False:
+            return "gpu_augment=False"
+        if self.gpu_augment is None and self.device.type != "cuda":
+            return f"the device is {self.device.type}, not CUDA"
+        from trainfuse.ultralytics.augment import deferred
+
+        return deferred.unsupported(dataset, self.args)
+
+    def build_dataset(self, img_path: str, mode: str = "train", batch: int | None = None):
+        """Ultralytics' dataset; in training, its augmentation deferred to the GPU where it can be
+        (``gpu_augment``), and its batches carrying the labels padded to their bucketed capacity
+        when the loss is fused."""
+        dataset = super().build_dataset(img_path, mode, batch)
+        if mode != "train":
+            return dataset
+        pad = bool(self.fused_loss and takes_fused_loss(unwrap_model(self.model)))
+        self.augment_reason = self._augment_off(dataset)
+        if self.augment_reason:
+            self._note("augment", "augmentation", OFF, f"augmentation on the CPU: {self.augment_reason}")
+            if pad:
+                dataset.collate_fn = PadTargets(dataset.collate_fn)
+            return dataset
+        from trainfuse.ultralytics.augment import deferred
+
+        deferred.install(dataset, self.args, pad=pad)
+        self._note("augment", "augmentation", ON, "random warp, HSV and flips on the GPU, one kernel per batch "
+                   "(the loader's workers decode, paste the mosaic and crop; same random parameters)")
+        return dataset
+
+    def get_dataloader(self, dataset_path: str, batch_size: int = 16, rank: int = 0, mode: str = "train"):
+        """Ultralytics' loader; in training on CUDA (``prefetch``), its batches copied to the GPU one
+        batch ahead on a side stream, and their deferred augmentation run there."""
+        loader = super().get_dataloader(dataset_path, batch_size, rank, mode)
+        if mode == "train" and self.prefetch and self.device.type == "cuda":
+            loader = DevicePrefetcher(loader, self.device, finish=_finish_deferred)
+        return loader
+
+    def preprocess_batch(self, batch: dict) -> dict:
+        """Finish a deferred batch on the device where the prefetcher did not, pad the labels on the
+        CPU where the loader did not, then ultralytics' preprocessing (which moves the padded
+        labels to the device with the rest of the batch)."""
+        from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred
+
+        if is_deferred(batch):
+            batch = finish_batch({k: v.to(self.device, non_blocking=True) if hasattr(v, "to") else v
+                                  for k, v in batch.items()})
+        if self._pad_targets and PADDED_KEY not in batch and batch["batch_idx"].device.type == "cpu":
+            add_padded_targets(batch)
+        return super().preprocess_batch(batch)
+
+    def plot_training_samples(self, batch: dict, ni: int) -> None:
+        """Ultralytics' plot, without the zero rows of the boxes the GPU augmentation dropped."""
+        keep = batch["bboxes"].sum(1) > 0
+        if not bool(keep.all()):
+            batch = {**batch, "bboxes": batch["bboxes"][keep], "cls": batch["cls"][keep],
+                     "batch_idx": batch["batch_idx"][keep]}
+        super().plot_training_samples(batch, ni)
+
+
+def _finish_deferred(batch: dict) -> dict:
+    """The prefetcher's last step for a batch (on its side stream): finish a deferred one."""
+    from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred
+
+    return finish_batch(batch) if is_deferred(batch) else batch
+
+
+__all__ = ["BatchLoading"]
