@@ -37,3 +37,10 @@ def test_the_loader_alone_is_timed_per_epoch(tmp_path, monkeypatch):
     yaml = make_shapes_dataset(tmp_path / "p", n_train=8, n_val=2, imgsz=64, photo=True)
     rates = loader_rates(str(yaml), imgsz=64, batch=4, workers=0, epochs=2)
     assert len(rates) == 2 and all(r > 0 for r in rates)
+
+
+def test_the_deferred_loader_alone_hands_over_crops(tmp_path, monkeypatch):
+    monkeypatch.setenv("YOLO_OFFLINE", "1")
+    yaml = make_shapes_dataset(tmp_path / "p", n_train=8, n_val=2, imgsz=64, photo=True)
+    rates = loader_rates(str(yaml), imgsz=64, batch=4, workers=0, epochs=1, deferred=True)
+    assert len(rates) == 1 and rates[0] > 0

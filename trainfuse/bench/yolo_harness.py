@@ -12,6 +12,7 @@ iteration's end to the next's start.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import statistics
 import time
@@ -350,8 +351,9 @@ def plot_runs(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
 
 
 def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
-              cache: str | bool = "ram") -> tuple[dict, object]:
-    """One timed training run of ``kind`` (``stock`` or ``trainfuse``): its summary and trainer."""
+              cache: str | bool = "ram", name: str | None = None, **trainer_kwargs) -> tuple[dict, object]:
+    """One timed training run of ``kind`` (``stock`` or ``trainfuse``, the latter built with
+    ``trainer_kwargs``) in ``project/<name or kind>``: its summary and trainer."""
     from ultralytics import YOLO
 
     from trainfuse.ultralytics import FusedDetectionTrainer
@@ -364,11 +366,12 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     nb = -(-args.images // args.batch)
     ramp = round(min(3, args.epochs - 1) * nb)
     counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer).attach(model)
-    extra = {"trainer": FusedDetectionTrainer} if kind == "trainfuse" else {}
+    fused = functools.partial(FusedDetectionTrainer, **trainer_kwargs) if trainer_kwargs else FusedDetectionTrainer
+    extra = {"trainer": fused} if kind == "trainfuse" else {}
     torch.cuda.reset_peak_memory_stats()
     model.train(data=data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, seed=args.seed,
                 workers=args.workers, cache=cache, deterministic=False, val=False, plots=False, device=device,
-                project=str(project), name=kind, exist_ok=True, verbose=False, optimizer=args.optimizer,
+                project=str(project), name=name or kind, exist_ok=True, verbose=False, optimizer=args.optimizer,
                 **extra)
     trainer = model.trainer
     summary = timer.summary(args.batch)

@@ -7,11 +7,13 @@ The images are :func:`trainfuse.ultralytics.shapes.make_shapes_dataset` with ``p
 run: images per second over a whole epoch (the median epoch; steps and data waits included), for
 
 - ultralytics' training loader alone (the same dataset, augmentation and workers as the trainer,
-  iterated with no GPU work), epoch by epoch;
-- the stock ``DetectionTrainer`` and ``FusedDetectionTrainer``, trained alike;
+  iterated with no GPU work), epoch by epoch; and the same loader with the augmentation deferred to
+  the GPU (its workers decode, paste the mosaic and crop: what feeds ``gpu_augment``);
+- the stock ``DetectionTrainer``, ``FusedDetectionTrainer`` (which augments on the GPU by default)
+  and ``FusedDetectionTrainer`` with ``gpu_augment=False`` (augmentation in the loader's workers, as
+  ultralytics does), trained alike;
 
-and each trainer's median iteration and data wait. The trainer augments on the CPU, in the
-loader's workers, as ultralytics does; what the loader alone delivers bounds both trainers.
+and each trainer's median iteration and data wait. What its loader alone delivers bounds each trainer.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from pathlib import Path
 from trainfuse.bench._common import add_row, note, print_table
 
 
-def loader_rates(data: str, imgsz: int, batch: int, workers: int, epochs: int = 3) -> list[float]:
-    """Images per second of ultralytics' training loader alone, one number per epoch."""
+def loader_rates(data: str, imgsz: int, batch: int, workers: int, epochs: int = 3, deferred: bool = False
+                 ) -> list[float]:
+    """Images per second of ultralytics' training loader alone, one number per epoch; ``deferred``:
+    with the warp, HSV and flips left for the GPU (:mod:`trainfuse.ultralytics.augment.deferred`)."""
     from ultralytics.cfg import get_cfg
     from ultralytics.data import build_dataloader, build_yolo_dataset
     from ultralytics.data.utils import check_det_dataset
@@ -31,12 +35,16 @@ def loader_rates(data: str, imgsz: int, batch: int, workers: int, epochs: int = 
     cfg = get_cfg(overrides={"imgsz": imgsz, "cache": False})
     info = check_det_dataset(data)
     dataset = build_yolo_dataset(cfg, info["train"], batch, info, mode="train", stride=32)
+    if deferred:
+        from trainfuse.ultralytics.augment import deferred as deferral
+
+        deferral.install(dataset, cfg, pad=True)
     loader = build_dataloader(dataset, batch, workers, shuffle=True, rank=-1)
     rates = []
     for _ in range(epochs):
         start, n = time.perf_counter(), 0
         for b in loader:
-            n += b["img"].shape[0]
+            n += len(b["im_file"])
         rates.append(n / (time.perf_counter() - start))
     return rates
 
@@ -47,24 +55,37 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
 
     jpegs = (Path(data).parent / "images" / "train").glob("*.jpg")
     kb = sum(p.stat().st_size for p in jpegs) / args.images / 1024
-    rates = loader_rates(data, args.imgsz, args.batch, args.workers, epochs=min(3, max(args.epochs, 1)))
-    runs = {kind: train_run(kind, args, data, out / "yolo-runs", device=args.devices, cache=False)[0]
-            for kind in ("stock", "trainfuse")}
+    epochs = min(3, max(args.epochs, 1))
+    rates = loader_rates(data, args.imgsz, args.batch, args.workers, epochs=epochs)
+    deferred_rates = loader_rates(data, args.imgsz, args.batch, args.workers, epochs=epochs, deferred=True)
+    runs, reasons = {}, {}
+    for kind, name, kwargs in (("stock", "stock", {}), ("trainfuse", "trainfuse", {}),
+                               ("trainfuse", "trainfuse-cpu-augment", {"gpu_augment": False})):
+        runs[name], trainer = train_run(kind, args, data, out / "yolo-runs", device=args.devices, cache=False,
+                                        name=name, **kwargs)
+        reasons[name] = getattr(trainer, "augment_reason", "stock")
     workload = (f"{args.model} batch {args.batch} imgsz {args.imgsz}, {args.images} photo-like JPEGs "
                 f"({kb:.0f} KB), cache off, {args.workers} workers: images/s over an epoch")
     per_s = {kind: args.images / r["epoch_s"] for kind, r in runs.items()}
-    rows = [["loader alone (no GPU work)", " / ".join(f"{r:.0f}" for r in rates), "", ""]]
+    rows = [["loader alone (no GPU work)", " / ".join(f"{r:.0f}" for r in rates), "", ""],
+            ["loader alone, augmentation deferred to the GPU", " / ".join(f"{r:.0f}" for r in deferred_rates),
+             "", ""]]
     for kind, r in runs.items():
         rows.append([kind, f"{per_s[kind]:.0f}", f"{r['iter_ms']:.2f}", f"{r['data_wait_ms']:.2f}"])
     print_table(workload, ["run", "images/s", "iteration ms (median)", "data wait ms (median)"], rows)
     add_row(report, workload, "ultralytics DetectionTrainer", trainfuse=False, wall_ms=1e3 / per_s["stock"])
     add_row(report, workload, "FusedDetectionTrainer", trainfuse=True, wall_ms=1e3 / per_s["trainfuse"])
+    add_row(report, workload, "FusedDetectionTrainer, gpu_augment=False", trainfuse=True,
+            wall_ms=1e3 / per_s["trainfuse-cpu-augment"])
     note(report, f"ms per image over an epoch (steps and data waits); the loader alone: "
-                 f"{', '.join(f'{r:.0f}' for r in rates)} images/s by epoch")
-    note(report, "augmentation runs on the CPU in the loader's workers for both trainers")
+                 f"{', '.join(f'{r:.0f}' for r in rates)} images/s by epoch, with the augmentation "
+                 f"deferred to the GPU: {', '.join(f'{r:.0f}' for r in deferred_rates)}")
+    note(report, "augmentation: " + "; ".join(f"{k}: {'on the GPU' if not v else 'CPU (' + v + ')'}"
+                                                for k, v in reasons.items()))
     report["runs"] = {k: {key: v for key, v in r.items() if key not in ("losses", "iter_ms_all")}
                       for k, r in runs.items()}
     report["loader_images_per_s"] = rates
+    report["deferred_loader_images_per_s"] = deferred_rates
     report["settings"] = {"model": args.model, "batch": args.batch, "imgsz": args.imgsz,
                           "epochs": args.epochs, "images": args.images, "jpeg_kb": kb,
                           "workers": args.workers, "cache": False, "seed": args.seed, "ultralytics": version}
