@@ -92,14 +92,6 @@ class BatchLoading:
             add_padded_targets(batch)
         return super().preprocess_batch(batch)
 
-    def plot_training_samples(self, batch: dict, ni: int) -> None:
-        """Ultralytics' plot, without the zero rows of the boxes the GPU augmentation dropped."""
-        keep = batch["bboxes"].sum(1) > 0
-        if not bool(keep.all()):
-            batch = {**batch, "bboxes": batch["bboxes"][keep], "cls": batch["cls"][keep],
-                     "batch_idx": batch["batch_idx"][keep]}
-        super().plot_training_samples(batch, ni)
-
 
 def _finish_deferred(batch: dict) -> dict:
     """The prefetcher's last step for a batch (on its side stream): finish a deferred one."""

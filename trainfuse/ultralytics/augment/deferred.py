@@ -6,16 +6,21 @@ rebuilds it, as ``close_mosaic`` does), each of these for a subclass that draws 
 with the very calls and in the very order the stock transform makes, records what it drew and
 leaves the pixels alone:
 
-- ``RandomPerspective``: draws the matrix; the image is cropped to the part the warp reads (plus
-  one pixel for the bilinear neighbours) and the boxes stay in the pre-warp pixels, unfiltered;
+- ``RandomPerspective``: draws the matrix and transforms and filters the labels with
+  ultralytics' own code; the image is only cropped to the part the warp reads (plus one pixel for
+  the bilinear neighbours);
 - ``RandomHSV``: draws the gains and builds the three lookup tables as ultralytics builds them;
-- ``RandomFlip``: draws the flip;
-- ``Format``: draws its BGR/RGB choice and hands the crop over as HWC uint8.
+- ``RandomFlip``: draws the flip and flips the labels (ultralytics' code, the output's size);
+- ``Format``: formats the labels as ultralytics does, draws its BGR/RGB choice and hands the crop
+  over as HWC uint8.
+
+So the labels are the stock run's, bit for bit; only the pixels wait for the GPU.
 
 Every other transform (``Mosaic``, ``LetterBox``, ``CopyPaste``, ``MixUp`` and ``CutMix`` at
 probability 0, ``Albumentations``) runs as it is, so a worker's random stream, and with it every
-parameter of every image, is the stock run's. The workers then decode, paste the mosaic and crop;
-:class:`DeferredCollate` packs a batch's crops into one flat uint8 tensor with what the GPU needs.
+parameter of every image, is the stock run's. The workers then decode, paste the mosaic, crop and
+move the labels; :class:`DeferredCollate` packs a batch's crops into one flat uint8 tensor, with one
+float64 table of what the kernel needs per image and one of the HSV lookup tables.
 
 :func:`unsupported` says why a dataset or its hyperparameters keep the CPU path: ``mixup`` and
 ``cutmix`` (they blend two warped images), ``copy_paste``, polygon labels (ultralytics computes the
@@ -33,10 +38,10 @@ from ultralytics.data.augment import Compose, Format, RandomFlip, RandomHSV, Ran
 from ultralytics.data.dataset import YOLODataset
 
 from trainfuse.ultralytics.augment.color import opencv_vector_block
-from trainfuse.ultralytics.targets import target_capacity
+from trainfuse.ultralytics.augment.kernel import image_table
+from trainfuse.ultralytics.targets import PADDED_KEY, pad_targets, target_capacity
 
-KEYS = ("aug_packed", "aug_starts", "aug_dims", "aug_inverse", "aug_origins", "aug_luts", "aug_swaps", "aug_matrix",
-        "aug_scale", "aug_flips", "aug_size", "aug_perspective", "aug_vector_block", "aug_capacity")
+KEYS = ("aug_packed", "aug_table", "aug_luts", "aug_size", "aug_perspective", "aug_vector_block")
 
 
 def unsupported(dataset, hyp) -> str:
@@ -79,23 +84,27 @@ def _region(matrix: np.ndarray, image_hw: tuple[int, int], size: tuple[int, int]
     return x0, y0, x1, y1
 
 
+def _as_output(labels: dict) -> np.ndarray:
+    """Put a zero-cost stand-in of the warped image's shape in ``labels["img"]`` (the stock code
+    reads the image's size from it); return the crop it replaces."""
+    crop = labels["img"]
+    h, w = labels["resized_shape"]
+    labels["img"] = np.broadcast_to(np.zeros((1, 1, crop.shape[-1]), np.uint8), (h, w, crop.shape[-1]))
+    return crop
+
+
 class DeferredPerspective(RandomPerspective):
-    """``RandomPerspective`` that draws its matrix and crops the image to what the warp reads."""
+    """``RandomPerspective`` that draws its matrix, moves the labels and crops the image to what the
+    warp reads."""
 
     def apply_image(self, labels, params=None):
         img = labels["img"]
         size = tuple(int(v) for v in params["size"])
         x0, y0, x1, y1 = _region(params["M"], img.shape[:2], size, bool(self.perspective))
         labels["img"] = img[y0:y1, x0:x1]
-        labels["warp"] = {"M": params["M"].astype(np.float64), "origin": (x0, y0), "scale": float(params["scale"]),
+        labels["warp"] = {"inverse": np.linalg.inv(params["M"].astype(np.float64)), "origin": (x0, y0),
                           "size": size, "perspective": bool(self.perspective)}
         labels["resized_shape"] = size[::-1]
-        return labels
-
-    def apply_instances(self, labels, params=None):
-        instances = labels["instances"]  # left in pre-warp pixels, xyxy: the GPU warps and filters
-        instances.convert_bbox(format="xyxy")
-        instances.denormalize(*params["orig_shape"][::-1])
         return labels
 
 
@@ -116,35 +125,36 @@ class DeferredHSV(RandomHSV):
 
 
 class DeferredFlip(RandomFlip):
-    """``RandomFlip`` that draws its flip and keeps it (``flips``: vertical, horizontal)."""
+    """``RandomFlip`` that draws its flip, flips the labels and keeps the flip (``flips``: vertical,
+    horizontal) for the image."""
+
+    def get_params(self, labels):
+        crop = _as_output(labels)
+        try:
+            return super().get_params(labels)
+        finally:
+            labels["img"] = crop
 
     def apply_image(self, labels, params=None):
         flips = labels.setdefault("flips", [False, False])
         flips[0 if params["direction"] == "vertical" else 1] |= bool(params["flip"])
         return labels
 
-    def apply_instances(self, labels, params=None):
-        return labels
-
 
 class DeferredFormat(Format):
-    """``Format`` that draws its BGR-to-RGB choice and hands over the HWC crop and pre-warp boxes."""
+    """``Format`` of the labels, with the BGR-to-RGB choice drawn and the HWC crop handed over."""
 
     def get_params(self, labels):
-        return {"cls": labels.pop("cls"), "instances": labels.pop("instances")}
+        crop = _as_output(labels)
+        try:
+            return super().get_params(labels)
+        finally:
+            labels["img"] = crop
 
     def apply_image(self, labels, params=None):
         img = labels.pop("img")
         labels["rgb"] = random.uniform(0, 1) > self.bgr and img.shape[-1] == 3  # the stock draw
         labels["img"] = torch.from_numpy(np.ascontiguousarray(img))
-        return labels
-
-    def apply_instances(self, labels, params=None):
-        boxes, cls = params["instances"].bboxes, params["cls"]
-        n = len(boxes)
-        labels["cls"] = torch.from_numpy(np.asarray(cls, dtype=np.float32).reshape(n, 1))
-        labels["bboxes"] = torch.from_numpy(np.asarray(boxes, dtype=np.float32).reshape(n, 4))
-        labels["batch_idx"] = torch.zeros(n)
         return labels
 
 
@@ -189,10 +199,10 @@ class _DeferredBuild:
 
 def install(dataset, hyp, *, pad: bool) -> None:
     """Defer ``dataset``'s augmentation to the GPU: its transforms (now and when rebuilt) and its
-    ``collate_fn`` (:class:`DeferredCollate`; ``pad``: also the padded-label capacity)."""
+    ``collate_fn`` (:class:`DeferredCollate`; ``pad``: followed by the padded labels)."""
     dataset.build_transforms = _DeferredBuild(dataset)
     dataset.transforms = dataset.build_transforms(hyp)
-    dataset.collate_fn = DeferredCollate(pad=pad)
+    dataset.collate_fn = DeferredCollate(pad)
 
 
 @functools.cache
@@ -201,11 +211,14 @@ def _vector_block() -> int:
 
 
 class DeferredCollate:
-    """Collate the deferred samples: ultralytics' collate for the labels (pre-warp xyxy pixels), and
-    the crops packed into one flat uint8 tensor with their starts, sizes, maps and tables under the
-    ``aug_`` keys (:data:`KEYS`) that :func:`~trainfuse.ultralytics.augment.batch.finish_batch` reads."""
+    """Collate the deferred samples: ultralytics' collate for the labels (final, as stock), and for
+    the images, under the ``aug_`` keys (:data:`KEYS`) that
+    :func:`~trainfuse.ultralytics.augment.batch.finish_batch` reads: the crops packed into one flat
+    uint8 tensor, the per-image table of :func:`~trainfuse.ultralytics.augment.kernel.image_table`,
+    the HSV lookup tables (or None), the output size, the warp's kind and OpenCV's vector block;
+    with ``pad``, the labels padded as :class:`~trainfuse.ultralytics.targets.PadTargets` pads them."""
 
-    def __init__(self, pad: bool) -> None:
+    def __init__(self, pad: bool = False) -> None:
         self.pad = pad
 
     def __call__(self, samples: list[dict]) -> dict:
@@ -218,20 +231,19 @@ class DeferredCollate:
         n = len(crops)
         sizes = torch.tensor([c.numel() for c in crops], dtype=torch.int64)
         batch["aug_packed"] = torch.cat([c.reshape(-1) for c in crops]) if n else torch.zeros(0, dtype=torch.uint8)
-        batch["aug_starts"] = torch.cumsum(sizes, 0) - sizes
-        batch["aug_dims"] = torch.tensor([c.shape[:2] for c in crops], dtype=torch.int32).reshape(n, 2)
-        batch["aug_inverse"] = torch.from_numpy(np.stack([np.linalg.inv(w["M"]) for w in warps]).reshape(n, 9))
-        batch["aug_origins"] = torch.tensor([w["origin"] for w in warps], dtype=torch.int32).reshape(n, 2)
+        batch["aug_table"] = image_table(
+            torch.cumsum(sizes, 0) - sizes, torch.tensor([c.shape[:2] for c in crops]).reshape(n, 2),
+            torch.from_numpy(np.stack([w["inverse"] for w in warps]).reshape(n, 9)) if n else torch.zeros(0, 9),
+            torch.tensor([w["origin"] for w in warps]).reshape(n, 2), torch.tensor(flips).reshape(n, 2),
+            torch.tensor(swaps).reshape(n))
         batch["aug_luts"] = (None if all(lut is None for lut in luts) else torch.from_numpy(np.stack(
             [np.stack([np.arange(256, dtype=np.uint8)] * 3) if lut is None else lut for lut in luts])))
-        batch["aug_swaps"] = torch.tensor(swaps, dtype=torch.bool)
-        batch["aug_matrix"] = torch.from_numpy(np.stack([w["M"] for w in warps]).reshape(n, 3, 3))
-        batch["aug_scale"] = torch.tensor([w["scale"] for w in warps], dtype=torch.float64)
-        batch["aug_flips"] = torch.tensor(flips, dtype=torch.bool).reshape(n, 2)
         batch["aug_size"] = warps[0]["size"] if n else (0, 0)
         batch["aug_perspective"] = bool(n and warps[0]["perspective"])
         batch["aug_vector_block"] = _vector_block()
-        batch["aug_capacity"] = target_capacity(batch["batch_idx"], n) if self.pad else None
+        if self.pad:  # the labels are final: padded as PadTargets pads them
+            batch[PADDED_KEY] = pad_targets(batch["batch_idx"], batch["cls"], batch["bboxes"], n,
+                                            target_capacity(batch["batch_idx"], n))
         return batch
 
 

@@ -7,8 +7,9 @@ part the warp reads and packed one after another, HWC BGR uint8, into one flat b
 moves about 1.3x the bytes of its output instead of 4x a mosaic's (see
 :mod:`trainfuse.ultralytics.augment.deferred`).
 
-Per image the kernel takes the inverse warp (output pixel to crop pixel, 3 x 3, the flips and the
-crop offset folded in), the three lookup tables ``RandomHSV`` built, and whether to swap to RGB.
+Per image the kernel takes one row of a float64 table (:func:`image_table`: where the crop is, the
+inverse warp, the crop's origin, the flips, whether to swap to RGB) and the three lookup tables
+``RandomHSV`` built.
 
 Arithmetic, as OpenCV's for uint8 images:
 
@@ -42,6 +43,7 @@ from trainfuse.ultralytics.augment.color import _tables, bgr_to_hsv, hsv_to_bgr
 
 BORDER = 114
 _BLOCK = 256
+TABLE = 17  # per image: start, height, width, inverse (9), origin x, y, flip v, h, swap to RGB
 
 
 @functools.cache
@@ -89,21 +91,22 @@ def _blend(src, row0, row1, c, m00, m01, m10, m11, w00, w01, w10, w11):
 
 
 @triton.jit
-def _augment_kernel(src, starts, dims, inverse, origins, flips, luts, swaps, sdiv, hdiv, out, H, W,
-                    vector_end, HSV: tl.constexpr, PERSPECTIVE: tl.constexpr, BLOCK: tl.constexpr):
+def _augment_kernel(src, table, luts, sdiv, hdiv, out, H, W,
+                    vector_end, TABLE: tl.constexpr, HSV: tl.constexpr, PERSPECTIVE: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < H * W
     y = offs // W
     x = offs % W
     # the flips: this output pixel shows the warped image's pixel (xw, yw)
-    xw = tl.where(tl.load(flips + 2 * n + 1) != 0, W - 1 - x, x)
+    row = table + TABLE * n
+    xw = tl.where(tl.load(row + 15) != 0.0, W - 1 - x, x)
     x = xw.to(tl.float64)
-    y = tl.where(tl.load(flips + 2 * n) != 0, H - 1 - y, y).to(tl.float64)
-    start = tl.load(starts + n)
-    h = tl.load(dims + 2 * n)
-    w = tl.load(dims + 2 * n + 1)
-    m = inverse + 9 * n
+    y = tl.where(tl.load(row + 14) != 0.0, H - 1 - y, y).to(tl.float64)
+    start = tl.load(row + 0).to(tl.int64)
+    h = tl.load(row + 1).to(tl.int32)
+    w = tl.load(row + 2).to(tl.int32)
+    m = row + 3
     sx = tl.load(m + 0) * x + tl.load(m + 1) * y + tl.load(m + 2)
     sy = tl.load(m + 3) * x + tl.load(m + 4) * y + tl.load(m + 5)
     if PERSPECTIVE:
@@ -118,8 +121,8 @@ def _augment_kernel(src, starts, dims, inverse, origins, flips, luts, swaps, sdi
     fx = (sx - fx0).to(tl.float32)
     fy = (sy - fy0).to(tl.float32)
     # in the crop's pixels (the origin is whole pixels: exact)
-    x0 = fx0.to(tl.int32) - tl.load(origins + 2 * n)
-    y0 = fy0.to(tl.int32) - tl.load(origins + 2 * n + 1)
+    x0 = fx0.to(tl.int32) - tl.load(row + 12).to(tl.int32)
+    y0 = fy0.to(tl.int32) - tl.load(row + 13).to(tl.int32)
     w00 = (1.0 - fx) * (1.0 - fy)
     w01 = fx * (1.0 - fy)
     w10 = (1.0 - fx) * fy
@@ -167,7 +170,7 @@ def _augment_kernel(src, starts, dims, inverse, origins, flips, luts, swaps, sdi
         b = tl.minimum(tl.maximum(b, 0.0), 255.0).to(tl.int32)
         g = tl.minimum(tl.maximum(g, 0.0), 255.0).to(tl.int32)
         r = tl.minimum(tl.maximum(r, 0.0), 255.0).to(tl.int32)
-    swap = tl.load(swaps + n) != 0
+    swap = tl.load(row + 16) != 0.0
     first = tl.where(swap, r, b)
     last = tl.where(swap, b, r)
     plane = out + n.to(tl.int64) * 3 * H * W + offs
@@ -176,20 +179,41 @@ def _augment_kernel(src, starts, dims, inverse, origins, flips, luts, swaps, sdi
     tl.store(plane + 2 * H * W, last.to(tl.uint8), mask=live)
 
 
-def augment_images_reference(packed: torch.Tensor, starts: torch.Tensor, dims: torch.Tensor,
-                             inverse: torch.Tensor, origins: torch.Tensor, flips: torch.Tensor,
-                             luts: torch.Tensor | None, swaps: torch.Tensor, size: tuple[int, int],
-                             perspective: bool = False, vector_block: int = 0) -> torch.Tensor:
+def image_table(starts: torch.Tensor, dims: torch.Tensor, inverse: torch.Tensor, origins: torch.Tensor,
+                flips: torch.Tensor, swaps: torch.Tensor) -> torch.Tensor:
+    """The kernel's per-image table, ``(N, TABLE)`` float64 (whole numbers are exact in it), from:
+
+    Args:
+        starts: ``(N,)``, where each image starts in the packed pixels.
+        dims: ``(N, 2)``, each image's height and width (0 for an image the warp never reads).
+        inverse: ``(N, 9)``, the inverse of each warp (output pixel ``(x, y, 1)`` to the pre-warp
+            image's pixel), row-major.
+        origins: ``(N, 2)``, where each crop starts in its pre-warp image (x, y).
+        flips: ``(N, 2)``, whether to flip each output vertically, horizontally.
+        swaps: ``(N,)``, whether to write the channels as RGB (ultralytics' ``Format``).
+    """
+    n = starts.numel()
+    parts = {"starts": (starts, (n,)), "dims": (dims, (n, 2)), "inverse": (inverse, (n, 9)),
+             "origins": (origins, (n, 2)), "flips": (flips, (n, 2)), "swaps": (swaps, (n,))}
+    for name, (t, shape) in parts.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"image_table: {name} must have shape {shape} for {n} images, got {tuple(t.shape)}")
+    return torch.cat([t.reshape(n, shape[1] if len(shape) > 1 else 1).double() for t, shape in parts.values()], 1)
+
+
+def augment_images_reference(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor | None,
+                             size: tuple[int, int], perspective: bool = False, vector_block: int = 0
+                             ) -> torch.Tensor:
     """:func:`augment_images` in torch, the kernel's arithmetic op for op (any device)."""
     w_out, h_out = size
-    n = starts.numel()
+    n = table.shape[0]
     device = packed.device
+    table = table.double()
     ys, xs = torch.meshgrid(torch.arange(h_out, device=device, dtype=torch.float64),
                             torch.arange(w_out, device=device, dtype=torch.float64), indexing="ij")
-    flips = flips.view(n, 2).bool()
-    x = torch.where(flips[:, 1:], w_out - 1 - xs.reshape(1, -1), xs.reshape(1, -1))
-    y = torch.where(flips[:, :1], h_out - 1 - ys.reshape(1, -1), ys.reshape(1, -1))
-    m = inverse.double().view(n, 9, 1)
+    x = torch.where(table[:, 15:16] != 0, w_out - 1 - xs.reshape(1, -1), xs.reshape(1, -1))
+    y = torch.where(table[:, 14:15] != 0, h_out - 1 - ys.reshape(1, -1), ys.reshape(1, -1))
+    m = table[:, 3:12].reshape(n, 9, 1)
     sx = m[:, 0] * x + m[:, 1] * y + m[:, 2]
     sy = m[:, 3] * x + m[:, 4] * y + m[:, 5]
     if perspective:
@@ -199,11 +223,8 @@ def augment_images_reference(packed: torch.Tensor, starts: torch.Tensor, dims: t
     sx, sy = sx.clamp(-(2.0 ** 24), 2.0 ** 24), sy.clamp(-(2.0 ** 24), 2.0 ** 24)
     fx0, fy0 = torch.floor(sx), torch.floor(sy)
     fx, fy = (sx - fx0).float(), (sy - fy0).float()
-    origins = origins.view(n, 2).long()
-    x0, y0 = fx0.long() - origins[:, :1], fy0.long() - origins[:, 1:]
-    h = dims[:, 0].view(n, 1).long()
-    w = dims[:, 1].view(n, 1).long()
-    base = starts.view(n, 1).long()
+    x0, y0 = fx0.long() - table[:, 12:13].long(), fy0.long() - table[:, 13:14].long()
+    h, w, base = table[:, 1:2].long(), table[:, 2:3].long(), table[:, 0:1].long()
     flat = packed.reshape(-1).long()
     acc = []
     for c in range(3):
@@ -224,66 +245,52 @@ def augment_images_reference(packed: torch.Tensor, starts: torch.Tensor, dims: t
         if vector_block > 0:  # rounded down where the warped (unflipped) column is vectorized
             down = x.view(n, 1, h_out, w_out) < w_out - w_out % vector_block
             img = torch.where(down, hsv_to_bgr(moved, vector_block=1), img)
-    swap = swaps.view(n, 1, 1, 1).bool()
+    swap = (table[:, 16] != 0).view(n, 1, 1, 1)
     return torch.where(swap, img.flip(1), img)
 
 
-def augment_images(packed: torch.Tensor, starts: torch.Tensor, dims: torch.Tensor, inverse: torch.Tensor,
-                   origins: torch.Tensor, flips: torch.Tensor, luts: torch.Tensor | None, swaps: torch.Tensor,
-                   size: tuple[int, int], perspective: bool = False, vector_block: int = 0) -> torch.Tensor:
+def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor | None, size: tuple[int, int],
+                   perspective: bool = False, vector_block: int = 0) -> torch.Tensor:
     """Warp, colour-jitter, flip and channel-swap a packed batch: a new ``(N, 3, H, W)`` uint8 tensor.
 
     Args:
         packed: uint8, the images' HWC BGR pixels one after another (any shape; read flat).
-        starts: ``(N,)`` int64, where each image starts in ``packed``.
-        dims: ``(N, 2)`` int32, each image's height and width (0 for an image the warp never reads).
-        inverse: ``(N, 9)`` float64, the inverse of each warp (output pixel ``(x, y, 1)`` to the
-            pre-warp image's pixel), row-major.
-        origins: ``(N, 2)`` int32, where each crop starts in its pre-warp image (x, y).
-        flips: ``(N, 2)`` bool, whether to flip each output vertically, horizontally.
+        table: ``(N, TABLE)`` float64, per image where its pixels are, its warp, flips and channel
+            order (:func:`image_table`).
         luts: ``(N, 3, 256)`` uint8, ``RandomHSV``'s hue, saturation and value tables, or None
             for no colour change (ultralytics' gains all zero).
-        swaps: ``(N,)`` bool or uint8: write the channels as RGB (ultralytics' ``Format``).
         size: the output (width, height).
         perspective: divide by the third coordinate (``warpPerspective``).
         vector_block: HSV back to BGR rounds down in each row's first ``W - W % vector_block``
             columns, as OpenCV 5's vectorized ``COLOR_HSV2BGR`` does, and half to even in the rest
             (:func:`~trainfuse.ultralytics.augment.color.opencv_vector_block` tells; 0: everywhere).
     """
-    n = starts.numel()
     if packed.dtype != torch.uint8:
         raise ValueError(f"augment_images: packed must be uint8, got {packed.dtype}")
-    shapes = {"starts": (starts, (n,)), "dims": (dims, (n, 2)), "inverse": (inverse, (n, 9)),
-              "origins": (origins, (n, 2)), "flips": (flips, (n, 2)), "swaps": (swaps, (n,))}
-    if luts is not None:
-        shapes["luts"] = (luts, (n, 3, 256))
-    for name, (t, shape) in shapes.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"augment_images: {name} must have shape {shape} for {n} images, "
-                             f"got {tuple(t.shape)}")
-        if t.device != packed.device:
+    if table.dim() != 2 or table.shape[1] != TABLE or table.dtype != torch.float64:
+        raise ValueError(f"augment_images: table must be float64 (N, {TABLE}) (image_table), got "
+                         f"{table.dtype} {tuple(table.shape)}")
+    n = table.shape[0]
+    if luts is not None and (tuple(luts.shape) != (n, 3, 256) or luts.dtype != torch.uint8):
+        raise ValueError(f"augment_images: luts must be uint8 ({n}, 3, 256), got {luts.dtype} {tuple(luts.shape)}")
+    for name, t in (("table", table), ("luts", luts)):
+        if t is not None and t.device != packed.device:
             raise ValueError(f"augment_images: {name} is on {t.device}, packed on {packed.device}")
     w_out, h_out = (int(v) for v in size)
     if w_out < 0 or h_out < 0:
         raise ValueError(f"augment_images: size must be (width, height) >= 0, got {size}")
-    if luts is not None and luts.dtype != torch.uint8:
-        raise ValueError(f"augment_images: luts must be uint8, got {luts.dtype}")
     if not use_triton(packed.device):
-        return augment_images_reference(packed, starts, dims, inverse, origins, flips, luts, swaps,
-                                        (w_out, h_out), perspective, vector_block)
+        return augment_images_reference(packed, table, luts, (w_out, h_out), perspective, vector_block)
     out = torch.empty(n, 3, h_out, w_out, dtype=torch.uint8, device=packed.device)
     if out.numel() == 0:
         return out
     sdiv, hdiv = _hsv_tables(packed.device)
-    table = luts if luts is not None else packed.new_zeros(1)
     grid = (triton.cdiv(h_out * w_out, _BLOCK), n)
-    _augment_kernel[grid](packed.reshape(-1) if packed.numel() else packed.new_zeros(1), starts.long(),
-                          dims.int().contiguous(), inverse.double().contiguous(), origins.int().contiguous(),
-                          flips.to(torch.uint8).contiguous(), table.contiguous(), swaps.to(torch.uint8), sdiv,
-                          hdiv, out, h_out, w_out, w_out - w_out % vector_block if vector_block > 0 else 0,
-                          HSV=luts is not None, PERSPECTIVE=bool(perspective),
-                          BLOCK=_BLOCK)
+    _augment_kernel[grid](packed.reshape(-1) if packed.numel() else packed.new_zeros(1), table.contiguous(),
+                          luts.contiguous() if luts is not None else packed.new_zeros(1), sdiv, hdiv, out,
+                          h_out, w_out, w_out - w_out % vector_block if vector_block > 0 else 0, TABLE=TABLE,
+                          HSV=luts is not None, PERSPECTIVE=bool(perspective), BLOCK=_BLOCK)
     return out
 
 
-__all__ = ["BORDER", "augment_images", "augment_images_reference"]
+__all__ = ["BORDER", "TABLE", "augment_images", "augment_images_reference", "image_table"]
