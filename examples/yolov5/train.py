@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="dataset and training seed")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default=None, help="ultralytics device ('0', 'cpu'; default: auto)")
+    parser.add_argument("--gpu-augment", action="store_true",
+                        help="trainfuse runs: the augmentation's warp, HSV and flips on the GPU "
+                        "(FusedDetectionTrainer(gpu_augment=True); off by default)")
     parser.add_argument("--out", default=str(OUT),
                         help="runs, dataset, table and PNG go here (default: runs/ next to this script)")
     parser.add_argument("--online", action="store_true",
@@ -76,12 +80,15 @@ def train(kind: str, args: argparse.Namespace, data: str, out: Path) -> dict:
                   "exist_ok": True, **({"device": args.device} if args.device is not None else {}),
                   **args.extra}
     if kind == "trainfuse":
-        train_args["trainer"] = FusedDetectionTrainer
+        train_args["trainer"] = (functools.partial(FusedDetectionTrainer, gpu_augment=True) if args.gpu_augment
+                                 else FusedDetectionTrainer)
     model.train(**train_args)
     summary = timer.summary(args.batch)
     summary["map50"], summary["map50_95"] = final_map(model.trainer)
     summary["losses"], summary["iter_ms_all"] = timer.losses, timer.iter_ms()
     summary["device"] = str(model.trainer.device)
+    reason = getattr(model.trainer, "augment_reason", "stock")
+    summary["augmentation"] = "GPU" if reason == "" else f"CPU ({reason})"
     return summary
 
 

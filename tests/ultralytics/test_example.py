@@ -39,7 +39,7 @@ def test_help_lists_the_modes_without_importing_ultralytics():
              "assert 'ultralytics' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for flag in ("--baseline", "--compare", "--model", "--data", "--images", "key=value"):
+    for flag in ("--baseline", "--compare", "--model", "--data", "--images", "--gpu-augment", "key=value"):
         assert flag in out.stdout
 
 
@@ -112,6 +112,15 @@ def test_compare_trains_both_and_writes_the_table_and_plot(tmp_path, capsys):
     assert (tmp_path / "yolov5.png").stat().st_size > 10_000
     assert (tmp_path / "summary.json").exists()
     assert (tmp_path / "trainfuse" / "weights" / "last.pt").exists()
+
+
+def test_gpu_augment_reaches_the_trainer(tmp_path):
+    pytest.importorskip("ultralytics")
+    runs = _example().main(["--images", "8", "--val-images", "4", "--imgsz", "64", "--epochs", "1", "--batch", "4",
+                            "--workers", "0", "--device", "cpu", "--out", str(tmp_path), "--gpu-augment",
+                            "plots=False"])
+    assert runs["trainfuse"]["iterations"] == 2
+    assert runs["trainfuse"]["augmentation"] == "GPU"
 
 
 def test_the_default_output_folder_is_ignored_by_git():

@@ -76,7 +76,11 @@ def test_kernel_equals_its_torch_reference(dims, size, perspective, hsv, kernels
     out = augment_images(packed, table, luts, size, perspective, block)
     ref = augment_images_reference(packed, table, luts, size, perspective, block)
     assert out.shape == (n, 3, size[1], size[0]) and out.dtype == torch.uint8 and out.device == packed.device
-    assert torch.equal(out, ref)
+    if device.type == "cpu":  # the interpreter: the reference's arithmetic, op for op
+        assert torch.equal(out, ref)
+    else:  # compiled, the multiply-adds fuse: a channel rounded down may land a level lower
+        diff = (out.int() - ref.int()).abs()
+        assert not diff.numel() or (int(diff.max()) <= 1 and (diff == 0).float().mean() > 0.99)
 
 
 def _smooth(seed, h, w):
@@ -150,6 +154,12 @@ def _batch(dataset, seed, images=(0, 3, 5)):
     return dataset.collate_fn(samples)
 
 
+def _finish_on(batch, device):
+    """finish_batch where the tests' kernels run (the GPU, or the interpreter on the CPU)."""
+    out = finish_batch({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}
+
+
 def _assert_like_stock(stock, ours):
     for key in ("cls", "bboxes", "batch_idx", PADDED_KEY):  # ultralytics' own code moved the labels
         if key in ours:
@@ -165,24 +175,24 @@ def _assert_like_stock(stock, ours):
     {"mosaic": 0.0, "fliplr": 1.0, "scale": 0.9},  # close_mosaic's epochs: one letterboxed image
     {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0, "bgr": 0.5},
 ], ids=["defaults", "warp-all", "no-mosaic", "no-hsv-bgr"])
-def test_deferred_batches_equal_stock_batches_on_the_same_seeds(data, overrides, kernels):
+def test_deferred_batches_equal_stock_batches_on_the_same_seeds(data, overrides, kernels, device):
     stock, ours = _datasets(data, **overrides)
     for seed in range(3):
         out = _batch(ours, seed)
         assert is_deferred(out) and out["aug_packed"].numel() < 3 * (2 * 96) ** 2 * 3  # crops, not mosaics
-        out = finish_batch(out)
+        out = _finish_on(out, device)
         assert not any(k.startswith("aug_") for k in out)
         want = _batch(stock, seed)
         add_padded_targets(want)
         _assert_like_stock(want, out)
 
 
-def test_close_mosaic_rebuilds_deferred_transforms(data):
+def test_close_mosaic_rebuilds_deferred_transforms(data, device):
     stock, ours = _datasets(data)
     hyp = get_cfg(overrides={"imgsz": 96})
     stock.close_mosaic(copy.copy(hyp))
     ours.close_mosaic(copy.copy(hyp))
-    _assert_like_stock(add_padded_targets(_batch(stock, 7)), finish_batch(_batch(ours, 7)))
+    _assert_like_stock(add_padded_targets(_batch(stock, 7)), _finish_on(_batch(ours, 7), device))
 
 
 @pytest.mark.parametrize("overrides,reason", [
@@ -217,7 +227,7 @@ def _train(data_yaml, tmp_path, name, **kwargs):
 
 def test_training_with_gpu_augmentation_tracks_the_cpu_path(tmp_path):
     data_yaml = str(make_shapes_dataset(tmp_path / "data", n_train=8, n_val=2, imgsz=64))
-    cpu = _train(data_yaml, tmp_path, "cpu", gpu_augment=False)
+    cpu = _train(data_yaml, tmp_path, "cpu")  # the default
     gpu = _train(data_yaml, tmp_path, "gpu", gpu_augment=True)
     assert cpu.augment_reason == "gpu_augment=False" and gpu.augment_reason == ""
     assert [r.action for r in gpu.report if r.kind == "augment"] == ["on"]
@@ -230,7 +240,7 @@ def test_training_with_gpu_augmentation_tracks_the_cpu_path(tmp_path):
 def test_gpu_augment_must_be_a_bool():
     from trainfuse.ultralytics import FusedDetectionTrainer
 
-    with pytest.raises(TypeError, match="gpu_augment must be True, False or None"):
+    with pytest.raises(TypeError, match="gpu_augment must be True or False"):
         FusedDetectionTrainer(overrides={"data": "coco8.yaml"}, gpu_augment="yes")
 
 
@@ -244,4 +254,5 @@ def test_prefetcher_finishes_deferred_batches_on_its_side_stream(data):
     prefetched = list(DevicePrefetcher(batches, torch.device("cuda"), finish=_finish_deferred))
     for seed, out in enumerate(prefetched):
         assert out["img"].is_cuda
-        _assert_like_stock(_batch(stock, seed), {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()})
+        want = add_padded_targets(_batch(stock, seed))
+        _assert_like_stock(want, {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()})

@@ -1,12 +1,15 @@
 """The training batches of :class:`~trainfuse.ultralytics.FusedDetectionTrainer`: how they are built,
 augmented, padded and brought to the GPU (a mixin of the trainer; the rest of it is the step).
 
-- **GPU augmentation** (``gpu_augment``): the loader's workers decode, paste the mosaic and crop;
-  the random warp, HSV jitter and flips run on the GPU, the whole batch in one kernel, with the
-  very random parameters ultralytics' CPU transforms would have drawn
-  (:mod:`trainfuse.ultralytics.augment.deferred`, :func:`~trainfuse.ultralytics.augment.batch.
-  finish_batch`). On by default on CUDA where the dataset and hyperparameters allow it
-  (:func:`~trainfuse.ultralytics.augment.deferred.unsupported` says when they do not).
+- **GPU augmentation** (``gpu_augment=True``; off by default): the loader's workers decode, paste
+  the mosaic, crop and move the labels; the random warp, HSV jitter and flips of the pixels run on
+  the GPU, the whole batch in one kernel, with the very random parameters ultralytics' CPU
+  transforms would have drawn (:mod:`trainfuse.ultralytics.augment.deferred`,
+  :func:`~trainfuse.ultralytics.augment.batch.finish_batch`), where the dataset and
+  hyperparameters allow it (:func:`~trainfuse.ultralytics.augment.deferred.unsupported` says when
+  they do not). Its loader alone delivers 1.5-2x the images of ultralytics' on photo-sized JPEGs,
+  but a training run with it measured no faster than without (docs/performance.md), so it is
+  not the default.
 - **Padded labels**: with a fused loss, the batch carries its labels padded to a capacity the
   workers count on the CPU (no host sync in the loss).
 - **Prefetch** (``prefetch``): batches copied to the GPU one ahead on a side stream, and finished
@@ -28,24 +31,22 @@ class BatchLoading:
     """The trainer's dataset, loader and ``preprocess_batch`` (see the module).
 
     Attributes:
-        gpu_augment: None (the default) augments on the GPU on CUDA where supported; True also on
-            other devices (through the torch path); False keeps ultralytics' CPU transforms.
-            Also a keyword of the trainer's constructor.
+        gpu_augment: True augments the training batches' pixels on the GPU where the dataset
+            allows it (on a CPU device, through the torch path); False (the default) keeps
+            ultralytics' CPU transforms. Also a keyword of the trainer's constructor.
         augment_reason: empty when the training batches are augmented on the GPU, else why not.
         prefetch: on CUDA, copy the training batches to the GPU one batch ahead on a side stream
             (a subclass may set False).
     """
 
-    gpu_augment: bool | None = None
+    gpu_augment = False
     augment_reason = "no training dataset yet"
     prefetch = True
 
     def _augment_off(self, dataset) -> str:
         """Why the training batches keep ultralytics' CPU augmentation ("" when they do not)."""
-        if self.gpu_augment is False:
+        if not self.gpu_augment:
             return "gpu_augment=False"
-        if self.gpu_augment is None and self.device.type != "cuda":
-            return f"the device is {self.device.type}, not CUDA"
         from trainfuse.ultralytics.augment import deferred
 
         return deferred.unsupported(dataset, self.args)

@@ -30,9 +30,9 @@ results differ on purpose):
   Off on CPU, with ``compile``, or without a fused loss; choose with
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP, a subclass
   setting ``cuda_graphs = False``).
-- **Input side** (CUDA): the random warp, HSV jitter and flips of the training batches on the GPU,
-  with ultralytics' own random draws (``gpu_augment``, :mod:`trainfuse.ultralytics.loading`); the
-  first convolution on the space-to-depth image (:mod:`trainfuse.nn.stem`, ``fold_stem``); the
+- **Input side** (CUDA): on request (``gpu_augment=True``), the random warp, HSV jitter and flips
+  of the training batches on the GPU, with ultralytics' own random draws
+  (:mod:`trainfuse.ultralytics.loading`); the first convolution on the space-to-depth image (:mod:`trainfuse.nn.stem`, ``fold_stem``); the
   batches copied to the GPU one ahead on a side stream
   (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`, ``prefetch``).
 - **DDP** (``device="0,1"``): each rank runs all of the above; with graphs, DDP's wrapper gives way to
@@ -129,7 +129,7 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, cuda_graphs: bool | None = None,
                  gpu_augment: bool | None = None, **kwargs):
         if gpu_augment is not None and not isinstance(gpu_augment, bool):
-            raise TypeError(f"FusedDetectionTrainer: gpu_augment must be True, False or None, got {gpu_augment!r}")
+            raise TypeError(f"FusedDetectionTrainer: gpu_augment must be True or False, got {gpu_augment!r}")
         # before ultralytics checks the dataset, which fails for another task's data first
         check_task(get_cfg(cfg, overrides))
         super().__init__(cfg, overrides, *args, **kwargs)

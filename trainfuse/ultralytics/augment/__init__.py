@@ -8,8 +8,10 @@ loaders hold them, and per-image parameters; boxes are ``(K, 4)`` xyxy pixels wi
 their image. Where they differ from OpenCV's results on purpose (interpolation arithmetic) the
 function says so; the tests hold each against ultralytics' transform on the same parameters.
 
-They are building blocks: ``FusedDetectionTrainer``'s loader still augments on the CPU with
-ultralytics' own transforms.
+``FusedDetectionTrainer(gpu_augment=True)`` takes another route, which keeps ultralytics' random
+draws exactly: :mod:`.deferred` (the loader's side: ultralytics' transforms leave the pixels to the
+GPU) and :mod:`.kernel` (one pass over a batch's pixels), joined by :mod:`.batch`. The ops here
+stay as batched building blocks and references.
 """
 
 from trainfuse.ultralytics.augment.color import hsv_jitter
