@@ -80,8 +80,8 @@ def train(kind: str, args: argparse.Namespace, data: str, out: Path) -> dict:
                   "exist_ok": True, **({"device": args.device} if args.device is not None else {}),
                   **args.extra}
     if kind == "trainfuse":
-        train_args["trainer"] = (functools.partial(FusedDetectionTrainer, gpu_augment=True) if args.gpu_augment
-                                 else FusedDetectionTrainer)
+        train_args["trainer"] = (functools.partial(FusedDetectionTrainer, gpu_augment=True)
+                                 if args.gpu_augment else FusedDetectionTrainer)
     model.train(**train_args)
     summary = timer.summary(args.batch)
     summary["map50"], summary["map50_95"] = final_map(model.trainer)

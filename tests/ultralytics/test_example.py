@@ -116,8 +116,8 @@ def test_compare_trains_both_and_writes_the_table_and_plot(tmp_path, capsys):
 
 def test_gpu_augment_reaches_the_trainer(tmp_path):
     pytest.importorskip("ultralytics")
-    runs = _example().main(["--images", "8", "--val-images", "4", "--imgsz", "64", "--epochs", "1", "--batch", "4",
-                            "--workers", "0", "--device", "cpu", "--out", str(tmp_path), "--gpu-augment",
+    runs = _example().main(["--images", "8", "--val-images", "4", "--imgsz", "64", "--epochs", "1", "--batch",
+                            "4", "--workers", "0", "--device", "cpu", "--out", str(tmp_path), "--gpu-augment",
                             "plots=False"])
     assert runs["trainfuse"]["iterations"] == 2
     assert runs["trainfuse"]["augmentation"] == "GPU"

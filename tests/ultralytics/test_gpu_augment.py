@@ -42,7 +42,8 @@ def _matrices(n, perspective):
     out = []
     for i in range(n):
         a, s = 0.4 * i - 0.3, 0.7 + 0.35 * i
-        m = torch.tensor([[s * math.cos(a), s * math.sin(a), 3.0 - 2 * i], [-s * math.sin(a), s * math.cos(a), -1.5],
+        m = torch.tensor([[s * math.cos(a), s * math.sin(a), 3.0 - 2 * i],
+                          [-s * math.sin(a), s * math.cos(a), -1.5],
                           [1e-3 * i if perspective else 0.0, -5e-4 if perspective else 0.0, 1.0]],
                          dtype=torch.float64)
         out.append(torch.linalg.inv(m).reshape(9))
@@ -94,8 +95,8 @@ def _smooth(seed, h, w):
 def test_kernel_matches_opencv_warp_and_random_hsv(perspective, seed, kernels, device, monkeypatch):
     img = _smooth(seed, 50, 60)
     img[:4, :4] = 255  # pure white stays white through RandomHSV
-    m = np.array([[1.1, 0.2, -4.0], [-0.15, 0.9, 3.0], [8e-4 if perspective else 0, -6e-4 if perspective else 0, 1]],
-                 dtype=np.float32)
+    tilt = (8e-4, -6e-4) if perspective else (0, 0)
+    m = np.array([[1.1, 0.2, -4.0], [-0.15, 0.9, 3.0], [*tilt, 1]], dtype=np.float32)
     size = (40, 36)
     warp = cv2.warpPerspective if perspective else (lambda i, mm, s, **k: cv2.warpAffine(i, mm[:2], s, **k))
     warped = warp(img, m, size, borderValue=(114, 114, 114, 114))
@@ -132,7 +133,8 @@ def test_bad_arguments_are_refused_before_any_work():
 # ---- a deferred dataset against ultralytics' own -------------------------------------------------
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    yaml = make_shapes_dataset(tmp_path_factory.mktemp("gpu-augment"), n_train=8, n_val=2, imgsz=96, photo=True)
+    root = tmp_path_factory.mktemp("gpu-augment")
+    yaml = make_shapes_dataset(root, n_train=8, n_val=2, imgsz=96, photo=True)
     return check_det_dataset(str(yaml))
 
 
@@ -166,7 +168,8 @@ def _assert_like_stock(stock, ours):
             assert torch.equal(ours[key], stock[key]), key
     assert ours["img"].shape == stock["img"].shape and ours["img"].dtype == torch.uint8
     diff = (ours["img"].int() - stock["img"].int()).abs()
-    assert (diff == 0).float().mean() > 0.99 and (diff <= 1).float().mean() > 0.9999, (diff.max(), diff.float().mean())
+    same, close = (diff == 0).float().mean(), (diff <= 1).float().mean()
+    assert same > 0.99 and close > 0.9999, (diff.max(), same, close)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -219,9 +222,9 @@ def _train(data_yaml, tmp_path, name, **kwargs):
     from trainfuse.ultralytics import FusedDetectionTrainer
 
     model = YOLO("yolov5n.yaml")
-    model.train(data=data_yaml, epochs=2, imgsz=64, batch=4, workers=0, device="cpu", seed=0, deterministic=True,
-                plots=True, val=False, close_mosaic=1, project=str(tmp_path), name=name, exist_ok=True,
-                verbose=False, trainer=functools.partial(FusedDetectionTrainer, **kwargs))
+    model.train(data=data_yaml, epochs=2, imgsz=64, batch=4, workers=0, device="cpu", seed=0,
+                deterministic=True, plots=True, val=False, close_mosaic=1, project=str(tmp_path), name=name,
+                exist_ok=True, verbose=False, trainer=functools.partial(FusedDetectionTrainer, **kwargs))
     return model.trainer
 
 
@@ -244,10 +247,11 @@ def test_gpu_augment_must_be_a_bool():
         FusedDetectionTrainer(overrides={"data": "coco8.yaml"}, gpu_augment="yes")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefetcher finishes batches on a CUDA side stream")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the prefetcher finishes batches on a CUDA side stream")
 def test_prefetcher_finishes_deferred_batches_on_its_side_stream(data):
-    from trainfuse.ultralytics.prefetch import DevicePrefetcher
     from trainfuse.ultralytics.loading import _finish_deferred
+    from trainfuse.ultralytics.prefetch import DevicePrefetcher
 
     stock, ours = _datasets(data)
     batches = [_batch(ours, s) for s in range(3)]

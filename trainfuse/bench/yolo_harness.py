@@ -366,12 +366,14 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     nb = -(-args.images // args.batch)
     ramp = round(min(3, args.epochs - 1) * nb)
     counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer).attach(model)
-    fused = functools.partial(FusedDetectionTrainer, **trainer_kwargs) if trainer_kwargs else FusedDetectionTrainer
+    fused = (functools.partial(FusedDetectionTrainer, **trainer_kwargs) if trainer_kwargs
+             else FusedDetectionTrainer)
     extra = {"trainer": fused} if kind == "trainfuse" else {}
     torch.cuda.reset_peak_memory_stats()
     model.train(data=data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, seed=args.seed,
                 workers=args.workers, cache=cache, deterministic=False, val=False, plots=False, device=device,
-                project=str(project), name=name or kind, exist_ok=True, verbose=False, optimizer=args.optimizer,
+                project=str(project), name=name or kind, exist_ok=True, verbose=False,
+                optimizer=args.optimizer,
                 **extra)
     trainer = model.trainer
     summary = timer.summary(args.batch)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from trainfuse.bench._common import add_row, note, print_table
 
 
@@ -38,7 +40,9 @@ def loader_rates(data: str, imgsz: int, batch: int, workers: int, epochs: int = 
         from trainfuse.ultralytics.augment import deferred as deferral
 
         deferral.install(dataset, cfg, pad=True)
-    loader = build_dataloader(dataset, batch, workers, shuffle=True, rank=-1)
+    # the trainer's device: ultralytics pins the batches and sizes the worker pool by it
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    loader = build_dataloader(dataset, batch, workers, shuffle=True, rank=-1, device=device)
     rates = []
     for _ in range(epochs):
         start, n = time.perf_counter(), 0

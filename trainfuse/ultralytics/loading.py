@@ -68,8 +68,9 @@ class BatchLoading:
         from trainfuse.ultralytics.augment import deferred
 
         deferred.install(dataset, self.args, pad=pad)
-        self._note("augment", "augmentation", ON, "random warp, HSV and flips on the GPU, one kernel per batch "
-                   "(the loader's workers decode, paste the mosaic and crop; same random parameters)")
+        self._note("augment", "augmentation", ON, "random warp, HSV and flips on the GPU, one kernel per "
+                   "batch (the loader's workers decode, paste the mosaic, crop and move the labels; the "
+                   "same random parameters)")
         return dataset
 
     def get_dataloader(self, dataset_path: str, batch_size: int = 16, rank: int = 0, mode: str = "train"):

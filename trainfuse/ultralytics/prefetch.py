@@ -36,7 +36,8 @@ class DevicePrefetcher:
             deferred augmentation); returns the batch the loop gets.
     """
 
-    def __init__(self, loader: Any, device: torch.device, finish: Callable[[dict], dict] | None = None) -> None:
+    def __init__(self, loader: Any, device: torch.device,
+                 finish: Callable[[dict], dict] | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(f"DevicePrefetcher: device must be a CUDA device, got {device}")
         self.loader = loader

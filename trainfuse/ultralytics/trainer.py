@@ -32,9 +32,9 @@ results differ on purpose):
   setting ``cuda_graphs = False``).
 - **Input side** (CUDA): on request (``gpu_augment=True``), the random warp, HSV jitter and flips
   of the training batches on the GPU, with ultralytics' own random draws
-  (:mod:`trainfuse.ultralytics.loading`); the first convolution on the space-to-depth image (:mod:`trainfuse.nn.stem`, ``fold_stem``); the
-  batches copied to the GPU one ahead on a side stream
-  (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`, ``prefetch``).
+  (:mod:`trainfuse.ultralytics.loading`); the first convolution on the space-to-depth image
+  (:mod:`trainfuse.nn.stem`, ``fold_stem``); the batches copied to the GPU one ahead on a side
+  stream (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`, ``prefetch``).
 - **DDP** (``device="0,1"``): each rank runs all of the above; with graphs, DDP's wrapper gives way to
   one all-reduce of a flat float32 buffer before each optimizer step
   (:class:`trainfuse.clients.FlatGrads`). The weights stay float32 under DDP.
@@ -68,11 +68,11 @@ from trainfuse.graphs import GraphedOptimizerStep
 from trainfuse.nn import stem
 from trainfuse.optim import FusedAdam, FusedEMA, FusedOptimizer, FusedSGD
 from trainfuse.ultralytics.casts import TorchLayoutOptimizer, cast_dtype
-from trainfuse.ultralytics.choices import CLIP_NORM, check_task, criterion, fused_optimizer, takes_fused_loss
+from trainfuse.ultralytics.choices import CLIP_NORM, check_task, criterion, fused_optimizer
 from trainfuse.ultralytics.e2e_loss import FusedE2ELoss
 from trainfuse.ultralytics.graphed import GraphedLoss
-from trainfuse.ultralytics.loss import FusedDetectionLoss
 from trainfuse.ultralytics.loading import BatchLoading
+from trainfuse.ultralytics.loss import FusedDetectionLoss
 from trainfuse.ultralytics.targets import PadTargets
 
 _PREFIX = colorstr("trainfuse:")

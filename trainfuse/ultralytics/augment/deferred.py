@@ -230,10 +230,12 @@ class DeferredCollate:
         batch = YOLODataset.collate_fn(samples)
         n = len(crops)
         sizes = torch.tensor([c.numel() for c in crops], dtype=torch.int64)
-        batch["aug_packed"] = torch.cat([c.reshape(-1) for c in crops]) if n else torch.zeros(0, dtype=torch.uint8)
+        batch["aug_packed"] = (torch.cat([c.reshape(-1) for c in crops]) if n
+                               else torch.zeros(0, dtype=torch.uint8))
         batch["aug_table"] = image_table(
             torch.cumsum(sizes, 0) - sizes, torch.tensor([c.shape[:2] for c in crops]).reshape(n, 2),
-            torch.from_numpy(np.stack([w["inverse"] for w in warps]).reshape(n, 9)) if n else torch.zeros(0, 9),
+            torch.from_numpy(np.stack([w["inverse"] for w in warps]).reshape(n, 9)) if n
+            else torch.zeros(0, 9),
             torch.tensor([w["origin"] for w in warps]).reshape(n, 2), torch.tensor(flips).reshape(n, 2),
             torch.tensor(swaps).reshape(n))
         batch["aug_luts"] = (None if all(lut is None for lut in luts) else torch.from_numpy(np.stack(

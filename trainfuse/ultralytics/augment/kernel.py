@@ -76,7 +76,8 @@ def _hsv_channel(sector, v, p, q, t, which: tl.constexpr):
     elif which == 1:  # g: t v v q p p
         out = tl.where(sector == 0, t, tl.where(sector < 3, v, tl.where(sector == 3, q, p)))
     else:  # r: v q p p t v
-        out = tl.where(sector == 0, v, tl.where(sector == 1, q, tl.where(sector < 4, p, tl.where(sector == 4, t, v))))
+        out = tl.where(sector == 0, v,
+                       tl.where(sector == 1, q, tl.where(sector < 4, p, tl.where(sector == 4, t, v))))
     return out
 
 
@@ -92,7 +93,8 @@ def _blend(src, row0, row1, c, m00, m01, m10, m11, w00, w01, w10, w11):
 
 @triton.jit
 def _augment_kernel(src, table, luts, sdiv, hdiv, out, H, W,
-                    vector_end, TABLE: tl.constexpr, HSV: tl.constexpr, PERSPECTIVE: tl.constexpr, BLOCK: tl.constexpr):
+                    vector_end, TABLE: tl.constexpr, HSV: tl.constexpr, PERSPECTIVE: tl.constexpr,
+                    BLOCK: tl.constexpr):
     n = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < H * W
@@ -197,8 +199,10 @@ def image_table(starts: torch.Tensor, dims: torch.Tensor, inverse: torch.Tensor,
              "origins": (origins, (n, 2)), "flips": (flips, (n, 2)), "swaps": (swaps, (n,))}
     for name, (t, shape) in parts.items():
         if tuple(t.shape) != shape:
-            raise ValueError(f"image_table: {name} must have shape {shape} for {n} images, got {tuple(t.shape)}")
-    return torch.cat([t.reshape(n, shape[1] if len(shape) > 1 else 1).double() for t, shape in parts.values()], 1)
+            raise ValueError(f"image_table: {name} must have shape {shape} for {n} images, "
+                             f"got {tuple(t.shape)}")
+    return torch.cat([t.reshape(n, shape[1] if len(shape) > 1 else 1).double()
+                      for t, shape in parts.values()], 1)
 
 
 def augment_images_reference(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor | None,
@@ -249,8 +253,8 @@ def augment_images_reference(packed: torch.Tensor, table: torch.Tensor, luts: to
     return torch.where(swap, img.flip(1), img)
 
 
-def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor | None, size: tuple[int, int],
-                   perspective: bool = False, vector_block: int = 0) -> torch.Tensor:
+def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor | None,
+                   size: tuple[int, int], perspective: bool = False, vector_block: int = 0) -> torch.Tensor:
     """Warp, colour-jitter, flip and channel-swap a packed batch: a new ``(N, 3, H, W)`` uint8 tensor.
 
     Args:
@@ -272,7 +276,8 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
                          f"{table.dtype} {tuple(table.shape)}")
     n = table.shape[0]
     if luts is not None and (tuple(luts.shape) != (n, 3, 256) or luts.dtype != torch.uint8):
-        raise ValueError(f"augment_images: luts must be uint8 ({n}, 3, 256), got {luts.dtype} {tuple(luts.shape)}")
+        raise ValueError(f"augment_images: luts must be uint8 ({n}, 3, 256), got {luts.dtype} "
+                         f"{tuple(luts.shape)}")
     for name, t in (("table", table), ("luts", luts)):
         if t is not None and t.device != packed.device:
             raise ValueError(f"augment_images: {name} is on {t.device}, packed on {packed.device}")
