@@ -84,13 +84,16 @@ def _region(matrix: np.ndarray, image_hw: tuple[int, int], size: tuple[int, int]
     return x0, y0, x1, y1
 
 
-def _as_output(labels: dict) -> np.ndarray:
-    """Put a zero-cost stand-in of the warped image's shape in ``labels["img"]`` (the stock code
-    reads the image's size from it); return the crop it replaces."""
+def _at_output_size(get_params, labels: dict) -> dict:
+    """``get_params(labels)`` of a stock transform that reads the image's size, with a zero-cost
+    stand-in of the warped image's shape in ``labels["img"]`` meanwhile (the crop goes back after)."""
     crop = labels["img"]
     h, w = labels["resized_shape"]
     labels["img"] = np.broadcast_to(np.zeros((1, 1, crop.shape[-1]), np.uint8), (h, w, crop.shape[-1]))
-    return crop
+    try:
+        return get_params(labels)
+    finally:
+        labels["img"] = crop
 
 
 class DeferredPerspective(RandomPerspective):
@@ -129,11 +132,7 @@ class DeferredFlip(RandomFlip):
     horizontal) for the image."""
 
     def get_params(self, labels):
-        crop = _as_output(labels)
-        try:
-            return super().get_params(labels)
-        finally:
-            labels["img"] = crop
+        return _at_output_size(super().get_params, labels)
 
     def apply_image(self, labels, params=None):
         flips = labels.setdefault("flips", [False, False])
@@ -145,11 +144,7 @@ class DeferredFormat(Format):
     """``Format`` of the labels, with the BGR-to-RGB choice drawn and the HWC crop handed over."""
 
     def get_params(self, labels):
-        crop = _as_output(labels)
-        try:
-            return super().get_params(labels)
-        finally:
-            labels["img"] = crop
+        return _at_output_size(super().get_params, labels)
 
     def apply_image(self, labels, params=None):
         img = labels.pop("img")
