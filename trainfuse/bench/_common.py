@@ -69,6 +69,8 @@ FAMILIES = {
                   "YOLO detection loss, forward + backward: v8DetectionLoss / E2ELoss against fused ones"),
     "stem": ("trainfuse.bench.stem",
              "a detector's first convolution, forward + weight grad: conv2d against the space-to-depth fold"),
+    "augment": ("trainfuse.bench.augment",
+                "YOLO augmentation of a batch (warp, HSV, flip): ultralytics on the CPU against one kernel"),
     "yolo": ("trainfuse.bench.yolo",
              "YOLOv5 training: ultralytics' DetectionTrainer against FusedDetectionTrainer"),
     "yolo-quality": ("trainfuse.bench.yolo_quality",
