@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("ultralytics")
 pytest.importorskip("cv2")
 
-from trainfuse.bench.augment import _batch, _cpu_ms  # noqa: E402
-from trainfuse.ultralytics.augment.kernel import augment_images_reference, image_table  # noqa: E402
+from trainfuse.bench.augment import _batch, _cpu_ms, _packed  # noqa: E402
+from trainfuse.ultralytics.augment.kernel import augment_images_reference  # noqa: E402
 
 
 def test_crops_are_what_a_warp_of_the_default_scale_reads():
@@ -27,11 +27,7 @@ def test_crops_are_what_a_warp_of_the_default_scale_reads():
 def test_the_anchor_and_the_reference_run_on_the_batch():
     batch = _batch(2, 32)
     assert _cpu_ms(batch, 32, repeats=1) > 0
-    crops = [torch.from_numpy(c) for c in batch["crops"]]
-    sizes = torch.tensor([c.numel() for c in crops])
-    inverse = np.stack([np.linalg.inv(m.astype(np.float64)) for m in batch["matrices"]]).reshape(-1, 9)
-    table = image_table(torch.cumsum(sizes, 0) - sizes, torch.tensor([c.shape[:2] for c in crops]),
-                        torch.from_numpy(inverse), torch.zeros(2, 2), torch.tensor(batch["flips"]),
-                        torch.ones(2))
-    out = augment_images_reference(torch.cat([c.reshape(-1) for c in crops]), table, batch["luts"], (32, 32))
+    packed, table = _packed(batch)
+    assert packed.numel() == sum(c.size for c in batch["crops"])
+    out = augment_images_reference(packed, table, batch["luts"], (32, 32))
     assert out.shape == (2, 3, 32, 32) and (out != 114).any()

@@ -25,17 +25,14 @@ from ultralytics.data.utils import check_det_dataset  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred  # noqa: E402
 from trainfuse.ultralytics.augment.color import hsv_luts, opencv_vector_block  # noqa: E402
-from trainfuse.ultralytics.augment.kernel import augment_images, augment_images_reference, image_table  # noqa: E402,E501
+from trainfuse.ultralytics.augment.kernel import augment_images, augment_images_reference, pack_crops  # noqa: E402,E501
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets  # noqa: E402
 
 
-def _packed(dims, seed=0):
+def _crops(dims, seed=0):
     g = torch.Generator().manual_seed(seed)
-    dims = torch.tensor(dims, dtype=torch.int32).reshape(-1, 2)
-    sizes = (dims[:, 0] * dims[:, 1] * 3).long()
-    starts = torch.cumsum(sizes, 0) - sizes
-    return torch.randint(0, 256, (int(sizes.sum()),), dtype=torch.uint8, generator=g), starts, dims
+    return [torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g) for h, w in dims]
 
 
 def _matrices(n, perspective):
@@ -50,10 +47,6 @@ def _matrices(n, perspective):
     return torch.stack(out) if out else torch.zeros(0, 9, dtype=torch.float64)
 
 
-def _table(starts, dims, inverse, origins, flips, swaps):
-    return image_table(starts, dims, inverse, origins, flips, swaps)
-
-
 @pytest.mark.parametrize("dims,size", [
     ([[20, 30], [0, 0], [9, 11]], (17, 13)),  # an image the warp never reads
     ([[1, 1]], (5, 3)),
@@ -64,12 +57,12 @@ def _table(starts, dims, inverse, origins, flips, swaps):
 @pytest.mark.parametrize("perspective", [False, True])
 @pytest.mark.parametrize("hsv", [False, 0, 4, 32])  # no HSV; HSV with no, 4- and 32-column vector blocks
 def test_kernel_equals_its_torch_reference(dims, size, perspective, hsv, kernels, device):
-    packed, starts, dims = _packed(dims)
-    n = starts.numel()
+    crops = _crops(dims)
+    n = len(crops)
     g = torch.Generator().manual_seed(n)
     origins = torch.randint(0, 3, (n, 2), dtype=torch.int32, generator=g)
     flips = torch.rand(n, 2, generator=g) < 0.5
-    table = _table(starts, dims, _matrices(n, perspective), origins, flips, torch.arange(n) % 2 == 0)
+    packed, table = pack_crops(crops, _matrices(n, perspective), origins, flips, torch.arange(n) % 2 == 0)
     luts = hsv_luts(torch.rand(n, 3, dtype=torch.float64, generator=g) - 0.5) if hsv is not False else None
     block = hsv or 0
     packed, table = packed.to(device), table.to(device)
@@ -106,9 +99,9 @@ def test_kernel_matches_opencv_warp_and_random_hsv(perspective, seed, kernels, d
     ref = RandomHSV(*hyp).apply_image({"img": warped.copy()})["img"].astype(int)
     luts = hsv_luts(torch.from_numpy(gains * np.array(hyp))[None])
     inverse = torch.from_numpy(np.linalg.inv(m.astype(np.float64))).reshape(1, 9)
-    packed = torch.from_numpy(img).reshape(-1).to(device)
-    table = _table(torch.zeros(1), torch.tensor([[50, 60]]), inverse, torch.zeros(1, 2), torch.zeros(1, 2),
-                   torch.zeros(1)).to(device)
+    packed, table = pack_crops([torch.from_numpy(img)], inverse, torch.zeros(1, 2), torch.zeros(1, 2),
+                               torch.zeros(1))
+    packed, table = packed.to(device), table.to(device)
     for lut, want in ((None, warped.astype(int)), (luts.to(device), ref)):
         out = augment_images(packed, table, lut, size, perspective, opencv_vector_block())
         diff = np.abs(out[0].permute(1, 2, 0).cpu().numpy().astype(int) - want)
@@ -118,8 +111,9 @@ def test_kernel_matches_opencv_warp_and_random_hsv(perspective, seed, kernels, d
 
 
 def test_bad_arguments_are_refused_before_any_work():
-    packed, starts, dims = _packed([[4, 4]])
-    table = _table(starts, dims, _matrices(1, False), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1))
+    crops = _crops([[4, 4]])
+    none = (torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1))  # origins, flips, swaps
+    packed, table = pack_crops(crops, _matrices(1, False), *none)
     with pytest.raises(ValueError, match="packed must be uint8"):
         augment_images(packed.float(), table, None, (4, 4))
     with pytest.raises(ValueError, match=r"table must be float64 \(N, 17\)"):
@@ -127,7 +121,9 @@ def test_bad_arguments_are_refused_before_any_work():
     with pytest.raises(ValueError, match=r"luts must be uint8 \(1, 3, 256\)"):
         augment_images(packed, table, torch.zeros(1, 3, 256, dtype=torch.int32), (4, 4))
     with pytest.raises(ValueError, match=r"inverse must have shape \(1, 9\)"):
-        image_table(starts, dims, torch.zeros(2, 9), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1))
+        pack_crops(crops, torch.zeros(2, 9), *none)
+    with pytest.raises(ValueError, match=r"crops\[0\] must be uint8 \(h, w, 3\)"):
+        pack_crops([crops[0][..., :2]], torch.zeros(1, 9), *none)
 
 
 # ---- a deferred dataset against ultralytics' own -------------------------------------------------

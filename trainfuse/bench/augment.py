@@ -50,6 +50,17 @@ def _batch(n: int, imgsz: int, seed: int = 0) -> dict:
     return {"crops": crops, "matrices": matrices, "flips": flips, "gains": np.array(gains), "luts": luts}
 
 
+def _packed(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch as the kernel takes it (:func:`~trainfuse.ultralytics.augment.kernel.pack_crops`):
+    whole crops (origin 0), written as RGB."""
+    from trainfuse.ultralytics.augment.kernel import pack_crops
+
+    n = len(batch["crops"])
+    inverse = np.stack([np.linalg.inv(m.astype(np.float64)) for m in batch["matrices"]]).reshape(n, 9)
+    return pack_crops([torch.from_numpy(c) for c in batch["crops"]], torch.from_numpy(inverse),
+                      torch.zeros(n, 2), torch.tensor(batch["flips"]), torch.ones(n))
+
+
 def _cpu_ms(batch: dict, imgsz: int, repeats: int = 3) -> float:
     """ultralytics' CPU transforms on the batch, one image at a time (one worker's work)."""
     import cv2
@@ -79,18 +90,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     args, report, bandwidth = started
     from trainfuse.ultralytics.augment.color import opencv_vector_block
-    from trainfuse.ultralytics.augment.kernel import augment_images, augment_images_reference, image_table
+    from trainfuse.ultralytics.augment.kernel import augment_images, augment_images_reference
 
     report["headline"] = "do_bench_ms"
     batch = _batch(args.batch, args.imgsz)
-    crops = [torch.from_numpy(c) for c in batch["crops"]]
-    sizes = torch.tensor([c.numel() for c in crops])
-    inverse = np.stack([np.linalg.inv(m.astype(np.float64)) for m in batch["matrices"]]).reshape(-1, 9)
-    table = image_table(torch.cumsum(sizes, 0) - sizes, torch.tensor([c.shape[:2] for c in crops]),
-                        torch.from_numpy(inverse), torch.zeros(len(crops), 2), torch.tensor(batch["flips"]),
-                        torch.ones(len(crops)))
-    packed = torch.cat([c.reshape(-1) for c in crops]).cuda()
-    table, luts = table.cuda(), batch["luts"].cuda()
+    packed, table = _packed(batch)
+    packed, table, luts = packed.cuda(), table.cuda(), batch["luts"].cuda()
     size, block = (args.imgsz, args.imgsz), opencv_vector_block()
     kernel = kernel_ms(lambda: augment_images(packed, table, luts, size, False, block))
     reference = kernel_ms(lambda: augment_images_reference(packed, table, luts, size, False, block))

@@ -38,7 +38,7 @@ from ultralytics.data.augment import Compose, Format, RandomFlip, RandomHSV, Ran
 from ultralytics.data.dataset import YOLODataset
 
 from trainfuse.ultralytics.augment.color import opencv_vector_block
-from trainfuse.ultralytics.augment.kernel import image_table
+from trainfuse.ultralytics.augment.kernel import pack_crops
 from trainfuse.ultralytics.targets import PADDED_KEY, pad_targets, target_capacity
 
 KEYS = ("aug_packed", "aug_table", "aug_luts", "aug_size", "aug_perspective", "aug_vector_block")
@@ -209,7 +209,7 @@ class DeferredCollate:
     """Collate the deferred samples: ultralytics' collate for the labels (final, as stock), and for
     the images, under the ``aug_`` keys (:data:`KEYS`) that
     :func:`~trainfuse.ultralytics.augment.batch.finish_batch` reads: the crops packed into one flat
-    uint8 tensor, the per-image table of :func:`~trainfuse.ultralytics.augment.kernel.image_table`,
+    uint8 tensor with their per-image table (:func:`~trainfuse.ultralytics.augment.kernel.pack_crops`),
     the HSV lookup tables (or None), the output size, the warp's kind and OpenCV's vector block;
     with ``pad``, the labels padded as :class:`~trainfuse.ultralytics.targets.PadTargets` pads them."""
 
@@ -224,15 +224,11 @@ class DeferredCollate:
         swaps = [s.pop("rgb") for s in samples]
         batch = YOLODataset.collate_fn(samples)
         n = len(crops)
-        sizes = torch.tensor([c.numel() for c in crops], dtype=torch.int64)
-        batch["aug_packed"] = (torch.cat([c.reshape(-1) for c in crops]) if n
-                               else torch.zeros(0, dtype=torch.uint8))
-        batch["aug_table"] = image_table(
-            torch.cumsum(sizes, 0) - sizes, torch.tensor([c.shape[:2] for c in crops]).reshape(n, 2),
-            torch.from_numpy(np.stack([w["inverse"] for w in warps]).reshape(n, 9)) if n
-            else torch.zeros(0, 9),
-            torch.tensor([w["origin"] for w in warps]).reshape(n, 2), torch.tensor(flips).reshape(n, 2),
-            torch.tensor(swaps).reshape(n))
+        inverse = (torch.from_numpy(np.stack([w["inverse"] for w in warps]).reshape(n, 9)) if n
+                   else torch.zeros(0, 9))
+        batch["aug_packed"], batch["aug_table"] = pack_crops(
+            crops, inverse, torch.tensor([w["origin"] for w in warps]).reshape(n, 2),
+            torch.tensor(flips).reshape(n, 2), torch.tensor(swaps).reshape(n))
         batch["aug_luts"] = (None if all(lut is None for lut in luts) else torch.from_numpy(np.stack(
             [np.stack([np.arange(256, dtype=np.uint8)] * 3) if lut is None else lut for lut in luts])))
         batch["aug_size"] = warps[0]["size"] if n else (0, 0)

@@ -7,7 +7,7 @@ part the warp reads and packed one after another, HWC BGR uint8, into one flat b
 moves about 1.3x the bytes of its output instead of 4x a mosaic's (see
 :mod:`trainfuse.ultralytics.augment.deferred`).
 
-Per image the kernel takes one row of a float64 table (:func:`image_table`: where the crop is, the
+Per image the kernel takes one row of a float64 table (:func:`pack_crops`: where the crop is, the
 inverse warp, the crop's origin, the flips, whether to swap to RGB) and the three lookup tables
 ``RandomHSV`` built.
 
@@ -181,28 +181,37 @@ def _augment_kernel(src, table, luts, sdiv, hdiv, out, H, W,
     tl.store(plane + 2 * H * W, last.to(tl.uint8), mask=live)
 
 
-def image_table(starts: torch.Tensor, dims: torch.Tensor, inverse: torch.Tensor, origins: torch.Tensor,
-                flips: torch.Tensor, swaps: torch.Tensor) -> torch.Tensor:
-    """The kernel's per-image table, ``(N, TABLE)`` float64 (whole numbers are exact in it), from:
+def pack_crops(crops: list[torch.Tensor], inverse: torch.Tensor, origins: torch.Tensor,
+               flips: torch.Tensor, swaps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's inputs for a batch: the crops' pixels one after another (flat uint8) and the
+    per-image table, ``(N, TABLE)`` float64 (whole numbers are exact in it).
 
     Args:
-        starts: ``(N,)``, where each image starts in the packed pixels.
-        dims: ``(N, 2)``, each image's height and width (0 for an image the warp never reads).
+        crops: N uint8 tensors ``(h, w, 3)``, BGR, contiguous (``h`` or ``w`` may be 0: an image
+            the warp never reads).
         inverse: ``(N, 9)``, the inverse of each warp (output pixel ``(x, y, 1)`` to the pre-warp
             image's pixel), row-major.
         origins: ``(N, 2)``, where each crop starts in its pre-warp image (x, y).
         flips: ``(N, 2)``, whether to flip each output vertically, horizontally.
         swaps: ``(N,)``, whether to write the channels as RGB (ultralytics' ``Format``).
     """
-    n = starts.numel()
-    parts = {"starts": (starts, (n,)), "dims": (dims, (n, 2)), "inverse": (inverse, (n, 9)),
-             "origins": (origins, (n, 2)), "flips": (flips, (n, 2)), "swaps": (swaps, (n,))}
+    n = len(crops)
+    for i, c in enumerate(crops):
+        if c.dtype != torch.uint8 or c.dim() != 3 or c.shape[2] != 3:
+            raise ValueError(f"pack_crops: crops[{i}] must be uint8 (h, w, 3), got {c.dtype} "
+                             f"{tuple(c.shape)}")
+    parts = {"inverse": (inverse, (n, 9)), "origins": (origins, (n, 2)), "flips": (flips, (n, 2)),
+             "swaps": (swaps, (n,))}
     for name, (t, shape) in parts.items():
         if tuple(t.shape) != shape:
-            raise ValueError(f"image_table: {name} must have shape {shape} for {n} images, "
+            raise ValueError(f"pack_crops: {name} must have shape {shape} for {n} crops, "
                              f"got {tuple(t.shape)}")
-    return torch.cat([t.reshape(n, shape[1] if len(shape) > 1 else 1).double()
-                      for t, shape in parts.values()], 1)
+    sizes = torch.tensor([c.numel() for c in crops], dtype=torch.float64)
+    dims = torch.tensor([c.shape[:2] for c in crops], dtype=torch.float64).reshape(n, 2)
+    columns = [t.reshape(n, shape[1] if len(shape) > 1 else 1).double() for t, shape in parts.values()]
+    table = torch.cat([(torch.cumsum(sizes, 0) - sizes).reshape(n, 1), dims, *columns], 1)
+    packed = torch.cat([c.reshape(-1) for c in crops]) if n else torch.zeros(0, dtype=torch.uint8)
+    return packed, table
 
 
 def augment_images_reference(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor | None,
@@ -260,7 +269,7 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
     Args:
         packed: uint8, the images' HWC BGR pixels one after another (any shape; read flat).
         table: ``(N, TABLE)`` float64, per image where its pixels are, its warp, flips and channel
-            order (:func:`image_table`).
+            order (:func:`pack_crops`).
         luts: ``(N, 3, 256)`` uint8, ``RandomHSV``'s hue, saturation and value tables, or None
             for no colour change (ultralytics' gains all zero).
         size: the output (width, height).
@@ -272,7 +281,7 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
     if packed.dtype != torch.uint8:
         raise ValueError(f"augment_images: packed must be uint8, got {packed.dtype}")
     if table.dim() != 2 or table.shape[1] != TABLE or table.dtype != torch.float64:
-        raise ValueError(f"augment_images: table must be float64 (N, {TABLE}) (image_table), got "
+        raise ValueError(f"augment_images: table must be float64 (N, {TABLE}) (pack_crops), got "
                          f"{table.dtype} {tuple(table.shape)}")
     n = table.shape[0]
     if luts is not None and (tuple(luts.shape) != (n, 3, 256) or luts.dtype != torch.uint8):
@@ -298,4 +307,4 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
     return out
 
 
-__all__ = ["BORDER", "TABLE", "augment_images", "augment_images_reference", "image_table"]
+__all__ = ["BORDER", "TABLE", "augment_images", "augment_images_reference", "pack_crops"]
