@@ -186,6 +186,39 @@ def test_deferred_batches_equal_stock_batches_on_the_same_seeds(data, overrides,
         _assert_like_stock(want, out)
 
 
+def test_deferred_transforms_draw_the_stock_parameters(data, monkeypatch):
+    """Over many draws with rotation, shear, perspective and both flips on, the deferred chain
+    draws the very warps and HSV gains stock draws (the same calls in the same order), so their
+    distributions are ultralytics' by construction; and its random stream ends where stock's does."""
+    from ultralytics.data.augment import RandomPerspective
+
+    drawn = []
+    compute = RandomPerspective._compute_affine_matrix
+    uniform = np.random.uniform
+    monkeypatch.setattr(RandomPerspective, "_compute_affine_matrix",
+                        lambda self, *a: drawn.append(("warp", compute(self, *a))) or drawn[-1][1])
+    monkeypatch.setattr(np.random, "uniform",
+                        lambda *a, **k: drawn.append(("hsv", uniform(*a, **k))) or drawn[-1][1])
+    stock, ours = _datasets(data, degrees=30.0, shear=10.0, perspective=0.001, flipud=0.5, fliplr=0.5)
+    runs = {}
+    for name, dataset in (("stock", stock), ("ours", ours)):
+        drawn.clear()
+        random.seed(5)
+        np.random.seed(5)
+        for i in range(40):
+            dataset[i % len(dataset)]
+        runs[name] = (list(drawn), random.random(), np.random.rand())
+    (stock_draws, *stock_next), (our_draws, *our_next) = runs["stock"], runs["ours"]
+    assert len(stock_draws) == len(our_draws) >= 80
+    for (kind, a), (kind2, b) in zip(stock_draws, our_draws):
+        assert kind == kind2
+        if kind == "warp":
+            assert np.array_equal(a[0], b[0]) and a[1] == b[1]
+        else:
+            assert np.array_equal(a, b)
+    assert stock_next == our_next
+
+
 def test_close_mosaic_rebuilds_deferred_transforms(data, device):
     stock, ours = _datasets(data)
     hyp = get_cfg(overrides={"imgsz": 96})

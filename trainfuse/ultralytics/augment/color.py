@@ -1,10 +1,11 @@
-"""``RandomHSV`` on a batch: BGR to OpenCV's 8-bit HSV (hue in [0, 180)), one lookup table per
-channel and image built from the gains as ultralytics builds it, back to BGR.
+"""OpenCV's 8-bit BGR/HSV conversions in torch, for the augmentation kernel's reference
+(:func:`~trainfuse.ultralytics.augment.kernel.augment_images_reference`), and ``RandomHSV``'s
+lookup tables.
 
 The forward conversion is OpenCV's integer arithmetic (12-bit reciprocal tables), so hue,
 saturation and value match ``cv2.cvtColor(img, COLOR_BGR2HSV)`` exactly; the way back is its float
-formula (sector of the hue, ``v * (1 - s * f)``), rounded to uint8 as OpenCV rounds. OpenCV's SIMD
-paths compute that formula in another order, so a channel may differ from its result by one level.
+formula (sector of the hue, ``v * (1 - s * f)``), rounded half to even as OpenCV's scalar path
+rounds, or down where OpenCV 5's vectorized path covers the columns (:func:`opencv_vector_block`).
 """
 
 from __future__ import annotations
@@ -89,18 +90,4 @@ def hsv_luts(gains: torch.Tensor) -> torch.Tensor:
     return torch.stack((hue, sat, val), 1).to(torch.uint8)  # truncation, as NumPy's astype
 
 
-def hsv_jitter(images: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
-    """``RandomHSV`` on uint8 BGR images (N, 3, H, W) with per-image gains (N, 3): new images."""
-    if images.dim() != 4 or images.shape[1] != 3 or images.dtype != torch.uint8:
-        raise ValueError(f"hsv_jitter: images must be uint8 (N, 3, H, W), got {images.dtype} "
-                         f"{tuple(images.shape)}")
-    if gains.shape != (images.shape[0], 3):
-        raise ValueError(f"hsv_jitter: gains must be ({images.shape[0]}, 3), got {tuple(gains.shape)}")
-    hsv = bgr_to_hsv(images).long()
-    luts = hsv_luts(gains.to(images.device)).long()  # (N, 3, 256)
-    n, c, h, w = hsv.shape
-    moved = torch.gather(luts, 2, hsv.view(n, c, h * w)).view(n, c, h, w)
-    return hsv_to_bgr(moved)
-
-
-__all__ = ["bgr_to_hsv", "hsv_jitter", "hsv_luts", "hsv_to_bgr", "opencv_vector_block"]
+__all__ = ["bgr_to_hsv", "hsv_luts", "hsv_to_bgr", "opencv_vector_block"]
