@@ -44,3 +44,21 @@ def test_the_deferred_loader_alone_hands_over_crops(tmp_path, monkeypatch):
     yaml = make_shapes_dataset(tmp_path / "p", n_train=8, n_val=2, imgsz=64, photo=True)
     rates = loader_rates(str(yaml), imgsz=64, batch=4, workers=0, epochs=1, deferred=True)
     assert len(rates) == 1 and rates[0] > 0
+
+
+def test_the_steady_rate_leaves_out_the_first_epoch_and_the_batches_made_ahead():
+    from trainfuse.bench.yolo_harness import LoopTimer
+
+    timer = LoopTimer()
+    clock = 0.0
+    for epoch, (ahead, late) in enumerate(((0.5, 0.5), (0.0, 0.2), (0.0, 0.1))):
+        for i in range(6):  # the first 2 of each epoch come at once (made ahead), the rest wait `late`
+            clock += ahead if i == 0 else (0.0 if i < 2 else late)
+            timer.starts.append(clock)
+            timer.epoch_of.append(epoch)
+            clock += 0.1
+            timer.ends.append(clock)
+    # epochs 1 and 2 from their third iteration: 4 iterations of 0.1 s, 3 waits of `late` between
+    expected = sorted(8 * 4 / (4 * 0.1 + 3 * late) for late in (0.2, 0.1))
+    assert timer.steady_images_per_s(batch=8, skip=2) == pytest.approx(sum(expected) / 2)
+    assert np.isnan(timer.steady_images_per_s(batch=8, skip=5))  # one iteration left: no rate

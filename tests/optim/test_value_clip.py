@@ -46,7 +46,9 @@ def _step_both(a, b, ours, theirs, grads, bound, scaled):
     clipped = _clip_value(grads, bound)
     for p, q, g, c in zip(ours, theirs, grads, clipped):
         p.grad = g * SCALE if scaled else g.clone()
-        q.grad = c.float()
+        # a copy: torch's foreach SGD (CUDA's default) with nesterov and no weight decay adds
+        # momentum * buf to the .grad it is given, in place
+        q.grad = c.float().clone()
     if scaled:  # what GradScaler hands the step (test_optimizers.py checks the skipping)
         a.grad_scale = torch.tensor(SCALE, device=grads[0].device)
         a.found_inf = torch.tensor(0.0, device=grads[0].device)

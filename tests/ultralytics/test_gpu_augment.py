@@ -237,6 +237,41 @@ def test_what_keeps_the_cpu_path_says_why(data, overrides, reason):
     assert reason in deferred.unsupported(dataset, cfg)
 
 
+def test_installed_albumentations_keep_the_cpu_path(data):
+    from ultralytics.data.augment import Albumentations
+
+    cfg = get_cfg(overrides={"imgsz": 96})
+    dataset = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
+    (albumentations,) = [t for t in dataset.transforms.transforms if isinstance(t, Albumentations)]
+    assert albumentations.transform is None  # not installed here: nothing runs between warp and HSV
+    albumentations.transform = lambda **kwargs: kwargs  # what an installed albumentations leaves
+    assert "Albumentations" in deferred.unsupported(dataset, cfg)
+
+
+def test_the_mosaic_painted_where_the_warp_reads_equals_the_stock_canvas(data):
+    from ultralytics.data.augment import Mosaic
+
+    cfg = get_cfg(overrides={"imgsz": 96})
+    dataset = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
+    for i in range(len(dataset)):  # fill the mosaic's buffer
+        dataset.get_image_and_label(i)
+    stock = Mosaic(dataset, imgsz=96, p=1.0)
+    ours = deferred.DeferredMosaic(dataset, imgsz=96, p=1.0)
+    for seed in range(4):
+        random.seed(seed)
+        labels = dataset.get_image_and_label(seed)
+        labels["mix_labels"] = [dataset.get_image_and_label(j) for j in stock.get_indexes()]
+        params = stock.get_params(labels)
+        canvas = stock.apply_image(dict(labels), params)["img"]
+        lazy = ours.apply_image(dict(labels), params)
+        assert lazy["img"].shape == canvas.shape and lazy["img"].strides[:2] == (0, 0)  # no pixels yet
+        rng = np.random.default_rng(seed)
+        x0, y0 = (int(v) for v in rng.integers(0, 150, 2))
+        for region in ((0, 0, 192, 192), (x0, y0, x0 + int(rng.integers(0, 42)), y0 + 40), (0, 0, 0, 0)):
+            x0_, y0_, x1_, y1_ = region
+            assert np.array_equal(deferred._paint(lazy["mosaic_tiles"], region, 3), canvas[y0_:y1_, x0_:x1_])
+
+
 def test_polygon_labels_keep_the_cpu_path(data):
     cfg = get_cfg(overrides={"imgsz": 96})
     dataset = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")

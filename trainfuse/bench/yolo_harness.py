@@ -102,6 +102,19 @@ class LoopTimer:
                 "epoch_s": statistics.median(self.epoch_s) if self.epoch_s else float("nan"),
                 "images_per_s": batch * 1e3 / (it + wait)}
 
+    def steady_images_per_s(self, batch: int, skip: int) -> float:
+        """Images per second in the steady state: in each epoch after the first, the iterations
+        after its first ``skip`` (the batches the loader's workers may have made ahead while the
+        last epoch ended: ``workers * prefetch_factor``, 4 in ultralytics' training loader), from
+        the first one's start to the last one's end, waits included; the median over those epochs
+        (NaN when none has two)."""
+        rates = []
+        for epoch in sorted(set(self.epoch_of))[1:]:
+            its = [i for i, e in enumerate(self.epoch_of) if e == epoch and i < len(self.ends)][skip:]
+            if len(its) >= 2:
+                rates.append(batch * len(its) / (self.ends[its[-1]] - self.starts[its[0]]))
+        return statistics.median(rates) if rates else float("nan")
+
 
 def device_launches(prof) -> int:
     """Kernels, copies and fills a ``torch.profiler`` run saw on the GPU (a CUDA graph's kernels
@@ -377,6 +390,7 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
                 **extra)
     trainer = model.trainer
     summary = timer.summary(args.batch)
+    summary["steady_images_per_s"] = timer.steady_images_per_s(args.batch, skip=4 * args.workers)
     summary["map50"], summary["map50_95"] = final_map(trainer)
     summary["launches_per_iteration"] = counter.per_iteration
     summary["profiled_iterations"] = counter.iterations

@@ -6,9 +6,12 @@ rebuilds it, as ``close_mosaic`` does), each of these for a subclass that draws 
 with the very calls and in the very order the stock transform makes, records what it drew and
 leaves the pixels alone:
 
+- ``Mosaic`` (of 4): draws the layout and moves the labels with ultralytics' own code, and keeps
+  the four tiles and where they go instead of painting the canvas (a stand-in of its shape takes
+  the image's place);
 - ``RandomPerspective``: draws the matrix and transforms and filters the labels with
-  ultralytics' own code; the image is only cropped to the part the warp reads (plus one pixel for
-  the bilinear neighbours);
+  ultralytics' own code; of the mosaic, only the part the warp reads (plus one pixel for the
+  bilinear neighbours) is painted, and any other image is cropped to it;
 - ``RandomHSV``: draws the gains and builds the three lookup tables as ultralytics builds them;
 - ``RandomFlip``: draws the flip and flips the labels (ultralytics' code, the output's size);
 - ``Format``: formats the labels as ultralytics does, draws its BGR/RGB choice and hands the crop
@@ -16,14 +19,16 @@ leaves the pixels alone:
 
 So the labels are the stock run's, bit for bit; only the pixels wait for the GPU.
 
-Every other transform (``Mosaic``, ``LetterBox``, ``CopyPaste``, ``MixUp`` and ``CutMix`` at
+Every other transform (the mosaic of 9, ``LetterBox``, ``CopyPaste``, ``MixUp`` and ``CutMix`` at
 probability 0, ``Albumentations``) runs as it is, so a worker's random stream, and with it every
-parameter of every image, is the stock run's. The workers then decode, paste the mosaic, crop and
-move the labels; :class:`DeferredCollate` packs a batch's crops into one flat uint8 tensor, with one
-float64 table of what the kernel needs per image and one of the HSV lookup tables.
+parameter of every image, is the stock run's. The workers then decode, paste the part of the
+mosaic the warp reads and move the labels; :class:`DeferredCollate` packs a batch's crops into
+one flat uint8 tensor, with one float64 table of what the kernel needs per image and one of the
+HSV lookup tables.
 
 :func:`unsupported` says why a dataset or its hyperparameters keep the CPU path: ``mixup`` and
-``cutmix`` (they blend two warped images), ``copy_paste``, polygon labels (ultralytics computes the
+``cutmix`` (they blend two warped images), ``copy_paste``, the Albumentations transforms
+(installed, they filter the warped image), polygon labels (ultralytics computes the
 warped boxes from the polygons), segment, pose and OBB datasets, ``rect`` batches.
 """
 
@@ -34,7 +39,15 @@ import random
 
 import numpy as np
 import torch
-from ultralytics.data.augment import Compose, Format, RandomFlip, RandomHSV, RandomPerspective
+from ultralytics.data.augment import (
+    Albumentations,
+    Compose,
+    Format,
+    Mosaic,
+    RandomFlip,
+    RandomHSV,
+    RandomPerspective,
+)
 from ultralytics.data.dataset import YOLODataset
 
 from trainfuse.ultralytics.augment.color import opencv_vector_block
@@ -58,6 +71,8 @@ def unsupported(dataset, hyp) -> str:
             return f"{name}={getattr(hyp, name)} blends or pastes images after the warp, on the CPU"
     if getattr(hyp, "augmentations", None):
         return "custom Albumentations transforms"
+    if any(isinstance(t, Albumentations) and t.transform is not None for t in _walk(dataset.transforms)):
+        return "the Albumentations transforms (albumentations is installed) filter the warped image"
     if any(len(label.get("segments", ())) for label in dataset.labels):
         return "polygon labels (ultralytics derives the warped boxes from the polygons)"
     if getattr(dataset, "channels", 3) != 3:
@@ -84,27 +99,76 @@ def _region(matrix: np.ndarray, image_hw: tuple[int, int], size: tuple[int, int]
     return x0, y0, x1, y1
 
 
+def _walk(transforms):
+    """Every transform of a ``Compose``, nested ones and the mix transforms' ``pre_transform``
+    included, each once."""
+    seen, stack = set(), [transforms]
+    while stack:
+        compose = stack.pop()
+        if id(compose) in seen or not isinstance(compose, Compose):
+            continue
+        seen.add(id(compose))
+        for t in compose.transforms:
+            yield t
+            stack.append(t)
+            stack.append(getattr(t, "pre_transform", None))
+
+
+def _stand_in(h: int, w: int, c: int) -> np.ndarray:
+    """A zero-cost, read-only (h, w, c) uint8 image: the shape the stock transforms read."""
+    return np.broadcast_to(np.zeros((1, 1, c), np.uint8), (h, w, c))
+
+
+def _paint(tiles: list, region: tuple[int, int, int, int], c: int) -> np.ndarray:
+    """The ``region`` (x0, y0, x1, y1) of a mosaic canvas filled with 114 and ``tiles`` pasted in order,
+    as ultralytics paints the whole canvas. Each tile: ``(image, x1a, y1a, x2a, y2a, x1b, y1b)``, its
+    ``image[y1b:, x1b:]`` going to the canvas's ``[y1a:y2a, x1a:x2a]``."""
+    x0, y0, x1, y1 = region
+    crop = np.full((y1 - y0, x1 - x0, c), 114, dtype=np.uint8)
+    for img, x1a, y1a, x2a, y2a, x1b, y1b in tiles:
+        ix0, iy0, ix1, iy1 = max(x1a, x0), max(y1a, y0), min(x2a, x1), min(y2a, y1)
+        if ix0 < ix1 and iy0 < iy1:
+            crop[iy0 - y0:iy1 - y0, ix0 - x0:ix1 - x0] = img[y1b + iy0 - y1a:y1b + iy1 - y1a,
+                                                            x1b + ix0 - x1a:x1b + ix1 - x1a]
+    return crop
+
+
 def _at_output_size(get_params, labels: dict) -> dict:
     """``get_params(labels)`` of a stock transform that reads the image's size, with a zero-cost
     stand-in of the warped image's shape in ``labels["img"]`` meanwhile (the crop goes back after)."""
     crop = labels["img"]
     h, w = labels["resized_shape"]
-    labels["img"] = np.broadcast_to(np.zeros((1, 1, crop.shape[-1]), np.uint8), (h, w, crop.shape[-1]))
+    labels["img"] = _stand_in(h, w, crop.shape[-1])
     try:
         return get_params(labels)
     finally:
         labels["img"] = crop
 
 
+class DeferredMosaic(Mosaic):
+    """``Mosaic`` that draws its layout and moves the labels, and keeps the tiles (``mosaic_tiles``)
+    for :class:`DeferredPerspective` to paint what the warp reads. The mosaic of 9 paints as stock."""
+
+    def apply_image(self, labels, params=None):
+        if self.n != 4:
+            return super().apply_image(labels, params)
+        c = labels["img"].shape[2]
+        labels["mosaic_tiles"] = [(t["labels_patch"]["img"], t["x1a"], t["y1a"], t["x2a"], t["y2a"], t["x1b"],
+                                   t["y1b"]) for t in params["layout"]]
+        labels["img"] = _stand_in(self.imgsz * 2, self.imgsz * 2, c)
+        return labels
+
+
 class DeferredPerspective(RandomPerspective):
-    """``RandomPerspective`` that draws its matrix, moves the labels and crops the image to what the
-    warp reads."""
+    """``RandomPerspective`` that draws its matrix, moves the labels and crops the image (or paints
+    the mosaic) to what the warp reads."""
 
     def apply_image(self, labels, params=None):
         img = labels["img"]
+        tiles = labels.pop("mosaic_tiles", None)
         size = tuple(int(v) for v in params["size"])
         x0, y0, x1, y1 = _region(params["M"], img.shape[:2], size, bool(self.perspective))
-        labels["img"] = img[y0:y1, x0:x1]
+        labels["img"] = img[y0:y1, x0:x1] if tiles is None else _paint(tiles, (x0, y0, x1, y1), img.shape[2])
         labels["warp"] = {"inverse": np.linalg.inv(params["M"].astype(np.float64)), "origin": (x0, y0),
                           "size": size, "perspective": bool(self.perspective)}
         labels["resized_shape"] = size[::-1]
@@ -153,12 +217,12 @@ class DeferredFormat(Format):
         return labels
 
 
-_DEFERRED = {RandomPerspective: DeferredPerspective, RandomHSV: DeferredHSV, RandomFlip: DeferredFlip,
-             Format: DeferredFormat}
+_DEFERRED = {Mosaic: DeferredMosaic, RandomPerspective: DeferredPerspective, RandomHSV: DeferredHSV,
+             RandomFlip: DeferredFlip, Format: DeferredFormat}
 
 
 def defer(transforms: Compose) -> Compose:
-    """``transforms`` with the four transforms above swapped for their deferred subclasses, in
+    """``transforms`` with the five transforms above swapped for their deferred subclasses, in
     place (nested ``Compose`` and the mix transforms' ``pre_transform`` included); returns it."""
     seen = set()
 
@@ -240,5 +304,5 @@ class DeferredCollate:
         return batch
 
 
-__all__ = ["DeferredCollate", "DeferredFlip", "DeferredFormat", "DeferredHSV", "DeferredPerspective",
-           "KEYS", "defer", "install", "unsupported"]
+__all__ = ["DeferredCollate", "DeferredFlip", "DeferredFormat", "DeferredHSV", "DeferredMosaic",
+           "DeferredPerspective", "KEYS", "defer", "install", "unsupported"]
