@@ -46,19 +46,21 @@ def test_the_deferred_loader_alone_hands_over_crops(tmp_path, monkeypatch):
     assert len(rates) == 1 and rates[0] > 0
 
 
-def test_the_steady_rate_leaves_out_the_first_epoch_and_the_batches_made_ahead():
+def test_the_steady_rate_starts_after_the_first_epoch_and_counts_the_epoch_ends():
     from trainfuse.bench.yolo_harness import LoopTimer
 
     timer = LoopTimer()
     clock = 0.0
-    for epoch, (ahead, late) in enumerate(((0.5, 0.5), (0.0, 0.2), (0.0, 0.1))):
-        for i in range(6):  # the first 2 of each epoch come at once (made ahead), the rest wait `late`
-            clock += ahead if i == 0 else (0.0 if i < 2 else late)
+    for epoch in range(3):
+        clock += 5.0 if epoch == 0 else 1.0  # warm-up, then each epoch's end (a checkpoint)
+        for i in range(4):  # the first 2 of an epoch made ahead while it ended: no wait
+            clock += 0.0 if i < 2 else 0.3
             timer.starts.append(clock)
             timer.epoch_of.append(epoch)
             clock += 0.1
             timer.ends.append(clock)
-    # epochs 1 and 2 from their third iteration: 4 iterations of 0.1 s, 3 waits of `late` between
-    expected = sorted(8 * 4 / (4 * 0.1 + 3 * late) for late in (0.2, 0.1))
-    assert timer.steady_images_per_s(batch=8, skip=2) == pytest.approx(sum(expected) / 2)
-    assert np.isnan(timer.steady_images_per_s(batch=8, skip=5))  # one iteration left: no rate
+    # epochs 1 and 2: 8 iterations of 0.1 s, 4 waits of 0.3 s and 2 epoch ends of 1 s
+    assert timer.steady_images_per_s(batch=8) == pytest.approx(8 * 8 / (8 * 0.1 + 4 * 0.3 + 2 * 1.0))
+    one = LoopTimer()
+    one.starts, one.ends, one.epoch_of = [0.0, 1.0], [0.5, 1.5], [0, 0]
+    assert np.isnan(one.steady_images_per_s(batch=8))

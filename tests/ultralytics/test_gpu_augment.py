@@ -25,7 +25,14 @@ from ultralytics.data.utils import check_det_dataset  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred  # noqa: E402
 from trainfuse.ultralytics.augment.color import hsv_luts, opencv_vector_block  # noqa: E402
-from trainfuse.ultralytics.augment.kernel import augment_images, augment_images_reference, pack_crops  # noqa: E402,E501
+from trainfuse.ultralytics.augment.decode import HOST_KEYS, JpegDecoder  # noqa: E402
+from trainfuse.ultralytics.augment.kernel import (  # noqa: E402
+    TABLE,
+    augment_images,
+    augment_images_reference,
+    pack_crops,
+    tile_table,
+)
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets  # noqa: E402
 
@@ -77,6 +84,46 @@ def test_kernel_equals_its_torch_reference(dims, size, perspective, hsv, kernels
         assert not diff.numel() or (int(diff.max()) <= 1 and (diff == 0).float().mean() > 0.99)
 
 
+@pytest.mark.parametrize("perspective", [False, True])
+def test_tiles_read_as_the_canvas_they_paint(perspective, kernels, device):
+    """Up to four tiles per image (two reading one source, overlapping ones: the later wins,
+    one past the canvas the warp reads) equal the canvas painted from them, warped as one crop."""
+    sources = _crops([[9, 12], [7, 5], [11, 11]], seed=3)
+    tiles = [
+        [(0, 0, 0, 12, 9, 0, 0), (1, 10, 2, 15, 9, 0, 0), (2, 3, 8, 12, 17, 2, 2), (0, 14, 14, 18, 16, 8, 7)],
+        [(2, 0, 0, 11, 11, 0, 0), (2, 11, 0, 20, 11, 2, 0)],
+        [(1, 4, 4, 8, 9, 1, 2)],
+        [],  # all grey
+    ]
+    n = len(tiles)
+    inverse = _matrices(n, perspective)
+    flips = torch.tensor([[False, True], [True, False], [False, False], [True, True]])
+    swaps = torch.tensor([True, False, True, False])
+    table = tile_table([tuple(s.shape[:2]) for s in sources], tiles, inverse, flips, swaps)
+    packed = torch.cat([s.reshape(-1) for s in sources])
+    canvases = []
+    for image_tiles in tiles:
+        canvas = torch.full((20, 20, 3), 114, dtype=torch.uint8)
+        for src, x1a, y1a, x2a, y2a, x1b, y1b in image_tiles:
+            canvas[y1a:y2a, x1a:x2a] = sources[src][y1b:y1b + y2a - y1a, x1b:x1b + x2a - x1a]
+        canvases.append(canvas)
+    _, painted = pack_crops(canvases, inverse, torch.zeros(n, 2), flips, swaps)
+    flat = torch.cat([c.reshape(-1) for c in canvases])
+    luts = hsv_luts(torch.rand(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) - 0.5)
+    for lut in (None, luts.to(device)):
+        out = augment_images(packed.to(device), table.to(device), lut, (15, 13), perspective, 4)
+        want = augment_images(flat.to(device), painted.to(device), lut, (15, 13), perspective, 4)
+        ref = augment_images_reference(packed, table, lut.cpu() if lut is not None else None, (15, 13),
+                                       perspective, 4)
+        assert torch.equal(out, want)  # the same canvas: the same arithmetic, bit for bit
+        if device.type == "cpu":
+            assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="tile 0 reads outside source 1"):
+        tile_table([(9, 12), (7, 5)], [[(1, 0, 0, 6, 2, 0, 0)]], inverse[:1], flips[:1], swaps[:1])
+    with pytest.raises(ValueError, match="at most 4"):
+        tile_table([(9, 12)], [[(0, 0, 0, 1, 1, 0, 0)] * 5], inverse[:1], flips[:1], swaps[:1])
+
+
 def _smooth(seed, h, w):
     rng = np.random.default_rng(seed)
     small = rng.integers(0, 256, (h // 6 + 1, w // 6 + 1, 3), dtype=np.uint8)
@@ -116,7 +163,7 @@ def test_bad_arguments_are_refused_before_any_work():
     packed, table = pack_crops(crops, _matrices(1, False), *none)
     with pytest.raises(ValueError, match="packed must be uint8"):
         augment_images(packed.float(), table, None, (4, 4))
-    with pytest.raises(ValueError, match=r"table must be float64 \(N, 17\)"):
+    with pytest.raises(ValueError, match=rf"table must be float64 \(N, {TABLE}\)"):
         augment_images(packed, table.float(), None, (4, 4))
     with pytest.raises(ValueError, match=r"luts must be uint8 \(1, 3, 256\)"):
         augment_images(packed, table, torch.zeros(1, 3, 256, dtype=torch.int32), (4, 4))
@@ -134,12 +181,12 @@ def data(tmp_path_factory):
     return check_det_dataset(str(yaml))
 
 
-def _datasets(data, **overrides):
+def _datasets(data, decode=False, **overrides):
     cfg = get_cfg(overrides={"imgsz": 96, **overrides})
     stock = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
     ours = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
     assert deferred.unsupported(ours, cfg) == ""
-    deferred.install(ours, copy.copy(cfg), pad=True)
+    deferred.install(ours, copy.copy(cfg), pad=True, decode=decode)
     return stock, ours
 
 
@@ -152,20 +199,24 @@ def _batch(dataset, seed, images=(0, 3, 5)):
     return dataset.collate_fn(samples)
 
 
-def _finish_on(batch, device):
+def _finish_on(batch, device, decoder=None):
     """finish_batch where the tests' kernels run (the GPU, or the interpreter on the CPU)."""
-    out = finish_batch({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
+    moved = {k: v.to(device) if torch.is_tensor(v) and k not in HOST_KEYS else v for k, v in batch.items()}
+    out = finish_batch(moved, decoder)
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}
 
 
-def _assert_like_stock(stock, ours):
+def _assert_like_stock(stock, ours, nvjpeg=False):
     for key in ("cls", "bboxes", "batch_idx", PADDED_KEY):  # ultralytics' own code moved the labels
         if key in ours:
             assert torch.equal(ours[key], stock[key]), key
     assert ours["img"].shape == stock["img"].shape and ours["img"].dtype == torch.uint8
     diff = (ours["img"].int() - stock["img"].int()).abs()
     same, close = (diff == 0).float().mean(), (diff <= 1).float().mean()
-    assert same > 0.99 and close > 0.9999, (diff.max(), same, close)
+    if nvjpeg:  # nvJPEG's chroma upsampling and IDCT are not libjpeg-turbo's
+        assert diff.float().mean() < 2.0 and (diff <= 8).float().mean() > 0.97, (diff.float().mean(), close)
+    else:
+        assert same > 0.99 and close > 0.9999, (diff.max(), same, close)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -174,16 +225,23 @@ def _assert_like_stock(stock, ours):
     {"mosaic": 0.0, "fliplr": 1.0, "scale": 0.9},  # close_mosaic's epochs: one letterboxed image
     {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0, "bgr": 0.5},
 ], ids=["defaults", "warp-all", "no-mosaic", "no-hsv-bgr"])
-def test_deferred_batches_equal_stock_batches_on_the_same_seeds(data, overrides, kernels, device):
-    stock, ours = _datasets(data, **overrides)
+@pytest.mark.parametrize("decode", [False, True], ids=["workers-decode", "decoder"])
+def test_deferred_batches_equal_stock_batches_on_the_same_seeds(data, overrides, decode, kernels, device):
+    stock, ours = _datasets(data, decode=decode, **overrides)
+    decoder = JpegDecoder(capacity=4)
     for seed in range(3):
         out = _batch(ours, seed)
-        assert is_deferred(out) and out["aug_packed"].numel() < 3 * (2 * 96) ** 2 * 3  # crops, not mosaics
-        out = _finish_on(out, device)
+        assert is_deferred(out)
+        if decode:  # the JPEGs' bytes: a few KB at 96 px
+            assert out["aug_raw"].numel() == 0 and 0 < out["aug_jpeg"].numel() < 12 * 96 * 72
+        else:
+            assert out["aug_packed"].numel() < 3 * (2 * 96) ** 2 * 3  # crops, not mosaics
+        out = _finish_on(out, device, decoder)
         assert not any(k.startswith("aug_") for k in out)
         want = _batch(stock, seed)
         add_padded_targets(want)
-        _assert_like_stock(want, out)
+        _assert_like_stock(want, out, nvjpeg=decode and device.type == "cuda")
+    assert not decode or (decoder.decoded > 0 and decoder.reused > 0)
 
 
 def test_deferred_transforms_draw_the_stock_parameters(data, monkeypatch):
@@ -269,7 +327,8 @@ def test_the_mosaic_painted_where_the_warp_reads_equals_the_stock_canvas(data):
         x0, y0 = (int(v) for v in rng.integers(0, 150, 2))
         for region in ((0, 0, 192, 192), (x0, y0, x0 + int(rng.integers(0, 42)), y0 + 40), (0, 0, 0, 0)):
             x0_, y0_, x1_, y1_ = region
-            assert np.array_equal(deferred._paint(lazy["mosaic_tiles"], region, 3), canvas[y0_:y1_, x0_:x1_])
+            painted = deferred._paint(deferred._clip(lazy["mosaic_tiles"], region), region, 3)
+            assert np.array_equal(painted, canvas[y0_:y1_, x0_:x1_])
 
 
 def test_polygon_labels_keep_the_cpu_path(data):
@@ -304,6 +363,29 @@ def test_training_with_gpu_augmentation_tracks_the_cpu_path(tmp_path):
     assert (tmp_path / "gpu" / "train_batch0.jpg").exists()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the JPEGs are decoded on the GPU on CUDA only")
+def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
+    from ultralytics import YOLO
+
+    from trainfuse.ultralytics import FusedDetectionTrainer
+
+    data_yaml = str(make_shapes_dataset(tmp_path / "data", n_train=32, n_val=4, imgsz=96, photo=True))
+    trainers = {}
+    for name, on in (("cpu", False), ("gpu", True)):
+        model = YOLO("yolov5n.yaml")
+        trainer = functools.partial(FusedDetectionTrainer, gpu_augment=on)
+        model.train(data=data_yaml, epochs=2, imgsz=96, batch=8, workers=2, device=0, seed=0,
+                    deterministic=True, plots=False, val=False, close_mosaic=1, project=str(tmp_path),
+                    name=name, exist_ok=True, verbose=False, trainer=trainer)
+        trainers[name] = model.trainer
+    gpu, cpu = trainers["gpu"], trainers["cpu"]
+    assert gpu.augment_reason == ""
+    assert "JPEG decoding" in next(r.detail for r in gpu.report if r.kind == "augment")
+    assert gpu.jpeg_decoder.decoded >= 32 and gpu.jpeg_decoder.reused > 0  # each image; the mosaic's kept
+    for key in ("box_loss", "cls_loss", "dfl_loss"):  # the same labels; pixels a decoder's levels apart
+        torch.testing.assert_close(gpu.tloss[key], cpu.tloss[key], rtol=0.15, atol=1e-3)
+
+
 def test_gpu_augment_must_be_a_bool():
     from trainfuse.ultralytics import FusedDetectionTrainer
 
@@ -313,14 +395,17 @@ def test_gpu_augment_must_be_a_bool():
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the prefetcher finishes batches on a CUDA side stream")
-def test_prefetcher_finishes_deferred_batches_on_its_side_stream(data):
+@pytest.mark.parametrize("decode", [False, True], ids=["workers-decode", "decoder"])
+def test_prefetcher_finishes_deferred_batches_on_its_side_stream(data, decode):
     from trainfuse.ultralytics.loading import _finish_deferred
     from trainfuse.ultralytics.prefetch import DevicePrefetcher
 
-    stock, ours = _datasets(data)
+    stock, ours = _datasets(data, decode=decode)
     batches = [_batch(ours, s) for s in range(3)]
-    prefetched = list(DevicePrefetcher(batches, torch.device("cuda"), finish=_finish_deferred))
+    finish = functools.partial(_finish_deferred, JpegDecoder(capacity=8) if decode else None)
+    prefetched = list(DevicePrefetcher(batches, torch.device("cuda"), finish=finish, host_keys=HOST_KEYS))
     for seed, out in enumerate(prefetched):
         assert out["img"].is_cuda
         want = add_padded_targets(_batch(stock, seed))
-        _assert_like_stock(want, {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()})
+        got = {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}
+        _assert_like_stock(want, got, nvjpeg=decode)

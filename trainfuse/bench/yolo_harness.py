@@ -102,18 +102,15 @@ class LoopTimer:
                 "epoch_s": statistics.median(self.epoch_s) if self.epoch_s else float("nan"),
                 "images_per_s": batch * 1e3 / (it + wait)}
 
-    def steady_images_per_s(self, batch: int, skip: int) -> float:
-        """Images per second in the steady state: in each epoch after the first, the iterations
-        after its first ``skip`` (the batches the loader's workers may have made ahead while the
-        last epoch ended: ``workers * prefetch_factor``, 4 in ultralytics' training loader), from
-        the first one's start to the last one's end, waits included; the median over those epochs
-        (NaN when none has two)."""
-        rates = []
-        for epoch in sorted(set(self.epoch_of))[1:]:
-            its = [i for i, e in enumerate(self.epoch_of) if e == epoch and i < len(self.ends)][skip:]
-            if len(its) >= 2:
-                rates.append(batch * len(its) / (self.ends[its[-1]] - self.starts[its[0]]))
-        return statistics.median(rates) if rates else float("nan")
+    def steady_images_per_s(self, batch: int) -> float:
+        """Images per second after the first epoch, the epoch ends included: from the end of the
+        first epoch's last iteration to the end of the last one. The batches the loader's workers
+        make ahead while an epoch ends (its checkpoint) are paid for in that time, so a loader
+        slower than the step sets this rate however short the epochs. NaN with one epoch."""
+        after = [i for i, e in enumerate(self.epoch_of[:len(self.ends)]) if e != self.epoch_of[0]]
+        if not after or after[0] == 0:
+            return float("nan")
+        return batch * len(after) / (self.ends[after[-1]] - self.ends[after[0] - 1])
 
 
 def device_launches(prof) -> int:
@@ -390,7 +387,7 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
                 **extra)
     trainer = model.trainer
     summary = timer.summary(args.batch)
-    summary["steady_images_per_s"] = timer.steady_images_per_s(args.batch, skip=4 * args.workers)
+    summary["steady_images_per_s"] = timer.steady_images_per_s(args.batch)
     summary["map50"], summary["map50_95"] = final_map(trainer)
     summary["launches_per_iteration"] = counter.per_iteration
     summary["profiled_iterations"] = counter.iterations

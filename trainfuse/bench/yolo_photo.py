@@ -4,8 +4,8 @@ step, can set the pace.
 
 The images are :func:`trainfuse.ultralytics.shapes.make_shapes_dataset` with ``photo=True``:
 640 x 480 with a photo's grain, about 190 KB each as JPEG (COCO's mean is about 160-195 KB). Per
-run: images per second in the steady state (each epoch after the first, less the batches the
-workers made ahead while the last one ended; steps and data waits included; the median epoch), for
+run: images per second in the steady state (from the end of the first epoch to the end of the last,
+steps, data waits and epoch ends included), for
 
 - ultralytics' training loader alone (the same dataset, augmentation and workers as the trainer,
   iterated with no GPU work), epoch by epoch; and the same loader with the augmentation deferred to
@@ -26,10 +26,11 @@ import torch
 from trainfuse.bench._common import add_row, note, print_table
 
 
-def loader_rates(data: str, imgsz: int, batch: int, workers: int, epochs: int = 3, deferred: bool = False
-                 ) -> list[float]:
+def loader_rates(data: str, imgsz: int, batch: int, workers: int, epochs: int = 3, deferred: bool = False,
+                 decode: bool = False) -> list[float]:
     """Images per second of ultralytics' training loader alone, one number per epoch; ``deferred``:
-    with the warp, HSV and flips left for the GPU (:mod:`trainfuse.ultralytics.augment.deferred`)."""
+    with the warp, HSV and flips left for the GPU (:mod:`trainfuse.ultralytics.augment.deferred`),
+    and with ``decode`` the JPEGs' decoding too (what feeds ``gpu_augment`` on CUDA)."""
     from ultralytics.cfg import get_cfg
     from ultralytics.data import build_dataloader, build_yolo_dataset
     from ultralytics.data.utils import check_det_dataset
@@ -40,7 +41,7 @@ def loader_rates(data: str, imgsz: int, batch: int, workers: int, epochs: int = 
     if deferred:
         from trainfuse.ultralytics.augment import deferred as deferral
 
-        deferral.install(dataset, cfg, pad=True)
+        deferral.install(dataset, cfg, pad=True, decode=decode)
     # the trainer's device: ultralytics pins the batches and sizes the worker pool by it
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     loader = build_dataloader(dataset, batch, workers, shuffle=True, rank=-1, device=device)
@@ -61,7 +62,8 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
     kb = sum(p.stat().st_size for p in jpegs) / args.images / 1024
     epochs = min(3, max(args.epochs, 1))
     rates = loader_rates(data, args.imgsz, args.batch, args.workers, epochs=epochs)
-    deferred_rates = loader_rates(data, args.imgsz, args.batch, args.workers, epochs=epochs, deferred=True)
+    deferred_rates = loader_rates(data, args.imgsz, args.batch, args.workers, epochs=epochs, deferred=True,
+                                  decode=True)
     runs, reasons = {}, {}
     for kind, name, kwargs in (("stock", "stock", {}), ("trainfuse", "trainfuse", {}),
                                ("trainfuse", "trainfuse-gpu-augment", {"gpu_augment": True})):
@@ -71,9 +73,9 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
     workload = (f"{args.model} batch {args.batch} imgsz {args.imgsz}, {args.images} photo-like JPEGs "
                 f"({kb:.0f} KB), cache off, {args.workers} workers: images/s in the steady state")
     per_s = {kind: r["steady_images_per_s"] for kind, r in runs.items()}
-    rows = [["loader alone (no GPU work)", " / ".join(f"{r:.0f}" for r in rates), "", "", ""],
-            ["loader alone, augmentation deferred to the GPU", " / ".join(f"{r:.0f}" for r in deferred_rates),
-             "", "", ""]]
+    by_epoch = [" / ".join(f"{r:.0f}" for r in rates), " / ".join(f"{r:.0f}" for r in deferred_rates)]
+    rows = [["loader alone (no GPU work)", by_epoch[0], "", "", ""],
+            ["loader alone, decoding and augmentation left to the GPU", by_epoch[1], "", "", ""]]
     for kind, r in runs.items():
         rows.append([kind, f"{per_s[kind]:.0f}", f"{args.images / r['epoch_s']:.0f}", f"{r['iter_ms']:.2f}",
                      f"{r['data_wait_ms']:.2f}"])
@@ -83,11 +85,11 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
     add_row(report, workload, "FusedDetectionTrainer", trainfuse=True, wall_ms=1e3 / per_s["trainfuse"])
     add_row(report, workload, "FusedDetectionTrainer, gpu_augment=True", trainfuse=True,
             wall_ms=1e3 / per_s["trainfuse-gpu-augment"])
-    note(report, "ms per image in the steady state: in each epoch after the first, from the iteration "
-                 f"after the first {4 * args.workers} (the batches the workers make ahead while an epoch "
-                 "ends) to the epoch's last, waits included; the median epoch")
-    note(report, f"the loader alone: {', '.join(f'{r:.0f}' for r in rates)} images/s by epoch, with the "
-                 f"augmentation deferred to the GPU: {', '.join(f'{r:.0f}' for r in deferred_rates)}")
+    note(report, "ms per image in the steady state: images over the time from the end of the first epoch to "
+                 "the end of the last, the epoch ends (checkpoints; validation is off) included, so the "
+                 "batches the workers make ahead meanwhile are paid for")
+    note(report, f"the loader alone: {by_epoch[0]} images/s by epoch, with the decoding and augmentation "
+                 f"left to the GPU: {by_epoch[1]}")
     note(report, "augmentation: " + "; ".join(f"{k}: {'on the GPU' if not v else 'CPU (' + v + ')'}"
                                                 for k, v in reasons.items()))
     report["runs"] = {k: {key: v for key, v in r.items() if key not in ("losses", "iter_ms_all")}

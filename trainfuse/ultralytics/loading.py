@@ -1,15 +1,14 @@
 """The training batches of :class:`~trainfuse.ultralytics.FusedDetectionTrainer`: how they are built,
 augmented, padded and brought to the GPU (a mixin of the trainer; the rest of it is the step).
 
-- **GPU augmentation** (``gpu_augment=True``; off by default): the loader's workers decode, paste
-  the mosaic, crop and move the labels; the random warp, HSV jitter and flips of the pixels run on
-  the GPU, the whole batch in one kernel, with the very random parameters ultralytics' CPU
-  transforms would have drawn (:mod:`trainfuse.ultralytics.augment.deferred`,
+- **GPU augmentation** (``gpu_augment=True``; off by default): the loader's workers read the
+  JPEGs' bytes and move the labels; on CUDA the GPU decodes the JPEGs
+  (:mod:`trainfuse.ultralytics.augment.decode`) and the random warp, HSV jitter and flips of the
+  pixels run there, the whole batch in one kernel, with the very random parameters ultralytics'
+  CPU transforms would have drawn (:mod:`trainfuse.ultralytics.augment.deferred`,
   :func:`~trainfuse.ultralytics.augment.batch.finish_batch`), where the dataset and
   hyperparameters allow it (:func:`~trainfuse.ultralytics.augment.deferred.unsupported` says when
-  they do not). Its loader alone delivers 1.5-2x the images of ultralytics' on photo-sized JPEGs,
-  but a training run with it measured no faster than without (docs/performance.md), so it is
-  not the default.
+  they do not). On a CPU device the workers decode and paste what the warp reads.
 - **Padded labels**: with a fused loss, the batch carries its labels padded to a capacity the
   workers count on the CPU (no host sync in the loss).
 - **Prefetch** (``prefetch``): batches copied to the GPU one ahead on a side stream, and finished
@@ -19,9 +18,12 @@ augmented, padded and brought to the GPU (a mixin of the trainer; the rest of it
 
 from __future__ import annotations
 
+import functools
+
 from ultralytics.utils.torch_utils import unwrap_model
 
 from trainfuse.clients import OFF, ON
+from trainfuse.ultralytics.augment.decode import HOST_KEYS
 from trainfuse.ultralytics.choices import takes_fused_loss
 from trainfuse.ultralytics.prefetch import DevicePrefetcher
 from trainfuse.ultralytics.targets import PADDED_KEY, PadTargets, add_padded_targets
@@ -35,6 +37,9 @@ class BatchLoading:
             allows it (on a CPU device, through the torch path); False (the default) keeps
             ultralytics' CPU transforms. Also a keyword of the trainer's constructor.
         augment_reason: empty when the training batches are augmented on the GPU, else why not.
+        jpeg_decoder: with GPU augmentation on CUDA, the
+            :class:`~trainfuse.ultralytics.augment.decode.JpegDecoder` that decodes the training
+            JPEGs and keeps the workers' recent ones (its ``decoded`` and ``reused`` counts); else None.
         prefetch: on CUDA, copy the training batches to the GPU one batch ahead on a side stream
             (a subclass may set False).
     """
@@ -42,6 +47,7 @@ class BatchLoading:
     gpu_augment = False
     augment_reason = "no training dataset yet"
     prefetch = True
+    jpeg_decoder = None
 
     def _augment_off(self, dataset) -> str:
         """Why the training batches keep ultralytics' CPU augmentation ("" when they do not)."""
@@ -66,11 +72,18 @@ class BatchLoading:
                 dataset.collate_fn = PadTargets(dataset.collate_fn)
             return dataset
         from trainfuse.ultralytics.augment import deferred
+        from trainfuse.ultralytics.augment.decode import JpegDecoder
 
-        deferred.install(dataset, self.args, pad=pad)
-        self._note("augment", "augmentation", ON, "random warp, HSV and flips on the GPU, one kernel per "
-                   "batch (the loader's workers decode, paste the mosaic, crop and move the labels; the "
-                   "same random parameters)")
+        decode = self.device.type == "cuda"
+        deferred.install(dataset, self.args, pad=pad, decode=decode)
+        if decode:  # the workers' recent images, for the mosaic, stay decoded
+            self.jpeg_decoder = JpegDecoder(capacity=max(4 * (batch or 16),
+                                                     (self.args.workers + 1) * dataset.max_buffer_length))
+        how = ("JPEG decoding, then the random warp, HSV and flips in one kernel per batch, on the GPU "
+               "(the loader's workers read the files and move the labels; the same random parameters)"
+               if decode else "random warp, HSV and flips in one kernel per batch (the loader's workers "
+               "decode, paste what the warp reads and move the labels)")
+        self._note("augment", "augmentation", ON, how)
         return dataset
 
     def get_dataloader(self, dataset_path: str, batch_size: int = 16, rank: int = 0, mode: str = "train"):
@@ -78,7 +91,8 @@ class BatchLoading:
         batch ahead on a side stream, and their deferred augmentation run there."""
         loader = super().get_dataloader(dataset_path, batch_size, rank, mode)
         if mode == "train" and self.prefetch and self.device.type == "cuda":
-            loader = DevicePrefetcher(loader, self.device, finish=_finish_deferred)
+            finish = functools.partial(_finish_deferred, self.jpeg_decoder)
+            loader = DevicePrefetcher(loader, self.device, finish=finish, host_keys=HOST_KEYS)
         return loader
 
     def preprocess_batch(self, batch: dict) -> dict:
@@ -88,18 +102,19 @@ class BatchLoading:
         from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred
 
         if is_deferred(batch):
-            batch = finish_batch({k: v.to(self.device, non_blocking=True) if hasattr(v, "to") else v
-                                  for k, v in batch.items()})
+            moved = {k: v.to(self.device, non_blocking=True) if hasattr(v, "to") and k not in HOST_KEYS else v
+                     for k, v in batch.items()}
+            batch = finish_batch(moved, self.jpeg_decoder)
         if self._pad_targets and PADDED_KEY not in batch and batch["batch_idx"].device.type == "cpu":
             add_padded_targets(batch)
         return super().preprocess_batch(batch)
 
 
-def _finish_deferred(batch: dict) -> dict:
+def _finish_deferred(decoder, batch: dict) -> dict:
     """The prefetcher's last step for a batch (on its side stream): finish a deferred one."""
     from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred
 
-    return finish_batch(batch) if is_deferred(batch) else batch
+    return finish_batch(batch, decoder) if is_deferred(batch) else batch
 
 
 __all__ = ["BatchLoading"]

@@ -12,7 +12,8 @@ reused before that stream is done with it. Batches come from pinned memory (ultr
 pin), so the copies do not block the host.
 
 A ``finish`` callable runs on each batch on the side stream too, after its copies: the trainer's
-GPU augmentation, which then also overlaps the step before.
+GPU augmentation, which then also overlaps the step before. Tensors under ``host_keys`` stay where
+they are (what ``finish`` reads on the host).
 
 Everything else is the wrapped loader's: its length, dataset, sampler, ``reset()`` and ``close()``
 (attribute access passes through).
@@ -34,15 +35,17 @@ class DevicePrefetcher:
         device: a CUDA device.
         finish: called on each batch once its copies are launched, on the side stream (the
             deferred augmentation); returns the batch the loop gets.
+        host_keys: keys whose tensors are not copied.
     """
 
     def __init__(self, loader: Any, device: torch.device,
-                 finish: Callable[[dict], dict] | None = None) -> None:
+                 finish: Callable[[dict], dict] | None = None, host_keys: tuple[str, ...] = ()) -> None:
         if device.type != "cuda":
             raise ValueError(f"DevicePrefetcher: device must be a CUDA device, got {device}")
         self.loader = loader
         self.device = device
         self.finish = finish
+        self.host_keys = frozenset(host_keys)
         self._stream: torch.cuda.Stream | None = None
 
     def __len__(self) -> int:
@@ -78,7 +81,8 @@ class DevicePrefetcher:
                             f"{type(batch).__name__}")
         stream = self._stream
         with torch.cuda.stream(stream):  # allocated from the side stream's own pool
-            moved = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            moved = {k: v.to(self.device, non_blocking=True)
+                     if isinstance(v, torch.Tensor) and k not in self.host_keys else v
                      for k, v in batch.items()}
             if self.finish is not None:
                 moved = self.finish(moved)

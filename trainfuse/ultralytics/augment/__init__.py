@@ -3,6 +3,7 @@
 
 - :mod:`.deferred`: the loader's side. ultralytics' own transforms draw every random number and
   move the labels; the pixels are only cropped to what the warp reads and packed.
+- :mod:`.decode`: the JPEGs left encoded by the workers, decoded on the GPU and kept there.
 - :mod:`.kernel`: one pass over a batch's pixels (warp, HSV jitter, flips, channel order), with its
   torch reference.
 - :mod:`.color`: OpenCV's 8-bit HSV conversions in torch, the reference's colour half.

@@ -50,11 +50,14 @@ from ultralytics.data.augment import (
 )
 from ultralytics.data.dataset import YOLODataset
 
+from trainfuse.ultralytics.augment import decode as decoding
 from trainfuse.ultralytics.augment.color import opencv_vector_block
-from trainfuse.ultralytics.augment.kernel import pack_crops
+from trainfuse.ultralytics.augment.decode import HOST_KEYS, Encoded
+from trainfuse.ultralytics.augment.kernel import tile_table
 from trainfuse.ultralytics.targets import PADDED_KEY, pad_targets, target_capacity
 
-KEYS = ("aug_packed", "aug_table", "aug_luts", "aug_size", "aug_perspective", "aug_vector_block")
+KEYS = ("aug_packed", "aug_sources", "aug_raw", "aug_jpeg", "aug_table", "aug_luts", "aug_size",
+        "aug_perspective", "aug_vector_block")
 
 
 def unsupported(dataset, hyp) -> str:
@@ -119,30 +122,32 @@ def _stand_in(h: int, w: int, c: int) -> np.ndarray:
     return np.broadcast_to(np.zeros((1, 1, c), np.uint8), (h, w, c))
 
 
-def _paint(tiles: list, region: tuple[int, int, int, int], c: int) -> np.ndarray:
-    """The ``region`` (x0, y0, x1, y1) of a mosaic canvas filled with 114 and ``tiles`` pasted in order,
-    as ultralytics paints the whole canvas. Each tile: ``(image, x1a, y1a, x2a, y2a, x1b, y1b)``, its
-    ``image[y1b:, x1b:]`` going to the canvas's ``[y1a:y2a, x1a:x2a]``."""
+def _clip(tiles: list, region: tuple[int, int, int, int]) -> list:
+    """The parts of ``tiles`` inside ``region`` (x0, y0, x1, y1) of the canvas, as tiles. Each tile:
+    ``(image, x1a, y1a, x2a, y2a, x1b, y1b)``, its ``image[y1b:, x1b:]`` shown on the canvas's
+    ``[y1a:y2a, x1a:x2a]`` (ultralytics' mosaic layout)."""
     x0, y0, x1, y1 = region
-    crop = np.full((y1 - y0, x1 - x0, c), 114, dtype=np.uint8)
+    out = []
     for img, x1a, y1a, x2a, y2a, x1b, y1b in tiles:
         ix0, iy0, ix1, iy1 = max(x1a, x0), max(y1a, y0), min(x2a, x1), min(y2a, y1)
         if ix0 < ix1 and iy0 < iy1:
-            crop[iy0 - y0:iy1 - y0, ix0 - x0:ix1 - x0] = img[y1b + iy0 - y1a:y1b + iy1 - y1a,
-                                                            x1b + ix0 - x1a:x1b + ix1 - x1a]
+            out.append((img, ix0, iy0, ix1, iy1, x1b + ix0 - x1a, y1b + iy0 - y1a))
+    return out
+
+
+def _own_tile(img, x1a, y1a, x2a, y2a, x1b, y1b) -> tuple:
+    """A tile's pixels as an image of their own (a tile reading it from its corner)."""
+    return np.ascontiguousarray(img[y1b:y1b + y2a - y1a, x1b:x1b + x2a - x1a]), x1a, y1a, x2a, y2a, 0, 0
+
+
+def _paint(tiles: list, region: tuple[int, int, int, int], c: int) -> np.ndarray:
+    """The ``region`` (x0, y0, x1, y1) of a canvas filled with 114 and ``tiles`` (inside the region,
+    :func:`_clip`) pasted in order, as ultralytics paints the whole mosaic."""
+    x0, y0, x1, y1 = region
+    crop = np.full((y1 - y0, x1 - x0, c), 114, dtype=np.uint8)
+    for img, x1a, y1a, x2a, y2a, x1b, y1b in tiles:
+        crop[y1a - y0:y2a - y0, x1a - x0:x2a - x0] = img[y1b:y1b + y2a - y1a, x1b:x1b + x2a - x1a]
     return crop
-
-
-def _at_output_size(get_params, labels: dict) -> dict:
-    """``get_params(labels)`` of a stock transform that reads the image's size, with a zero-cost
-    stand-in of the warped image's shape in ``labels["img"]`` meanwhile (the crop goes back after)."""
-    crop = labels["img"]
-    h, w = labels["resized_shape"]
-    labels["img"] = _stand_in(h, w, crop.shape[-1])
-    try:
-        return get_params(labels)
-    finally:
-        labels["img"] = crop
 
 
 class DeferredMosaic(Mosaic):
@@ -160,17 +165,27 @@ class DeferredMosaic(Mosaic):
 
 
 class DeferredPerspective(RandomPerspective):
-    """``RandomPerspective`` that draws its matrix, moves the labels and crops the image (or paints
-    the mosaic) to what the warp reads."""
+    """``RandomPerspective`` that draws its matrix and moves the labels, and keeps (``tiles``) the
+    parts of the canvas the warp reads: one crop painted from the pixels at hand, or, where images
+    wait for the GPU's decoder (:class:`~trainfuse.ultralytics.augment.decode.Encoded`), their tiles
+    as they are. ``img`` is then a stand-in of the warped image's shape."""
 
     def apply_image(self, labels, params=None):
         img = labels["img"]
-        tiles = labels.pop("mosaic_tiles", None)
+        h, w, c = img.shape
+        tiles = labels.pop("mosaic_tiles", None) or [(img, 0, 0, w, h, 0, 0)]
         size = tuple(int(v) for v in params["size"])
-        x0, y0, x1, y1 = _region(params["M"], img.shape[:2], size, bool(self.perspective))
-        labels["img"] = img[y0:y1, x0:x1] if tiles is None else _paint(tiles, (x0, y0, x1, y1), img.shape[2])
-        labels["warp"] = {"inverse": np.linalg.inv(params["M"].astype(np.float64)), "origin": (x0, y0),
-                          "size": size, "perspective": bool(self.perspective)}
+        region = _region(params["M"], (h, w), size, bool(self.perspective))
+        tiles = _clip(tiles, region)
+        if any(isinstance(t[0], Encoded) for t in tiles):  # the pixels at hand: as small tiles of their own
+            tiles = [t if isinstance(t[0], Encoded) else _own_tile(*t) for t in tiles]
+        else:
+            x0, y0, x1, y1 = region
+            tiles = [(_paint(tiles, region, c), x0, y0, x1, y1, 0, 0)]
+        labels["tiles"] = tiles
+        labels["warp"] = {"inverse": np.linalg.inv(params["M"].astype(np.float64)), "size": size,
+                          "perspective": bool(self.perspective)}
+        labels["img"] = _stand_in(size[1], size[0], c)
         labels["resized_shape"] = size[::-1]
         return labels
 
@@ -195,9 +210,6 @@ class DeferredFlip(RandomFlip):
     """``RandomFlip`` that draws its flip, flips the labels and keeps the flip (``flips``: vertical,
     horizontal) for the image."""
 
-    def get_params(self, labels):
-        return _at_output_size(super().get_params, labels)
-
     def apply_image(self, labels, params=None):
         flips = labels.setdefault("flips", [False, False])
         flips[0 if params["direction"] == "vertical" else 1] |= bool(params["flip"])
@@ -205,15 +217,11 @@ class DeferredFlip(RandomFlip):
 
 
 class DeferredFormat(Format):
-    """``Format`` of the labels, with the BGR-to-RGB choice drawn and the HWC crop handed over."""
-
-    def get_params(self, labels):
-        return _at_output_size(super().get_params, labels)
+    """``Format`` of the labels, with the BGR-to-RGB choice drawn (the image is the tiles)."""
 
     def apply_image(self, labels, params=None):
         img = labels.pop("img")
         labels["rgb"] = random.uniform(0, 1) > self.bgr and img.shape[-1] == 3  # the stock draw
-        labels["img"] = torch.from_numpy(np.ascontiguousarray(img))
         return labels
 
 
@@ -256,12 +264,15 @@ class _DeferredBuild:
         return defer(type(self.dataset).build_transforms(self.dataset, hyp))
 
 
-def install(dataset, hyp, *, pad: bool) -> None:
+def install(dataset, hyp, *, pad: bool, decode: bool = False) -> None:
     """Defer ``dataset``'s augmentation to the GPU: its transforms (now and when rebuilt) and its
-    ``collate_fn`` (:class:`DeferredCollate`; ``pad``: followed by the padded labels)."""
+    ``collate_fn`` (:class:`DeferredCollate`; ``pad``: followed by the padded labels); with
+    ``decode``, its plain JPEGs' decoding too (:func:`trainfuse.ultralytics.augment.decode.install`)."""
     dataset.build_transforms = _DeferredBuild(dataset)
     dataset.transforms = dataset.build_transforms(hyp)
     dataset.collate_fn = DeferredCollate(pad)
+    if decode:
+        decoding.install(dataset)
 
 
 @functools.cache
@@ -272,27 +283,45 @@ def _vector_block() -> int:
 class DeferredCollate:
     """Collate the deferred samples: ultralytics' collate for the labels (final, as stock), and for
     the images, under the ``aug_`` keys (:data:`KEYS`) that
-    :func:`~trainfuse.ultralytics.augment.batch.finish_batch` reads: the crops packed into one flat
-    uint8 tensor with their per-image table (:func:`~trainfuse.ultralytics.augment.kernel.pack_crops`),
-    the HSV lookup tables (or None), the output size, the warp's kind and OpenCV's vector block;
-    with ``pad``, the labels padded as :class:`~trainfuse.ultralytics.targets.PadTargets` pads them."""
+    :func:`~trainfuse.ultralytics.augment.batch.finish_batch` reads: the batch's sources (each
+    image once) and the per-image table of their tiles
+    (:func:`~trainfuse.ultralytics.augment.kernel.tile_table`), the HSV lookup tables (or None), the
+    output size, the warp's kind and OpenCV's vector block; with ``pad``, the labels padded as
+    :class:`~trainfuse.ultralytics.targets.PadTargets` pads them.
+
+    The sources are the painted crops packed into one flat uint8 tensor (``aug_packed``); where
+    images wait for the GPU's decoder, :func:`~trainfuse.ultralytics.augment.decode.pack_sources`'
+    three tensors instead (``aug_sources`` and ``aug_jpeg`` stay on the host: :data:`HOST_KEYS`)."""
 
     def __init__(self, pad: bool = False) -> None:
         self.pad = pad
 
     def __call__(self, samples: list[dict]) -> dict:
-        crops = [s.pop("img") for s in samples]
+        tiles = [s.pop("tiles") for s in samples]
         warps = [s.pop("warp") for s in samples]
         luts = [s.pop("hsv_lut", None) for s in samples]
         flips = [s.pop("flips", [False, False]) for s in samples]
         swaps = [s.pop("rgb") for s in samples]
         batch = YOLODataset.collate_fn(samples)
-        n = len(crops)
+        n = len(tiles)
+        sources, slot, rows = [], {}, []
+        for image_tiles in tiles:
+            rows.append([])
+            for img, *rect in image_tiles:
+                key = ("jpeg", img.source[0]) if isinstance(img, Encoded) else ("raw", id(img))
+                if key not in slot:
+                    slot[key] = len(sources)
+                    sources.append(img)
+                rows[-1].append((slot[key], *rect))
         inverse = (torch.from_numpy(np.stack([w["inverse"] for w in warps]).reshape(n, 9)) if n
-                   else torch.zeros(0, 9))
-        batch["aug_packed"], batch["aug_table"] = pack_crops(
-            crops, inverse, torch.tensor([w["origin"] for w in warps]).reshape(n, 2),
-            torch.tensor(flips).reshape(n, 2), torch.tensor(swaps).reshape(n))
+                   else torch.zeros(0, 9, dtype=torch.float64))
+        batch["aug_table"] = tile_table([s.shape[:2] for s in sources], rows, inverse,
+                                        torch.tensor(flips).reshape(n, 2), torch.tensor(swaps).reshape(n))
+        if any(isinstance(s, Encoded) for s in sources):
+            batch["aug_sources"], batch["aug_raw"], batch["aug_jpeg"] = decoding.pack_sources(sources)
+        else:
+            batch["aug_packed"] = (torch.cat([torch.from_numpy(s).reshape(-1) for s in sources]) if sources
+                                   else torch.zeros(0, dtype=torch.uint8))
         batch["aug_luts"] = (None if all(lut is None for lut in luts) else torch.from_numpy(np.stack(
             [np.stack([np.arange(256, dtype=np.uint8)] * 3) if lut is None else lut for lut in luts])))
         batch["aug_size"] = warps[0]["size"] if n else (0, 0)
@@ -305,4 +334,4 @@ class DeferredCollate:
 
 
 __all__ = ["DeferredCollate", "DeferredFlip", "DeferredFormat", "DeferredHSV", "DeferredMosaic",
-           "DeferredPerspective", "KEYS", "defer", "install", "unsupported"]
+           "DeferredPerspective", "HOST_KEYS", "KEYS", "defer", "install", "unsupported"]

@@ -2,13 +2,17 @@
 a whole batch in one pass: each output pixel reads its four source pixels, blends them, jitters the
 colour and is written once, as the ``(N, 3, H, W)`` uint8 batch ultralytics' collate makes.
 
-The sources are the loader's pre-warp images (a mosaic, or one resized image), each cropped to the
-part the warp reads and packed one after another, HWC BGR uint8, into one flat buffer: a batch
+The sources are HWC BGR uint8 images packed one after another into one flat buffer. Each output
+image reads up to four of them, its *tiles*: rectangles of the pre-warp canvas (the mosaic's four
+quadrants, or one resized image) that show a source's pixels; the rest of the canvas is
+ultralytics' grey. A tile is a source cropped to the part the warp reads (the loader's workers
+paint it), or a whole decoded image (:mod:`trainfuse.ultralytics.augment.decode`), so a batch
 moves about 1.3x the bytes of its output instead of 4x a mosaic's (see
 :mod:`trainfuse.ultralytics.augment.deferred`).
 
-Per image the kernel takes one row of a float64 table (:func:`pack_crops`: where the crop is, the
-inverse warp, the crop's origin, the flips, whether to swap to RGB) and the three lookup tables
+Per image the kernel takes one row of a float64 table (:func:`tile_table`: the inverse warp, the
+flips, whether to swap to RGB, and per tile where its source starts, its size, its rectangle of
+the canvas and where that rectangle starts in the source) and the three lookup tables
 ``RandomHSV`` built.
 
 Arithmetic, as OpenCV's for uint8 images:
@@ -43,7 +47,9 @@ from trainfuse.ultralytics.augment.color import _tables, bgr_to_hsv, hsv_to_bgr
 
 BORDER = 114
 _BLOCK = 256
-TABLE = 17  # per image: start, height, width, inverse (9), origin x, y, flip v, h, swap to RGB
+TILES = 4  # tiles per output image at most (ultralytics' mosaic of four)
+TILE = 9  # per tile: source start, height, width; canvas x1a, y1a, x2a, y2a; source x1b, y1b
+TABLE = 12 + TILES * TILE  # per image: inverse (9), flip v, flip h, swap to RGB, then the tiles
 
 
 @functools.cache
@@ -82,12 +88,30 @@ def _hsv_channel(sector, v, p, q, t, which: tl.constexpr):
 
 
 @triton.jit
-def _blend(src, row0, row1, c, m00, m01, m10, m11, w00, w01, w10, w11):
+def _pick(row, X, Y):
+    """Where canvas pixel (X, Y) is in the packed sources: the flat index of its first channel in
+    the last tile that holds it (tiles are painted in order), -1 where none does (grey)."""
+    addr = tl.zeros_like(X).to(tl.int64) - 1
+    for k in tl.static_range(4):
+        t = row + 12 + 9 * k
+        x1a = tl.load(t + 3).to(tl.int32)
+        y1a = tl.load(t + 4).to(tl.int32)
+        x2a = tl.load(t + 5).to(tl.int32)
+        y2a = tl.load(t + 6).to(tl.int32)
+        inside = (X >= x1a) & (X < x2a) & (Y >= y1a) & (Y < y2a)
+        sy = (Y - y1a + tl.load(t + 8).to(tl.int32)).to(tl.int64)
+        sx = (X - x1a + tl.load(t + 7).to(tl.int32)).to(tl.int64)
+        addr = tl.where(inside, tl.load(t).to(tl.int64) + (sy * tl.load(t + 2).to(tl.int64) + sx) * 3, addr)
+    return addr
+
+
+@triton.jit
+def _blend(src, a00, a01, a10, a11, live, c, w00, w01, w10, w11):
     """Channel ``c`` of the bilinear blend of four neighbours (grey outside), rounded as OpenCV."""
-    acc = tl.load(src + row0 + c, mask=m00, other=114).to(tl.float32) * w00
-    acc += tl.load(src + row0 + 3 + c, mask=m01, other=114).to(tl.float32) * w01
-    acc += tl.load(src + row1 + c, mask=m10, other=114).to(tl.float32) * w10
-    acc += tl.load(src + row1 + 3 + c, mask=m11, other=114).to(tl.float32) * w11
+    acc = tl.load(src + a00 + c, mask=live & (a00 >= 0), other=114).to(tl.float32) * w00
+    acc += tl.load(src + a01 + c, mask=live & (a01 >= 0), other=114).to(tl.float32) * w01
+    acc += tl.load(src + a10 + c, mask=live & (a10 >= 0), other=114).to(tl.float32) * w10
+    acc += tl.load(src + a11 + c, mask=live & (a11 >= 0), other=114).to(tl.float32) * w11
     return tl.minimum(tl.maximum(_rint(acc), 0.0), 255.0).to(tl.int32)
 
 
@@ -102,17 +126,13 @@ def _augment_kernel(src, table, luts, sdiv, hdiv, out, H, W,
     x = offs % W
     # the flips: this output pixel shows the warped image's pixel (xw, yw)
     row = table + TABLE * n
-    xw = tl.where(tl.load(row + 15) != 0.0, W - 1 - x, x)
+    xw = tl.where(tl.load(row + 10) != 0.0, W - 1 - x, x)
     x = xw.to(tl.float64)
-    y = tl.where(tl.load(row + 14) != 0.0, H - 1 - y, y).to(tl.float64)
-    start = tl.load(row + 0).to(tl.int64)
-    h = tl.load(row + 1).to(tl.int32)
-    w = tl.load(row + 2).to(tl.int32)
-    m = row + 3
-    sx = tl.load(m + 0) * x + tl.load(m + 1) * y + tl.load(m + 2)
-    sy = tl.load(m + 3) * x + tl.load(m + 4) * y + tl.load(m + 5)
+    y = tl.where(tl.load(row + 9) != 0.0, H - 1 - y, y).to(tl.float64)
+    sx = tl.load(row + 0) * x + tl.load(row + 1) * y + tl.load(row + 2)
+    sy = tl.load(row + 3) * x + tl.load(row + 4) * y + tl.load(row + 5)
     if PERSPECTIVE:
-        z = tl.load(m + 6) * x + tl.load(m + 7) * y + tl.load(m + 8)
+        z = tl.load(row + 6) * x + tl.load(row + 7) * y + tl.load(row + 8)
         z = tl.where(z != 0.0, 1.0 / z, 0.0)
         sx = sx * z
         sy = sy * z
@@ -122,26 +142,19 @@ def _augment_kernel(src, table, luts, sdiv, hdiv, out, H, W,
     fy0 = tl.floor(sy)
     fx = (sx - fx0).to(tl.float32)
     fy = (sy - fy0).to(tl.float32)
-    # in the crop's pixels (the origin is whole pixels: exact)
-    x0 = fx0.to(tl.int32) - tl.load(row + 12).to(tl.int32)
-    y0 = fy0.to(tl.int32) - tl.load(row + 13).to(tl.int32)
     w00 = (1.0 - fx) * (1.0 - fy)
     w01 = fx * (1.0 - fy)
     w10 = (1.0 - fx) * fy
     w11 = fx * fy
-    in_x0 = (x0 >= 0) & (x0 < w)
-    in_x1 = (x0 + 1 >= 0) & (x0 + 1 < w)
-    in_y0 = (y0 >= 0) & (y0 < h)
-    in_y1 = (y0 + 1 >= 0) & (y0 + 1 < h)
-    row0 = start + (y0.to(tl.int64) * w + x0) * 3
-    row1 = row0 + w.to(tl.int64) * 3
-    m00 = live & in_y0 & in_x0
-    m01 = live & in_y0 & in_x1
-    m10 = live & in_y1 & in_x0
-    m11 = live & in_y1 & in_x1
-    b = _blend(src, row0, row1, 0, m00, m01, m10, m11, w00, w01, w10, w11)
-    g = _blend(src, row0, row1, 1, m00, m01, m10, m11, w00, w01, w10, w11)
-    r = _blend(src, row0, row1, 2, m00, m01, m10, m11, w00, w01, w10, w11)
+    x0 = fx0.to(tl.int32)  # the four neighbours on the canvas
+    y0 = fy0.to(tl.int32)
+    a00 = _pick(row, x0, y0)
+    a01 = _pick(row, x0 + 1, y0)
+    a10 = _pick(row, x0, y0 + 1)
+    a11 = _pick(row, x0 + 1, y0 + 1)
+    b = _blend(src, a00, a01, a10, a11, live, 0, w00, w01, w10, w11)
+    g = _blend(src, a00, a01, a10, a11, live, 1, w00, w01, w10, w11)
+    r = _blend(src, a00, a01, a10, a11, live, 2, w00, w01, w10, w11)
     if HSV:
         v = tl.maximum(tl.maximum(b, g), r)
         diff = v - tl.minimum(tl.minimum(b, g), r)
@@ -172,7 +185,7 @@ def _augment_kernel(src, table, luts, sdiv, hdiv, out, H, W,
         b = tl.minimum(tl.maximum(b, 0.0), 255.0).to(tl.int32)
         g = tl.minimum(tl.maximum(g, 0.0), 255.0).to(tl.int32)
         r = tl.minimum(tl.maximum(r, 0.0), 255.0).to(tl.int32)
-    swap = tl.load(row + 16) != 0.0
+    swap = tl.load(row + 11) != 0.0
     first = tl.where(swap, r, b)
     last = tl.where(swap, b, r)
     plane = out + n.to(tl.int64) * 3 * H * W + offs
@@ -181,35 +194,68 @@ def _augment_kernel(src, table, luts, sdiv, hdiv, out, H, W,
     tl.store(plane + 2 * H * W, last.to(tl.uint8), mask=live)
 
 
+def tile_table(shapes: list[tuple[int, int]], tiles: list[list[tuple[int, ...]]], inverse: torch.Tensor,
+               flips: torch.Tensor, swaps: torch.Tensor) -> torch.Tensor:
+    """The kernel's per-image table, ``(N, TABLE)`` float64 (whole numbers are exact in it), for
+    sources of ``shapes`` packed one after another (HWC, 3 channels) in this order.
+
+    Args:
+        shapes: ``(h, w)`` of each source (0 for an empty one).
+        tiles: per output image, up to :data:`TILES` tiles ``(source, x1a, y1a, x2a, y2a, x1b, y1b)``:
+            the canvas rectangle ``[y1a:y2a, x1a:x2a]`` shows ``source[y1b:, x1b:]``; a later tile
+            covers an earlier one where they overlap.
+        inverse: ``(N, 9)``, the inverse of each warp (output pixel ``(x, y, 1)`` to the canvas's),
+            row-major.
+        flips: ``(N, 2)``, whether to flip each output vertically, horizontally.
+        swaps: ``(N,)``, whether to write the channels as RGB (ultralytics' ``Format``).
+    """
+    n = len(tiles)
+    parts = {"inverse": (inverse, (n, 9)), "flips": (flips, (n, 2)), "swaps": (swaps, (n,))}
+    for name, (t, shape) in parts.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tile_table: {name} must have shape {shape} for {n} images, got "
+                             f"{tuple(t.shape)}")
+    starts, at = [], 0
+    for h, w in shapes:
+        starts.append(at)
+        at += int(h) * int(w) * 3
+    rows = torch.zeros(n, TILES, TILE, dtype=torch.float64)
+    for i, image_tiles in enumerate(tiles):
+        if len(image_tiles) > TILES:
+            raise ValueError(f"tile_table: image {i} has {len(image_tiles)} tiles, at most {TILES}")
+        for k, (src, x1a, y1a, x2a, y2a, x1b, y1b) in enumerate(image_tiles):
+            h, w = shapes[src]
+            if not (0 <= x1b and 0 <= y1b and x1b + max(x2a - x1a, 0) <= w and y1b + max(y2a - y1a, 0) <= h):
+                raise ValueError(f"tile_table: image {i} tile {k} reads outside source {src} of {h}x{w}")
+            rows[i, k] = torch.tensor([starts[src], h, w, x1a, y1a, x2a, y2a, x1b, y1b], dtype=torch.float64)
+    columns = [t.reshape(n, shape[1] if len(shape) > 1 else 1).double() for t, shape in parts.values()]
+    return torch.cat([*columns, rows.reshape(n, TILES * TILE)], 1)
+
+
 def pack_crops(crops: list[torch.Tensor], inverse: torch.Tensor, origins: torch.Tensor,
                flips: torch.Tensor, swaps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's inputs for a batch: the crops' pixels one after another (flat uint8) and the
-    per-image table, ``(N, TABLE)`` float64 (whole numbers are exact in it).
+    """The kernel's inputs for a batch of one crop per image: the crops' pixels one after another
+    (flat uint8) and the table (:func:`tile_table`, each crop the one tile of its image).
 
     Args:
         crops: N uint8 tensors ``(h, w, 3)``, BGR, contiguous (``h`` or ``w`` may be 0: an image
             the warp never reads).
-        inverse: ``(N, 9)``, the inverse of each warp (output pixel ``(x, y, 1)`` to the pre-warp
-            image's pixel), row-major.
-        origins: ``(N, 2)``, where each crop starts in its pre-warp image (x, y).
-        flips: ``(N, 2)``, whether to flip each output vertically, horizontally.
-        swaps: ``(N,)``, whether to write the channels as RGB (ultralytics' ``Format``).
+        inverse: as :func:`tile_table`'s.
+        origins: ``(N, 2)``, where each crop starts on its canvas (x, y).
+        flips, swaps: as :func:`tile_table`'s.
     """
     n = len(crops)
     for i, c in enumerate(crops):
         if c.dtype != torch.uint8 or c.dim() != 3 or c.shape[2] != 3:
             raise ValueError(f"pack_crops: crops[{i}] must be uint8 (h, w, 3), got {c.dtype} "
                              f"{tuple(c.shape)}")
-    parts = {"inverse": (inverse, (n, 9)), "origins": (origins, (n, 2)), "flips": (flips, (n, 2)),
-             "swaps": (swaps, (n,))}
-    for name, (t, shape) in parts.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"pack_crops: {name} must have shape {shape} for {n} crops, "
-                             f"got {tuple(t.shape)}")
-    sizes = torch.tensor([c.numel() for c in crops], dtype=torch.float64)
-    dims = torch.tensor([c.shape[:2] for c in crops], dtype=torch.float64).reshape(n, 2)
-    columns = [t.reshape(n, shape[1] if len(shape) > 1 else 1).double() for t, shape in parts.values()]
-    table = torch.cat([(torch.cumsum(sizes, 0) - sizes).reshape(n, 1), dims, *columns], 1)
+    if tuple(origins.shape) != (n, 2):
+        raise ValueError(f"pack_crops: origins must have shape {(n, 2)} for {n} crops, got "
+                         f"{tuple(origins.shape)}")
+    shapes = [tuple(c.shape[:2]) for c in crops]
+    tiles = [[(i, ox, oy, ox + w, oy + h, 0, 0)]
+             for i, ((h, w), (ox, oy)) in enumerate(zip(shapes, origins.int().tolist()))]
+    table = tile_table(shapes, tiles, inverse, flips, swaps)
     packed = torch.cat([c.reshape(-1) for c in crops]) if n else torch.zeros(0, dtype=torch.uint8)
     return packed, table
 
@@ -224,9 +270,9 @@ def augment_images_reference(packed: torch.Tensor, table: torch.Tensor, luts: to
     table = table.double()
     ys, xs = torch.meshgrid(torch.arange(h_out, device=device, dtype=torch.float64),
                             torch.arange(w_out, device=device, dtype=torch.float64), indexing="ij")
-    x = torch.where(table[:, 15:16] != 0, w_out - 1 - xs.reshape(1, -1), xs.reshape(1, -1))
-    y = torch.where(table[:, 14:15] != 0, h_out - 1 - ys.reshape(1, -1), ys.reshape(1, -1))
-    m = table[:, 3:12].reshape(n, 9, 1)
+    x = torch.where(table[:, 10:11] != 0, w_out - 1 - xs.reshape(1, -1), xs.reshape(1, -1))
+    y = torch.where(table[:, 9:10] != 0, h_out - 1 - ys.reshape(1, -1), ys.reshape(1, -1))
+    m = table[:, 0:9].reshape(n, 9, 1)
     sx = m[:, 0] * x + m[:, 1] * y + m[:, 2]
     sy = m[:, 3] * x + m[:, 4] * y + m[:, 5]
     if perspective:
@@ -236,18 +282,27 @@ def augment_images_reference(packed: torch.Tensor, table: torch.Tensor, luts: to
     sx, sy = sx.clamp(-(2.0 ** 24), 2.0 ** 24), sy.clamp(-(2.0 ** 24), 2.0 ** 24)
     fx0, fy0 = torch.floor(sx), torch.floor(sy)
     fx, fy = (sx - fx0).float(), (sy - fy0).float()
-    x0, y0 = fx0.long() - table[:, 12:13].long(), fy0.long() - table[:, 13:14].long()
-    h, w, base = table[:, 1:2].long(), table[:, 2:3].long(), table[:, 0:1].long()
+    tiles = table[:, 12:].reshape(n, TILES, TILE, 1).long()
+
+    def pick(cx, cy):  # the flat index of canvas pixel (cx, cy)'s first channel, -1 for grey
+        addr = torch.full_like(cx, -1)
+        for k in range(TILES):
+            base, _, w, x1a, y1a, x2a, y2a, x1b, y1b = tiles[:, k].unbind(1)
+            inside = (cx >= x1a) & (cx < x2a) & (cy >= y1a) & (cy < y2a)
+            addr = torch.where(inside, base + ((cy - y1a + y1b) * w + (cx - x1a + x1b)) * 3, addr)
+        return addr
+
+    x0, y0 = fx0.long(), fy0.long()
     flat = packed.reshape(-1).long()
     acc = []
     for c in range(3):
         total = torch.zeros_like(fx)
         for dy, dx, weight in ((0, 0, (1 - fx) * (1 - fy)), (0, 1, fx * (1 - fy)),
                                (1, 0, (1 - fx) * fy), (1, 1, fx * fy)):
-            xx, yy = x0 + dx, y0 + dy
-            inside = (xx >= 0) & (xx < w) & (yy >= 0) & (yy < h)
-            index = torch.where(inside, base + (yy * w + xx) * 3 + c, torch.zeros_like(xx))
-            value = torch.where(inside, flat[index] if flat.numel() else index, torch.full_like(xx, BORDER))
+            addr = pick(x0 + dx, y0 + dy)
+            inside = addr >= 0
+            index = torch.where(inside, addr + c, torch.zeros_like(addr))
+            value = torch.where(inside, flat[index] if flat.numel() else index, torch.full_like(addr, BORDER))
             total += value.float() * weight
         acc.append(torch.round(total).clamp(0, 255))
     img = torch.stack(acc, 1).view(n, 3, h_out, w_out).to(torch.uint8)  # BGR
@@ -258,7 +313,7 @@ def augment_images_reference(packed: torch.Tensor, table: torch.Tensor, luts: to
         if vector_block > 0:  # rounded down where the warped (unflipped) column is vectorized
             down = x.view(n, 1, h_out, w_out) < w_out - w_out % vector_block
             img = torch.where(down, hsv_to_bgr(moved, vector_block=1), img)
-    swap = (table[:, 16] != 0).view(n, 1, 1, 1)
+    swap = (table[:, 11] != 0).view(n, 1, 1, 1)
     return torch.where(swap, img.flip(1), img)
 
 
@@ -268,8 +323,8 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
 
     Args:
         packed: uint8, the images' HWC BGR pixels one after another (any shape; read flat).
-        table: ``(N, TABLE)`` float64, per image where its pixels are, its warp, flips and channel
-            order (:func:`pack_crops`).
+        table: ``(N, TABLE)`` float64, per image its warp, flips, channel order and tiles
+            (:func:`tile_table`).
         luts: ``(N, 3, 256)`` uint8, ``RandomHSV``'s hue, saturation and value tables, or None
             for no colour change (ultralytics' gains all zero).
         size: the output (width, height).
@@ -281,7 +336,7 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
     if packed.dtype != torch.uint8:
         raise ValueError(f"augment_images: packed must be uint8, got {packed.dtype}")
     if table.dim() != 2 or table.shape[1] != TABLE or table.dtype != torch.float64:
-        raise ValueError(f"augment_images: table must be float64 (N, {TABLE}) (pack_crops), got "
+        raise ValueError(f"augment_images: table must be float64 (N, {TABLE}) (tile_table), got "
                          f"{table.dtype} {tuple(table.shape)}")
     n = table.shape[0]
     if luts is not None and (tuple(luts.shape) != (n, 3, 256) or luts.dtype != torch.uint8):
@@ -307,4 +362,5 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
     return out
 
 
-__all__ = ["BORDER", "TABLE", "augment_images", "augment_images_reference", "pack_crops"]
+__all__ = ["BORDER", "TABLE", "TILE", "TILES", "augment_images", "augment_images_reference", "pack_crops",
+           "tile_table"]

@@ -1,0 +1,234 @@
+"""JPEG decoding on the GPU for the deferred augmentation: the loader's workers read a training
+image's bytes instead of decoding it, and the GPU decodes the batch's images in one call.
+
+Decoding a 640 x 480 photo takes a loader worker about 2-3 ms, half of what a deferred sample
+costs it (:mod:`trainfuse.ultralytics.augment.deferred`). :func:`install` replaces a training
+dataset's ``load_image`` by :func:`encoded_load_image`: for a plain JPEG it reads the file's bytes
+and the size in its header, and returns an :class:`Encoded` stand-in of the size ultralytics'
+``load_image`` would have returned (its resize rule, on the shape only), with ultralytics' own
+buffer bookkeeping, so the mosaic draws the very images and parameters it draws on decoded ones.
+Any other image (PNG and the rest, progressive or CMYK JPEGs, an EXIF rotation, a ``.npy``
+cache) is decoded by ultralytics' ``load_image`` as before, in the worker.
+
+:class:`JpegDecoder` is the GPU's side: it decodes a batch's JPEGs that it has not decoded lately
+with ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA, libjpeg-turbo on the CPU), resizes them as
+ultralytics would have (bilinear), turns them to HWC BGR and keeps them by dataset index: the
+mosaic's other three images come from the workers' recent images, so most tiles of a batch are
+decoded already. It then packs the batch's sources, decoded and raw, into the flat buffer that
+:func:`~trainfuse.ultralytics.augment.kernel.augment_images` reads.
+
+nvJPEG's output is not libjpeg-turbo's bit for bit (its chroma upsampling and IDCT differ): pixels
+differ by a level or two on average, more on sharp colour edges; on the CPU, torchvision decodes
+as OpenCV does, exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+RAW, JPEG = 0, 1  # the kinds of a batch's sources
+HOST_KEYS = ("aug_sources", "aug_jpeg")  # a deferred batch's tensors the decoder reads on the host
+SOURCE_COLUMNS = 8  # per source: kind, dataset index, offset, length, h, w (resized), h0, w0 (decoded)
+
+
+class Encoded(np.ndarray):
+    """A stand-in image: zero-cost pixels (strides 0) of the shape ultralytics' transforms read,
+    and in ``source`` what the GPU decodes: ``(dataset index, JPEG bytes, decoded h, decoded w)``."""
+
+    source: tuple | None = None
+
+    def __array_finalize__(self, obj):
+        self.source = getattr(obj, "source", None)
+
+
+def stand_in(h: int, w: int, source: tuple) -> Encoded:
+    """An :class:`Encoded` (h, w, 3) image of ``source``."""
+    im = np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (h, w, 3)).view(Encoded)
+    im.source = source
+    return im
+
+
+def probe_jpeg(path: str) -> tuple[np.ndarray, int, int] | None:
+    """``(bytes, height, width)`` of a JPEG that decodes on the GPU as OpenCV decodes it on the CPU:
+    baseline, 8-bit greyscale or YCbCr, no EXIF rotation (OpenCV applies it); None for any other
+    file."""
+    from PIL import Image
+
+    try:
+        data = np.fromfile(path, np.uint8)
+        with Image.open(io.BytesIO(data.tobytes())) as im:
+            if (im.format != "JPEG" or im.mode not in ("RGB", "L") or im.info.get("progressive")
+                    or im.info.get("progression") or im.getexif().get(0x0112, 1) != 1):
+                return None
+            w, h = im.size
+    except Exception:  # unreadable here (ultralytics' patched Image.open may raise anything): stock reads it
+        return None
+    return data, h, w
+
+
+def _resized_shape(dataset, h0: int, w0: int, rect_mode: bool, resize_short: bool) -> tuple[int, int]:
+    """The (h, w) ultralytics' ``load_image`` resizes an (h0, w0) image to."""
+    size = dataset.imgsz
+    shape = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    imgsz = max(shape)
+    if not rect_mode:
+        return shape if (h0, w0) != shape else (h0, w0)
+    if resize_short:
+        r = imgsz / min(h0, w0)
+        if r != 1:
+            return (imgsz, math.ceil(w0 * r)) if h0 < w0 else (math.ceil(h0 * r), imgsz)
+        return h0, w0
+    r = imgsz / max(h0, w0)
+    if r != 1:
+        return min(math.ceil(h0 * r), imgsz), min(math.ceil(w0 * r), imgsz)
+    return h0, w0
+
+
+def encoded_load_image(dataset, i: int, rect_mode: bool = True, resize_short: bool = False):
+    """ultralytics' ``BaseDataset.load_image`` for ``dataset``, with a plain JPEG not decoded: an
+    :class:`Encoded` stand-in of the resized shape in its place (see the module)."""
+    if dataset.ims[i] is not None:
+        return dataset.ims[i], dataset.im_hw0[i], dataset.im_hw[i]
+    probed = None if dataset.npy_files[i].exists() else probe_jpeg(dataset.im_files[i])
+    if probed is None:
+        return type(dataset).load_image(dataset, i, rect_mode, resize_short)
+    data, h0, w0 = probed
+    h, w = _resized_shape(dataset, h0, w0, rect_mode, resize_short)
+    im = stand_in(h, w, (i, data, h0, w0))
+    if dataset.augment and dataset.cache != "ram":  # ultralytics' buffer, as load_image keeps it
+        dataset.ims[i], dataset.im_hw0[i], dataset.im_hw[i] = im, (h0, w0), (h, w)
+        dataset.buffer.append(i)
+        if 1 < len(dataset.buffer) >= dataset.max_buffer_length:
+            j = dataset.buffer.pop(0)
+            dataset.ims[j], dataset.im_hw0[j], dataset.im_hw[j] = None, None, None
+    return im, (h0, w0), (h, w)
+
+
+class _EncodedLoad:
+    """A dataset's ``load_image``: :func:`encoded_load_image` (picklable, for spawned workers)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __call__(self, i, rect_mode=True, resize_short=False):
+        return encoded_load_image(self.dataset, i, rect_mode, resize_short)
+
+
+def install(dataset) -> None:
+    """Leave ``dataset``'s plain JPEGs to the GPU (see the module)."""
+    dataset.load_image = _EncodedLoad(dataset)
+
+
+def pack_sources(sources: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's sources, in order, as the loader hands them over: the ``(M, SOURCE_COLUMNS)``
+    int64 table, the raw pixels one after another (flat uint8) and the JPEG bytes one after
+    another (flat uint8). Each source: an HWC uint8 array (raw pixels), or an :class:`Encoded`
+    whose ``source`` the GPU decodes."""
+    rows, raw, jpeg, at_raw, at_jpeg = [], [], [], 0, 0
+    for s in sources:
+        h, w = s.shape[:2]
+        if isinstance(s, Encoded):
+            index, data, h0, w0 = s.source
+            rows.append((JPEG, index, at_jpeg, data.size, h, w, h0, w0))
+            jpeg.append(torch.from_numpy(data))
+            at_jpeg += data.size
+        else:
+            rows.append((RAW, -1, at_raw, h * w * 3, h, w, h, w))
+            raw.append(torch.from_numpy(np.ascontiguousarray(s)).reshape(-1))
+            at_raw += h * w * 3
+    table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), SOURCE_COLUMNS)
+    empty = torch.zeros(0, dtype=torch.uint8)
+    return table, torch.cat(raw) if raw else empty, torch.cat(jpeg) if jpeg else empty
+
+
+class JpegDecoder:
+    """Decodes the JPEG sources of deferred batches on their device and keeps the decoded images.
+
+    Args:
+        capacity: decoded images kept (least recently used first out); ultralytics' workers keep
+            their last ``max_buffer_length`` images each for the mosaic, so about ``workers *
+            max_buffer_length`` keeps every tile decoded once.
+
+    Attributes:
+        decoded: images decoded so far; ``reused``: images a batch found decoded already.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        if capacity < 0:
+            raise ValueError(f"JpegDecoder: capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.kept: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.decoded = 0
+        self.reused = 0
+
+    def pack(self, sources: torch.Tensor, raw: torch.Tensor, jpeg: torch.Tensor) -> torch.Tensor:
+        """The batch's sources packed (flat uint8, HWC BGR, in ``sources``' order) on ``raw``'s
+        device, for :func:`~trainfuse.ultralytics.augment.kernel.augment_images`.
+
+        Args:
+            sources: the :func:`pack_sources` table, on the CPU.
+            raw: the raw pixels, on the batch's device.
+            jpeg: the JPEG bytes, on the CPU.
+        """
+        device = raw.device
+        rows = sources.tolist()
+        todo, ready = {}, {}
+        for row in rows:
+            index = row[1]
+            if row[0] != JPEG or index in ready or index in todo:
+                continue
+            if index in self.kept:  # taken before this batch's decodes may push it out
+                ready[index] = self.kept[index]
+                self.kept.move_to_end(index)
+                self.reused += 1
+            else:
+                todo[index] = row
+        if todo:
+            images = self._decode([jpeg[r[2]:r[2] + r[3]] for r in todo.values()], device)
+            for (index, (_, _, _, _, h, w, h0, w0)), img in zip(todo.items(), images):
+                if tuple(img.shape[1:]) != (h0, w0):
+                    raise ValueError(f"JpegDecoder: image {index} decoded to {tuple(img.shape[1:])}, its "
+                                     f"header said {(h0, w0)}")
+                ready[index] = img = _to_hwc_bgr(img, h, w)
+                self._keep(index, img)
+            self.decoded += len(todo)
+        parts = []
+        for kind, index, offset, length, *_ in rows:
+            if kind == RAW:
+                parts.append(raw[offset:offset + length])
+                continue
+            parts.append(ready[index].reshape(-1))
+        if not parts:
+            return torch.zeros(0, dtype=torch.uint8, device=device)
+        return torch.cat(parts)
+
+    def _decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+    def _keep(self, index: int, img: torch.Tensor) -> None:
+        if self.capacity == 0:
+            return
+        self.kept[index] = img
+        while len(self.kept) > self.capacity:
+            self.kept.popitem(last=False)
+
+
+def _to_hwc_bgr(img: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """A decoded (3, h0, w0) RGB image resized to (h, w) as ``cv2.resize(INTER_LINEAR)`` does
+    (bilinear, pixel centres aligned, rounded; OpenCV's 11-bit fixed-point weights put about 1 pixel
+    in 200 a level or two apart), as a contiguous (h, w, 3) BGR image."""
+    if tuple(img.shape[1:]) != (h, w):
+        img = torch.nn.functional.interpolate(img[None].float(), size=(h, w), mode="bilinear",
+                                              align_corners=False)[0].round_().clamp_(0, 255).to(torch.uint8)
+    return img.flip(0).permute(1, 2, 0).contiguous()
+
+
+__all__ = ["Encoded", "HOST_KEYS", "JPEG", "JpegDecoder", "RAW", "SOURCE_COLUMNS", "encoded_load_image",
+           "install", "pack_sources", "probe_jpeg", "stand_in"]
