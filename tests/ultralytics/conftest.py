@@ -43,3 +43,31 @@ def path(request, monkeypatch):
     else:
         monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
     return request.param
+
+
+@pytest.fixture
+def stock_decodes_as_the_gpu(monkeypatch):
+    """A call ``(on)`` that, when ``on``, has ultralytics' image reader decode JPEGs as the GPU
+    augmentation's decoder does on CUDA (nvJPEG through torchvision): a stock batch then differs
+    from a deferred one only by the augmentation. Decoders may differ (nvJPEG's chroma upsampling
+    and IDCT are not libjpeg-turbo's), so a JPEG's pixels are the decoder's business, not the
+    augmentation's. Off, stock reads with OpenCV (libjpeg-turbo, as torchvision on the CPU)."""
+    import numpy as np
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from ultralytics.data import base
+
+    stock = base.imread
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def imread(filename, flags=None):
+        if not str(filename).lower().endswith((".jpg", ".jpeg")):
+            return stock(filename) if flags is None else stock(filename, flags=flags)
+        data = torch.from_numpy(np.fromfile(str(filename), np.uint8))
+        rgb = decode_jpeg([data], mode=ImageReadMode.RGB, device=device)[0]
+        return np.ascontiguousarray(rgb.flip(0).permute(1, 2, 0).cpu().numpy())
+
+    def switch(on: bool) -> None:
+        if on:
+            monkeypatch.setattr(base, "imread", imread)
+
+    return switch

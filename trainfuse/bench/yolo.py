@@ -61,7 +61,8 @@ def _parser():
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--photo", action="store_true",
-                        help="photo-like 640x480 JPEGs of COCO's size (1,024 unless --images), cache off: "
+                        help="photo-like 640x480 JPEGs of COCO's size (1,024 unless --images; past 1,024, "
+                        "copies of the first 1,024), cache off: "
                         "the loader alone, stock and ours in images/s (bench.yolo_photo)")
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "trainfuse-bench-shapes"),
                         help="where the synthetic dataset is generated (reused when it matches)")
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     kind = "photo-" if args.photo else ""
     folder = Path(args.data_dir) / f"{kind}{args.imgsz}px-{args.images}-seed{args.seed}"
     data = str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
-                                   seed=args.seed, photo=args.photo))
+                                   seed=args.seed, photo=args.photo,
+                                   distinct=1024 if args.photo and args.images > 1024 else None))
     if args.photo:
         from trainfuse.bench import yolo_photo
 

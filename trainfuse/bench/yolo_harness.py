@@ -395,6 +395,12 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     summary["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
     summary["host_launches_per_iteration"] = counter.host_per_iteration
     summary["phase_host_ms"] = phase_timer.median_ms
+    launches = getattr(trainer.train_loader, "launch_ms", None)  # the prefetcher's host time per batch
+    if launches:
+        summary["prefetch_host_ms"] = statistics.median(launches)
+    decoder = getattr(trainer, "jpeg_decoder", None)
+    if decoder is not None:
+        summary["jpeg_decoded"], summary["jpeg_reused"] = decoder.decoded, decoder.reused
     if getattr(trainer, "phase_stats", None) is not None:
         summary["phase_graph"] = trainer.phase_stats
     if getattr(trainer, "graph_stats", None) is not None:

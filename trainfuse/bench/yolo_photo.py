@@ -74,13 +74,13 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
                 f"({kb:.0f} KB), cache off, {args.workers} workers: images/s in the steady state")
     per_s = {kind: r["steady_images_per_s"] for kind, r in runs.items()}
     by_epoch = [" / ".join(f"{r:.0f}" for r in rates), " / ".join(f"{r:.0f}" for r in deferred_rates)]
-    rows = [["loader alone (no GPU work)", by_epoch[0], "", "", ""],
-            ["loader alone, decoding and augmentation left to the GPU", by_epoch[1], "", "", ""]]
+    rows = [["loader alone (no GPU work)", by_epoch[0], "", "", "", ""],
+            ["loader alone, decoding and augmentation left to the GPU", by_epoch[1], "", "", "", ""]]
     for kind, r in runs.items():
         rows.append([kind, f"{per_s[kind]:.0f}", f"{args.images / r['epoch_s']:.0f}", f"{r['iter_ms']:.2f}",
-                     f"{r['data_wait_ms']:.2f}"])
+                     f"{r['data_wait_ms']:.2f}", f"{r.get('prefetch_host_ms', float('nan')):.2f}"])
     print_table(workload, ["run", "images/s (steady)", "images/s (epoch)", "iteration ms (median)",
-                           "data wait ms (median)"], rows)
+                           "data wait ms (median)", "prefetch host ms"], rows)
     add_row(report, workload, "ultralytics DetectionTrainer", trainfuse=False, wall_ms=1e3 / per_s["stock"])
     add_row(report, workload, "FusedDetectionTrainer", trainfuse=True, wall_ms=1e3 / per_s["trainfuse"])
     add_row(report, workload, "FusedDetectionTrainer, gpu_augment=True", trainfuse=True,

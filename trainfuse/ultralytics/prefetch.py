@@ -21,6 +21,8 @@ Everything else is the wrapped loader's: its length, dataset, sampler, ``reset()
 
 from __future__ import annotations
 
+import collections
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +38,9 @@ class DevicePrefetcher:
         finish: called on each batch once its copies are launched, on the side stream (the
             deferred augmentation); returns the batch the loop gets.
         host_keys: keys whose tensors are not copied.
+
+    Attributes:
+        launch_ms: the host time each batch's copies and ``finish`` took, in ms (the last 1,000).
     """
 
     def __init__(self, loader: Any, device: torch.device,
@@ -46,6 +51,7 @@ class DevicePrefetcher:
         self.device = device
         self.finish = finish
         self.host_keys = frozenset(host_keys)
+        self.launch_ms: collections.deque[float] = collections.deque(maxlen=1000)
         self._stream: torch.cuda.Stream | None = None
 
     def __len__(self) -> int:
@@ -80,6 +86,7 @@ class DevicePrefetcher:
             raise TypeError(f"DevicePrefetcher: the loader's batches must be dicts, got "
                             f"{type(batch).__name__}")
         stream = self._stream
+        start = time.perf_counter()
         with torch.cuda.stream(stream):  # allocated from the side stream's own pool
             moved = {k: v.to(self.device, non_blocking=True)
                      if isinstance(v, torch.Tensor) and k not in self.host_keys else v
@@ -88,6 +95,7 @@ class DevicePrefetcher:
                 moved = self.finish(moved)
             event = torch.cuda.Event()
             event.record(stream)
+        self.launch_ms.append((time.perf_counter() - start) * 1e3)
         return moved, event
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -89,7 +90,7 @@ def _image(rng: np.random.Generator, width: int, height: int, nc: int, max_objec
 
 def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, imgsz: int = 640,
                         seed: int = 0, nc: int = len(CLASSES), max_objects: int = 8,
-                        photo: bool = False) -> Path:
+                        photo: bool = False, distinct: int | None = None) -> Path:
     """Write the dataset under ``root`` (or reuse it when made with the same arguments).
 
     Args:
@@ -102,6 +103,9 @@ def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, i
         max_objects: each image holds 1 to ``max_objects`` shapes (they may overlap).
         photo: 4:3 images whose grain makes JPEGs of a photo's size (about 190 KB at 640 x 480,
             COCO's size), for benchmarks of a loader that decodes every image every epoch.
+        distinct: draw only this many training images; the rest are their copies (hard links),
+            image ``i`` a copy of image ``i % distinct``: a large dataset to read and decode
+            without the time to draw it. None: every image drawn.
 
     Returns:
         The path of ``data.yaml``, ready for ``YOLO(...).train(data=...)``.
@@ -116,8 +120,11 @@ def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, i
         raise ValueError(f"make_shapes_dataset: imgsz={imgsz}, max_objects={max_objects}; expected "
                          "imgsz >= 32 and max_objects >= 1")
     root = Path(root)
+    if distinct is not None and distinct < 1:
+        raise ValueError(f"make_shapes_dataset: distinct={distinct}; expected at least 1 or None")
     spec = {"n_train": n_train, "n_val": n_val, "imgsz": imgsz, "seed": seed, "nc": nc,
-            "max_objects": max_objects, "version": 1, **({"photo": True} if photo else {})}
+            "max_objects": max_objects, "version": 1, **({"photo": True} if photo else {}),
+            **({"distinct": distinct} if distinct is not None and distinct < n_train else {})}
     marker, yaml = root / "shapes.json", root / "data.yaml"
     if marker.exists() and yaml.exists() and json.loads(marker.read_text()) == spec:
         return yaml
@@ -128,7 +135,12 @@ def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, i
             folder.mkdir(parents=True, exist_ok=True)
             for old in folder.iterdir():  # a different earlier dataset must not leave files behind
                 old.unlink()
+        drawn = min(n, distinct) if split == "train" and distinct else n
         for i in range(n):
+            if i >= drawn:  # a copy of a drawn image
+                os.link(images / f"{i % drawn:05d}.jpg", images / f"{i:05d}.jpg")
+                (labels / f"{i:05d}.txt").write_text((labels / f"{i % drawn:05d}.txt").read_text())
+                continue
             img, lines = _image(rng, imgsz, imgsz * 3 // 4 if photo else imgsz, nc, max_objects, photo)
             cv2.imwrite(str(images / f"{i:05d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 95])
             (labels / f"{i:05d}.txt").write_text("\n".join(lines) + "\n")
