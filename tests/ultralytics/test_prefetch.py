@@ -3,6 +3,8 @@ attributes pass through; off CUDA it refuses to be made."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -39,18 +41,21 @@ def test_refuses_a_device_that_is_not_cuda():
 
 
 @cuda
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
 @pytest.mark.parametrize("n", [0, 1, 5])
-def test_batches_arrive_on_the_gpu_equal_and_in_order(n):
+def test_batches_arrive_on_the_gpu_equal_and_in_order(n, background):
     loader = _Loader(n, pin=True)
     device = torch.device("cuda", torch.cuda.current_device())
-    pre = DevicePrefetcher(loader, device)
+    seen_keys = []
+    pre = DevicePrefetcher(loader, device, background=background, host_keys=("cls",),
+                           finish=lambda b: seen_keys.append(b["cls"].device.type) or b)
     assert len(pre) == n and pre.dataset == "dataset"
     pre.reset()
     assert loader.resets == 1
     for _ in range(2):  # two epochs
         seen = []
         for batch, want in zip(pre, loader.batches, strict=True):
-            assert batch["img"].device == device and batch["cls"].device == device
+            assert batch["img"].device == device and batch["cls"].device.type == "cpu"  # a host key
             assert torch.equal(batch["img"].cpu(), want["img"])
             assert torch.equal(batch["cls"].cpu(), want["cls"])
             assert batch["im_file"] == want["im_file"]
@@ -58,6 +63,30 @@ def test_batches_arrive_on_the_gpu_equal_and_in_order(n):
             batch["img"].float().div_(255)  # work on the loop's stream
             seen.append(batch["index"])
         assert seen == list(range(n))
+    assert seen_keys == ["cpu"] * 2 * n and len(pre.launch_ms) == 2 * n
+
+
+class _Failing(_Loader):
+    def __iter__(self):
+        yield self.batches[0]
+        raise RuntimeError("a worker died")
+
+
+@cuda
+def test_background_launches_raise_in_the_loop_and_stop_with_it():
+    device = torch.device("cuda", torch.cuda.current_device())
+    pre = DevicePrefetcher(_Failing(3, pin=True), device, background=True)
+    batches = iter(pre)
+    assert next(batches)["index"] == 0
+    with pytest.raises(RuntimeError, match="a worker died"):
+        next(batches)
+    loader = _Loader(6, pin=True)
+    batches = iter(DevicePrefetcher(loader, device, background=True, ahead=1))
+    assert next(batches)["index"] == 0
+    batches.close()  # the loop leaves the epoch after one batch: the thread is gone
+    assert not any(t.name == "trainfuse-prefetch" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="ahead must be >= 1"):
+        DevicePrefetcher(loader, device, ahead=0)
 
 
 @cuda

@@ -361,9 +361,11 @@ def plot_runs(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
 
 
 def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
-              cache: str | bool = "ram", name: str | None = None, **trainer_kwargs) -> tuple[dict, object]:
+              cache: str | bool = "ram", name: str | None = None, train_args: dict | None = None,
+              **trainer_kwargs) -> tuple[dict, object]:
     """One timed training run of ``kind`` (``stock`` or ``trainfuse``, the latter built with
-    ``trainer_kwargs``) in ``project/<name or kind>``: its summary and trainer."""
+    ``trainer_kwargs``) in ``project/<name or kind>``: its summary and trainer. ``train_args``:
+    more of ``model.train``'s arguments."""
     from ultralytics import YOLO
 
     from trainfuse.ultralytics import FusedDetectionTrainer
@@ -384,7 +386,7 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
                 workers=args.workers, cache=cache, deterministic=False, val=False, plots=False, device=device,
                 project=str(project), name=name or kind, exist_ok=True, verbose=False,
                 optimizer=args.optimizer,
-                **extra)
+                **extra, **(train_args or {}))
     trainer = model.trainer
     summary = timer.summary(args.batch)
     summary["steady_images_per_s"] = timer.steady_images_per_s(args.batch)

@@ -92,7 +92,9 @@ class BatchLoading:
         loader = super().get_dataloader(dataset_path, batch_size, rank, mode)
         if mode == "train" and self.prefetch and self.device.type == "cuda":
             finish = functools.partial(_finish_deferred, self.jpeg_decoder)
-            loader = DevicePrefetcher(loader, self.device, finish=finish, host_keys=HOST_KEYS)
+            # decoding waits for the GPU: in a thread, off the loop's host time
+            loader = DevicePrefetcher(loader, self.device, finish=finish, host_keys=HOST_KEYS,
+                                      background=self.jpeg_decoder is not None)
         return loader
 
     def preprocess_batch(self, batch: dict) -> dict:

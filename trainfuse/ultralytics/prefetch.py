@@ -15,6 +15,12 @@ A ``finish`` callable runs on each batch on the side stream too, after its copie
 GPU augmentation, which then also overlaps the step before. Tensors under ``host_keys`` stay where
 they are (what ``finish`` reads on the host).
 
+With ``background=True`` a thread of the prefetcher's own takes the batches from the loader and
+launches them, up to ``ahead`` batches ahead of the loop: for a ``finish`` whose host time
+(decoding a batch's JPEGs, which waits for the GPU) would otherwise add to each iteration's. The
+thread issues CUDA work only on the side stream, which the trainers' captures (thread-local
+capture mode) do not see; it stops when the loop leaves the epoch, after the batch in hand.
+
 Everything else is the wrapped loader's: its length, dataset, sampler, ``reset()`` and ``close()``
 (attribute access passes through).
 """
@@ -22,6 +28,8 @@ Everything else is the wrapped loader's: its length, dataset, sampler, ``reset()
 from __future__ import annotations
 
 import collections
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,19 +46,26 @@ class DevicePrefetcher:
         finish: called on each batch once its copies are launched, on the side stream (the
             deferred augmentation); returns the batch the loop gets.
         host_keys: keys whose tensors are not copied.
+        background: take and launch the batches in a thread (see the module).
+        ahead: batches launched ahead of the loop in the background (at least 1).
 
     Attributes:
         launch_ms: the host time each batch's copies and ``finish`` took, in ms (the last 1,000).
     """
 
     def __init__(self, loader: Any, device: torch.device,
-                 finish: Callable[[dict], dict] | None = None, host_keys: tuple[str, ...] = ()) -> None:
+                 finish: Callable[[dict], dict] | None = None, host_keys: tuple[str, ...] = (),
+                 background: bool = False, ahead: int = 2) -> None:
         if device.type != "cuda":
             raise ValueError(f"DevicePrefetcher: device must be a CUDA device, got {device}")
         self.loader = loader
         self.device = device
         self.finish = finish
         self.host_keys = frozenset(host_keys)
+        if ahead < 1:
+            raise ValueError(f"DevicePrefetcher: ahead must be >= 1, got {ahead}")
+        self.background = background
+        self.ahead = ahead
         self.launch_ms: collections.deque[float] = collections.deque(maxlen=1000)
         self._stream: torch.cuda.Stream | None = None
 
@@ -65,17 +80,59 @@ class DevicePrefetcher:
     def __iter__(self) -> Iterator[Any]:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        batches = iter(self.loader)
-        ahead = self._launch(next(batches, None))
-        while ahead is not None:
-            batch, event = ahead
-            ahead = self._launch(next(batches, None))  # runs while this one trains
+        launched = self._background() if self.background else self._inline()
+        for batch, event in launched:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
             for value in batch.values():
                 if isinstance(value, torch.Tensor) and value.device == self.device:
                     value.record_stream(current)
             yield batch
+
+    def _inline(self) -> Iterator[tuple[Any, torch.cuda.Event]]:
+        batches = iter(self.loader)
+        ahead = self._launch(next(batches, None))
+        while ahead is not None:
+            current, ahead = ahead, self._launch(next(batches, None))  # runs while this one trains
+            yield current
+
+    def _background(self) -> Iterator[tuple[Any, torch.cuda.Event]]:
+        done = object()
+        launched: queue.Queue = queue.Queue(maxsize=self.ahead)
+        stop = threading.Event()
+
+        def work() -> None:
+            try:
+                with torch.cuda.device(self.device):
+                    for batch in self.loader:
+                        item = self._launch(batch)
+                        while not stop.is_set():
+                            try:
+                                launched.put(item, timeout=0.05)
+                                break
+                            except queue.Full:
+                                continue
+                        if stop.is_set():
+                            return
+                launched.put(done)
+            except BaseException as error:  # raised in the loop's thread
+                launched.put(error)
+
+        thread = threading.Thread(target=work, name="trainfuse-prefetch", daemon=True)
+        thread.start()
+        try:
+            while (item := launched.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():  # the loader's iterator is the thread's until it returns
+                try:
+                    launched.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
 
     def _launch(self, batch: Any) -> tuple[Any, torch.cuda.Event] | None:
         """Launch the copies of ``batch``'s CPU tensors on the side stream: the batch (a new dict)
