@@ -81,10 +81,12 @@ def test_background_launches_raise_in_the_loop_and_stop_with_it():
     with pytest.raises(RuntimeError, match="a worker died"):
         next(batches)
     loader = _Loader(6, pin=True)
-    batches = iter(DevicePrefetcher(loader, device, background=True, ahead=1))
+    pre = DevicePrefetcher(loader, device, background=True, ahead=1)
+    batches = iter(pre)
     assert next(batches)["index"] == 0
+    assert any(t.name == pre.thread_name for t in threading.enumerate())
     batches.close()  # the loop leaves the epoch after one batch: the thread is gone
-    assert not any(t.name == "trainfuse-prefetch" for t in threading.enumerate())
+    assert not any(t.name == pre.thread_name for t in threading.enumerate())
     with pytest.raises(ValueError, match="ahead must be >= 1"):
         DevicePrefetcher(loader, device, ahead=0)
 

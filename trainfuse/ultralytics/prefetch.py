@@ -51,6 +51,7 @@ class DevicePrefetcher:
 
     Attributes:
         launch_ms: the host time each batch's copies and ``finish`` took, in ms (the last 1,000).
+        thread_name: the name of the background thread (one per epoch, while it runs).
     """
 
     def __init__(self, loader: Any, device: torch.device,
@@ -66,6 +67,7 @@ class DevicePrefetcher:
             raise ValueError(f"DevicePrefetcher: ahead must be >= 1, got {ahead}")
         self.background = background
         self.ahead = ahead
+        self.thread_name = f"trainfuse-prefetch-{id(self):x}"
         self.launch_ms: collections.deque[float] = collections.deque(maxlen=1000)
         self._stream: torch.cuda.Stream | None = None
 
@@ -118,7 +120,7 @@ class DevicePrefetcher:
             except BaseException as error:  # raised in the loop's thread
                 launched.put(error)
 
-        thread = threading.Thread(target=work, name="trainfuse-prefetch", daemon=True)
+        thread = threading.Thread(target=work, name=self.thread_name, daemon=True)
         thread.start()
         try:
             while (item := launched.get()) is not done:
