@@ -112,7 +112,8 @@ def test_mixed_batches_equal_stock(mixed, imgsz, kernels, device, stock_decodes_
     decoder = JpegDecoder(capacity=64)
     for seed in range(3):
         out = _batch(ours, seed)
-        kinds = out["aug_sources"][:, 0]
+        assert out["aug_jpeg"].pin_memory() is out["aug_jpeg"]  # the DataLoader's pinning passes it by
+        kinds = out["aug_sources"].tensor[:, 0]
         assert (kinds == RAW).any() and (kinds == JPEG).any()  # PNG tiles ride along as pixels
         moved = {k: v.to(device) if torch.is_tensor(v) and k not in HOST_KEYS else v for k, v in out.items()}
         got = finish_batch(moved, decoder)["img"].cpu()
@@ -149,7 +150,7 @@ def test_the_decoder_keeps_the_latest_images_and_checks_the_header(tmp_path):
     raw = np.full((2, 3, 3), 7, np.uint8)
     decoder = JpegDecoder(capacity=2)
     table, pixels, jpeg = pack_sources([images[0], raw, images[1]])
-    assert table[:, 0].tolist() == [JPEG, RAW, JPEG] and pixels.numel() == 18
+    assert table.tensor[:, 0].tolist() == [JPEG, RAW, JPEG] and pixels.numel() == 18
     packed = decoder.pack(table, pixels, jpeg)
     first = torch.from_numpy(cv2.imread(paths[0])).reshape(-1)
     assert packed.numel() == 2 * first.numel() + 18 and torch.equal(packed[:first.numel()], first)

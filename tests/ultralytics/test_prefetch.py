@@ -3,7 +3,9 @@ attributes pass through; off CUDA it refuses to be made."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -85,7 +87,12 @@ def test_background_launches_raise_in_the_loop_and_stop_with_it():
     batches = iter(pre)
     assert next(batches)["index"] == 0
     assert any(t.name == pre.thread_name for t in threading.enumerate())
-    batches.close()  # the loop leaves the epoch after one batch: the thread is gone
+    batches.close()  # the loop leaves the epoch after one batch: the thread goes
+    del batches
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.name == pre.thread_name for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(t.name == pre.thread_name for t in threading.enumerate())
     with pytest.raises(ValueError, match="ahead must be >= 1"):
         DevicePrefetcher(loader, device, ahead=0)
