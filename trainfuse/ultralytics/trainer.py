@@ -30,8 +30,8 @@ results differ on purpose):
   Off on CPU, with ``compile``, or without a fused loss; choose with
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP, a subclass
   setting ``cuda_graphs = False``).
-- **Input side** (CUDA): on request (``gpu_augment=True``), the random warp, HSV jitter and flips
-  of the training batches on the GPU, with ultralytics' own random draws
+- **Input side** (CUDA): on request (``gpu_augment=True``), the JPEG decoding, random warp, HSV
+  jitter and flips of the training batches on the GPU, with ultralytics' own random draws
   (:mod:`trainfuse.ultralytics.loading`); the first convolution on the space-to-depth image
   (:mod:`trainfuse.nn.stem`, ``fold_stem``); the batches copied to the GPU one ahead on a side
   stream (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`, ``prefetch``).
