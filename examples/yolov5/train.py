@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default=None, help="ultralytics device ('0', 'cpu'; default: auto)")
     parser.add_argument("--gpu-augment", action="store_true",
-                        help="trainfuse runs: JPEG decoding and the augmentation's warp, HSV and flips on the GPU "
+                        help="trainfuse runs: JPEG decoding and the augmentation's warp, HSV and flips "
+                        "on the GPU "
                         "(FusedDetectionTrainer(gpu_augment=True); off by default)")
     parser.add_argument("--out", default=str(OUT),
                         help="runs, dataset, table and PNG go here (default: runs/ next to this script)")

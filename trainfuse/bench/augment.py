@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     add_row(report, workload, "ultralytics on the CPU (one worker)", trainfuse=False, wall_ms=cpu)
     add_row(report, workload, "torch reference (GPU)", trainfuse=False, do_bench_ms=reference)
     add_row(report, workload, "augment_images (Triton)", trainfuse=True, do_bench_ms=kernel, floor_ms=floor)
-    report["summary_skip"] = [workload]  # a kernel against its own reference: the docs' table, not the README's
+    report["summary_skip"] = [workload]  # a kernel against its own reference: the docs' table only
     print_table(workload, ["implementation", "ms per batch", "% of floor"],
                 [["ultralytics on the CPU (one worker)", f"{cpu:.2f}", ""],
                  ["torch reference (GPU)", f"{reference:.3f}", ""],

@@ -98,7 +98,7 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
                      "long one do")
     note(report, "augmentation: " + "; ".join(f"{k}: {'on the GPU' if not v else 'CPU (' + v + ')'}"
                                                 for k, v in reasons.items()))
-    report["summary_skip"] = [workload]  # the README's table keeps the training loops; this one is in the docs
+    report["summary_skip"] = [workload]  # in the docs' table; the README's keeps the iteration rows
     report["runs"] = {k: {key: v for key, v in r.items() if key not in ("losses", "iter_ms_all")}
                       for k, r in runs.items()}
     report["loader_images_per_s"] = rates
