@@ -5,7 +5,6 @@ CPU decodes as OpenCV does: bit for bit there; nvJPEG on the GPU within a few le
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from ultralytics.cfg import get_cfg  # noqa: E402
 from ultralytics.data.build import build_yolo_dataset  # noqa: E402
 from ultralytics.data.utils import check_det_dataset  # noqa: E402
 
+from tests.ultralytics._augment import seeded_batch  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch  # noqa: E402
 from trainfuse.ultralytics.augment.decode import (  # noqa: E402
@@ -96,13 +96,8 @@ def test_stand_ins_keep_ultralytics_shapes_and_buffer(mixed, imgsz):
         assert [x is None for x in stock.ims] == [x is None for x in ours.ims]
 
 
-def _batch(dataset, seed, images=(0, 1, 3, 5)):
-    samples = []
-    for k, i in enumerate(images):
-        random.seed(seed * 10 + k)
-        np.random.seed(seed * 10 + k)
-        samples.append(dataset[i])
-    return dataset.collate_fn(samples)
+def _batch(dataset, seed):
+    return seeded_batch(dataset, seed, images=(0, 1, 3, 5))
 
 
 @pytest.mark.parametrize("imgsz", [96, 64], ids=["as-is", "resized"])

@@ -22,6 +22,7 @@ from ultralytics.data.augment import RandomHSV  # noqa: E402
 from ultralytics.data.build import build_yolo_dataset  # noqa: E402
 from ultralytics.data.utils import check_det_dataset  # noqa: E402
 
+from tests.ultralytics._augment import seeded_batch  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred  # noqa: E402
 from trainfuse.ultralytics.augment.color import hsv_luts, opencv_vector_block  # noqa: E402
@@ -190,13 +191,7 @@ def _datasets(data, decode=False, **overrides):
     return stock, ours
 
 
-def _batch(dataset, seed, images=(0, 3, 5)):
-    samples = []
-    for k, i in enumerate(images):
-        random.seed(seed * 10 + k)
-        np.random.seed(seed * 10 + k)
-        samples.append(dataset[i])
-    return dataset.collate_fn(samples)
+_batch = seeded_batch
 
 
 def _finish_on(batch, device, decoder=None):
