@@ -64,3 +64,16 @@ def test_the_steady_rate_starts_after_the_first_epoch_and_counts_the_epoch_ends(
     one = LoopTimer()
     one.starts, one.ends, one.epoch_of = [0.0, 1.0], [0.5, 1.5], [0, 0]
     assert np.isnan(one.steady_images_per_s(batch=8))
+
+
+def test_a_large_photo_set_copies_its_first_drawn_images(tmp_path):
+    yaml = make_shapes_dataset(tmp_path / "p", n_train=5, n_val=1, imgsz=64, photo=True, distinct=2)
+    root = Path(yaml).parent
+    jpegs = sorted((root / "images" / "train").glob("*.jpg"))
+    assert len(jpegs) == 5 and jpegs[0].read_bytes() != jpegs[1].read_bytes()
+    for i in range(2, 5):  # image i is image i % 2, its labels too
+        assert jpegs[i].read_bytes() == jpegs[i % 2].read_bytes()
+        assert ((root / "labels" / "train" / f"{i:05d}.txt").read_text()
+                == (root / "labels" / "train" / f"{i % 2:05d}.txt").read_text())
+    with pytest.raises(ValueError, match="distinct=0; expected at least 1 or None"):
+        make_shapes_dataset(tmp_path / "q", n_train=5, n_val=1, imgsz=64, photo=True, distinct=0)
