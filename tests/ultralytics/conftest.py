@@ -1,5 +1,5 @@
-"""Fixtures the loss tests share: the kernels' small blocks, garbage-filled outputs, and the
-kernel-or-torch path."""
+"""Fixtures the loss tests share (the kernels' small blocks, garbage-filled outputs, the
+kernel-or-torch path) and the augmentation tests' stock loader that decodes as the GPU does."""
 
 from __future__ import annotations
 
