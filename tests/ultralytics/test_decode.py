@@ -24,7 +24,6 @@ from tests.ultralytics._augment import seeded_batch  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch  # noqa: E402
 from trainfuse.ultralytics.augment.decode import (  # noqa: E402
-    HOST_KEYS,
     JPEG,
     RAW,
     Encoded,
@@ -110,7 +109,7 @@ def test_mixed_batches_equal_stock(mixed, imgsz, kernels, device, stock_decodes_
         assert out["aug_jpeg"].pin_memory() is out["aug_jpeg"]  # the DataLoader's pinning passes it by
         kinds = out["aug_sources"].tensor[:, 0]
         assert (kinds == RAW).any() and (kinds == JPEG).any()  # PNG tiles ride along as pixels
-        moved = {k: v.to(device) if torch.is_tensor(v) and k not in HOST_KEYS else v for k, v in out.items()}
+        moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in out.items()}
         got = finish_batch(moved, decoder)["img"].cpu()
         want = add_padded_targets(_batch(stock, seed))
         assert torch.equal(out["bboxes"], want["bboxes"]) and torch.equal(out["cls"], want["cls"])

@@ -26,7 +26,7 @@ from tests.ultralytics._augment import seeded_batch  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred  # noqa: E402
 from trainfuse.ultralytics.augment.color import hsv_luts, opencv_vector_block  # noqa: E402
-from trainfuse.ultralytics.augment.decode import HOST_KEYS, JpegDecoder  # noqa: E402
+from trainfuse.ultralytics.augment.decode import JpegDecoder  # noqa: E402
 from trainfuse.ultralytics.augment.kernel import (  # noqa: E402
     TABLE,
     augment_images,
@@ -196,7 +196,7 @@ _batch = seeded_batch
 
 def _finish_on(batch, device, decoder=None):
     """finish_batch where the tests' kernels run (the GPU, or the interpreter on the CPU)."""
-    moved = {k: v.to(device) if torch.is_tensor(v) and k not in HOST_KEYS else v for k, v in batch.items()}
+    moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     out = finish_batch(moved, decoder)
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}
 
@@ -398,7 +398,7 @@ def test_prefetcher_finishes_deferred_batches_on_its_side_stream(data, decode, s
     stock, ours = _datasets(data, decode=decode)
     batches = [_batch(ours, s) for s in range(3)]
     finish = functools.partial(_finish_deferred, JpegDecoder(capacity=8) if decode else None)
-    prefetched = list(DevicePrefetcher(batches, torch.device("cuda"), finish=finish, host_keys=HOST_KEYS))
+    prefetched = list(DevicePrefetcher(batches, torch.device("cuda"), finish=finish))
     for seed, out in enumerate(prefetched):
         assert out["img"].is_cuda
         want = add_padded_targets(_batch(stock, seed))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests._helpers import cuda
+from trainfuse.ultralytics.augment.decode import HostTensor
 from trainfuse.ultralytics.prefetch import DevicePrefetcher
 
 
@@ -24,6 +25,7 @@ class _Loader:
             img = torch.randint(0, 255, (2, 3, 8, 8), dtype=torch.uint8, generator=g)
             self.batches.append({"img": img.pin_memory() if pin else img,
                                  "cls": torch.rand(3, 1, generator=g),
+                                 "bytes": HostTensor(torch.arange(i + 1, dtype=torch.uint8)),
                                  "im_file": [f"{i}a.jpg", f"{i}b.jpg"], "index": i})
         self.dataset, self.resets = "dataset", 0
 
@@ -48,24 +50,26 @@ def test_refuses_a_device_that_is_not_cuda():
 def test_batches_arrive_on_the_gpu_equal_and_in_order(n, background):
     loader = _Loader(n, pin=True)
     device = torch.device("cuda", torch.cuda.current_device())
-    seen_keys = []
-    pre = DevicePrefetcher(loader, device, background=background, host_keys=("cls",),
-                           finish=lambda b: seen_keys.append(b["cls"].device.type) or b)
+    seen = []  # what finish sees: the tensors on the GPU, the host's bytes where they were
+    pre = DevicePrefetcher(loader, device, background=background,
+                           finish=lambda b: seen.append((b["cls"].device.type,
+                                                         b["bytes"].tensor.device.type)) or b)
     assert len(pre) == n and pre.dataset == "dataset"
     pre.reset()
     assert loader.resets == 1
     for _ in range(2):  # two epochs
-        seen = []
+        order = []
         for batch, want in zip(pre, loader.batches, strict=True):
-            assert batch["img"].device == device and batch["cls"].device.type == "cpu"  # a host key
+            assert batch["img"].device == device and batch["cls"].device == device
+            assert batch["bytes"] is want["bytes"]  # a HostTensor is passed as it is, not copied
             assert torch.equal(batch["img"].cpu(), want["img"])
             assert torch.equal(batch["cls"].cpu(), want["cls"])
             assert batch["im_file"] == want["im_file"]
             assert want["img"].device.type == "cpu"  # the loader's own batch is left as it was
             batch["img"].float().div_(255)  # work on the loop's stream
-            seen.append(batch["index"])
-        assert seen == list(range(n))
-    assert seen_keys == ["cpu"] * 2 * n and len(pre.launch_ms) == 2 * n
+            order.append(batch["index"])
+        assert order == list(range(n))
+    assert seen == [("cuda", "cpu")] * 2 * n and len(pre.launch_ms) == 2 * n
 
 
 class _Failing(_Loader):

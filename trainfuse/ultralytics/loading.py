@@ -23,7 +23,6 @@ import functools
 from ultralytics.utils.torch_utils import unwrap_model
 
 from trainfuse.clients import OFF, ON
-from trainfuse.ultralytics.augment.decode import HOST_KEYS
 from trainfuse.ultralytics.choices import takes_fused_loss
 from trainfuse.ultralytics.prefetch import DevicePrefetcher
 from trainfuse.ultralytics.targets import PADDED_KEY, PadTargets, add_padded_targets
@@ -93,7 +92,7 @@ class BatchLoading:
         if mode == "train" and self.prefetch and self.device.type == "cuda":
             finish = functools.partial(_finish_deferred, self.jpeg_decoder)
             # decoding waits for the GPU: in a thread, off the loop's host time
-            loader = DevicePrefetcher(loader, self.device, finish=finish, host_keys=HOST_KEYS,
+            loader = DevicePrefetcher(loader, self.device, finish=finish,
                                       background=self.jpeg_decoder is not None)
         return loader
 
@@ -104,7 +103,8 @@ class BatchLoading:
         from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred
 
         if is_deferred(batch):
-            moved = {k: v.to(self.device, non_blocking=True) if hasattr(v, "to") and k not in HOST_KEYS else v
+            # the decoder's bytes and table are HostTensors: no ``to``, left on the host
+            moved = {k: v.to(self.device, non_blocking=True) if hasattr(v, "to") else v
                      for k, v in batch.items()}
             batch = finish_batch(moved, self.jpeg_decoder)
         if self._pad_targets and PADDED_KEY not in batch and batch["batch_idx"].device.type == "cpu":

@@ -12,8 +12,9 @@ reused before that stream is done with it. Batches come from pinned memory (ultr
 pin), so the copies do not block the host.
 
 A ``finish`` callable runs on each batch on the side stream too, after its copies: the trainer's
-GPU augmentation, which then also overlaps the step before. Tensors under ``host_keys`` stay where
-they are (what ``finish`` reads on the host).
+GPU augmentation, which then also overlaps the step before. Only ``torch.Tensor`` values are
+copied: what ``finish`` reads on the host travels in a
+:class:`~trainfuse.ultralytics.augment.decode.HostTensor`.
 
 With ``background=True`` a thread of the prefetcher's own takes the batches from the loader and
 launches them, up to ``ahead`` batches ahead of the loop: for a ``finish`` whose host time
@@ -45,7 +46,6 @@ class DevicePrefetcher:
         device: a CUDA device.
         finish: called on each batch once its copies are launched, on the side stream (the
             deferred augmentation); returns the batch the loop gets.
-        host_keys: keys whose tensors are not copied.
         background: take and launch the batches in a thread (see the module).
         ahead: batches launched ahead of the loop in the background (at least 1).
 
@@ -55,14 +55,13 @@ class DevicePrefetcher:
     """
 
     def __init__(self, loader: Any, device: torch.device,
-                 finish: Callable[[dict], dict] | None = None, host_keys: tuple[str, ...] = (),
-                 background: bool = False, ahead: int = 2) -> None:
+                 finish: Callable[[dict], dict] | None = None, background: bool = False,
+                 ahead: int = 2) -> None:
         if device.type != "cuda":
             raise ValueError(f"DevicePrefetcher: device must be a CUDA device, got {device}")
         self.loader = loader
         self.device = device
         self.finish = finish
-        self.host_keys = frozenset(host_keys)
         if ahead < 1:
             raise ValueError(f"DevicePrefetcher: ahead must be >= 1, got {ahead}")
         self.background = background
@@ -147,8 +146,7 @@ class DevicePrefetcher:
         stream = self._stream
         start = time.perf_counter()
         with torch.cuda.stream(stream):  # allocated from the side stream's own pool
-            moved = {k: v.to(self.device, non_blocking=True)
-                     if isinstance(v, torch.Tensor) and k not in self.host_keys else v
+            moved = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
             if self.finish is not None:
                 moved = self.finish(moved)

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 RAW, JPEG = 0, 1  # the kinds of a batch's sources
-HOST_KEYS = ("aug_sources", "aug_jpeg")  # a deferred batch's tensors the decoder reads on the host
 SOURCE_COLUMNS = 8  # per source: kind, dataset index, offset, length, h, w (resized), h0, w0 (decoded)
 
 
@@ -248,5 +247,5 @@ def _to_hwc_bgr(img: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return img.flip(0).permute(1, 2, 0).contiguous()
 
 
-__all__ = ["Encoded", "HOST_KEYS", "HostTensor", "JPEG", "JpegDecoder", "RAW", "SOURCE_COLUMNS",
+__all__ = ["Encoded", "HostTensor", "JPEG", "JpegDecoder", "RAW", "SOURCE_COLUMNS",
            "encoded_load_image", "install", "pack_sources", "probe_jpeg", "stand_in"]

@@ -52,7 +52,7 @@ from ultralytics.data.dataset import YOLODataset
 
 from trainfuse.ultralytics.augment import decode as decoding
 from trainfuse.ultralytics.augment.color import opencv_vector_block
-from trainfuse.ultralytics.augment.decode import HOST_KEYS, Encoded
+from trainfuse.ultralytics.augment.decode import Encoded
 from trainfuse.ultralytics.augment.kernel import tile_table
 from trainfuse.ultralytics.targets import PADDED_KEY, pad_targets, target_capacity
 
@@ -291,7 +291,8 @@ class DeferredCollate:
 
     The sources are the painted crops packed into one flat uint8 tensor (``aug_packed``); where
     images wait for the GPU's decoder, :func:`~trainfuse.ultralytics.augment.decode.pack_sources`'
-    three tensors instead (``aug_sources`` and ``aug_jpeg`` stay on the host: :data:`HOST_KEYS`)."""
+    three tensors instead (``aug_sources`` and ``aug_jpeg`` stay on the host, in
+    :class:`~trainfuse.ultralytics.augment.decode.HostTensor`)."""
 
     def __init__(self, pad: bool = False) -> None:
         self.pad = pad
@@ -334,4 +335,4 @@ class DeferredCollate:
 
 
 __all__ = ["DeferredCollate", "DeferredFlip", "DeferredFormat", "DeferredHSV", "DeferredMosaic",
-           "DeferredPerspective", "HOST_KEYS", "KEYS", "defer", "install", "unsupported"]
+           "DeferredPerspective", "KEYS", "defer", "install", "unsupported"]
