@@ -12,7 +12,7 @@ import torch
 import trainfuse
 from tests._helpers import set_scaled_twin_grads
 from trainfuse.amp import GradScaler
-from trainfuse.graphs import GraphedOptimizerStep
+from trainfuse.graphs import CapturedStep, GraphedOptimizerStep
 from trainfuse.optim import FusedEMA
 
 STEPS = 8
@@ -66,6 +66,68 @@ def test_captured_once_replayed_and_captured_again_after_a_param_moved():
     # steps 0-1: eager (the tables built, then a steady step); 2: captured + replayed; 3-4:
     # replayed; 5: the moved param, eager (the tables rebuilt); 6: eager, steady; 7: captured again
     assert (phase.eager, phase.captures, phase.replays) == (4, 2, STEPS - 4), vars(phase)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_inside_a_captured_step_equals_the_usual_steps_and_goes_when_a_param_moves():
+    """The phase run inside a CapturedStep's graph after the backward (as the ultralytics trainer
+    runs it): every step equal to forward, backward and step_and_update, bit for bit, with an inf
+    loss skipping one step and a param moving mid-run (the step's graphs go, the phase runs on its
+    own until steady, then inside again)."""
+    device = torch.device("cuda")
+    steps, move_at, inf_at = 14, 7, 4
+    plain, graphed = _run(device, False), _run(device, True)
+    net, opt, ema, scaler, phase = graphed
+    grads = [torch.zeros_like(p) for p in net.parameters()]
+    for p, g in zip(net.parameters(), grads):
+        p.grad = g
+    folding = {"now": False}
+
+    def fn(x, y):
+        torch._foreach_zero_(grads)
+        scaler.scale(((net(x) - y) ** 2).mean()).backward()
+        if folding["now"]:
+            phase.inside()
+
+    step = CapturedStep(fn)
+    gen = torch.Generator(device).manual_seed(0)
+    kinds, scales = [], []
+    for it in range(steps):
+        x = torch.randn(6, 9, device=device, generator=gen)
+        y = torch.randn(6, 5, device=device, generator=gen)
+        if it == inf_at:
+            y[0, 0] = float("inf")  # inf grads: the step is skipped and the scale backs off
+        if it == move_at:
+            for m in (plain[0], net):
+                m[0].weight.data = m[0].weight.data.clone()
+            net[0].weight.grad = grads[0]
+        for o in (plain[1], opt):
+            for g in o.param_groups:
+                g["lr"] = 0.002 * (1 + it)
+        plain[1].zero_grad()
+        plain[3].scale(((plain[0](x) - y) ** 2).mean()).backward()
+        plain[3].step_and_update(plain[1])
+        fold = phase.ready_to_fold()
+        if fold and not phase.fold_holds():
+            step, fold = CapturedStep(fn), False  # its graphs read what moved
+        folding["now"] = fold
+        if fold:
+            phase.prepare()
+        step(x, y, bucket=fold)
+        if not fold:
+            phase()
+        kinds.append("in" if fold else "own")
+        scales.append(scaler.get_scale())
+        assert plain[2].updates == ema.updates == it + 1
+        assert plain[3].state_dict() == scaler.state_dict(), it
+        for a, b in zip([*plain[0].parameters(), *plain[2].ema.state_dict().values()],
+                        [*net.parameters(), *ema.ema.state_dict().values()]):
+            assert torch.equal(a, b), it
+    # 0-1 eager, 2 its own graph; 3-6 inside; 7 the move: on its own, eager, 8 eager, 9 its own
+    # graph again; 10-13 inside the new step's graphs
+    assert kinds == ["own"] * 3 + ["in"] * 4 + ["own"] * 3 + ["in"] * 4, kinds
+    assert (phase.eager, phase.captures, phase.folded) == (4, 2, 8), vars(phase)
+    assert scales[inf_at] < scales[inf_at - 1]  # the inf step backed off
 
 
 def test_refuses_what_it_cannot_graph(device):

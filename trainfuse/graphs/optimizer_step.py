@@ -17,6 +17,10 @@ eagerly, and a later one captures again. The graph keeps every tensor it address
 tables and their tensors through the engine, which changes ``generation`` before freeing any; the
 grads and the scaler's tensors here).
 
+A training step that is itself captured can run the phase inside its own graph instead, after
+its backward (:meth:`GraphedOptimizerStep.ready_to_fold`, :meth:`~GraphedOptimizerStep.fold_holds`,
+:meth:`~GraphedOptimizerStep.inside`): the phase then costs the host only ``prepare_step``.
+
 Off CUDA, and where a capture fails, every call runs eagerly (after ``prepare_step``).
 """
 
@@ -46,6 +50,7 @@ class GraphedOptimizerStep:
 
     Attributes:
         eager, captures, replays: calls run eagerly, graphs captured, replays.
+        folded: phases run inside a training step's graphs (:meth:`inside`).
     """
 
     def __init__(self, optimizer: FusedOptimizer, scaler: GradScaler) -> None:
@@ -63,13 +68,18 @@ class GraphedOptimizerStep:
         self._steady = 0  # eager calls in a row that found what the one before left
         self._failed = False
         self._pool = GraphPool()
-        self.eager = self.captures = self.replays = 0
+        self._fold_held: tuple | None = None  # what the step graphs that run the phase hold
+        self.eager = self.captures = self.replays = self.folded = 0
 
     def __call__(self) -> None:
         """One optimizer phase: ``prepare_step()``, then the replay, a capture and replay, or the
         eager ``step_and_update``."""
+        self.optimizer.prepare_step()
+        self.run_prepared()
+
+    def run_prepared(self) -> None:
+        """The phase after its ``prepare_step()``: the replay, a capture and replay, or eager."""
         opt = self.optimizer
-        opt.prepare_step()
         if self._graph is not None:
             if self._holds():
                 self._graph.replay()
@@ -80,16 +90,61 @@ class GraphedOptimizerStep:
         device = opt.engine.plans.index.device
         self._steady = self._steady + 1 if now == self._seen else 0
         if (not self._failed and self._steady >= 2 and device is not None and device.type == "cuda"
-                and self._capture(device, now)):
+                and self._capture(device)):
             return
         self._eager()
+
+    # ---- inside a training step's graph ----------------------------------------------------------
+    def ready_to_fold(self) -> bool:
+        """Whether the next phase may run inside a captured training step (:meth:`inside`): on
+        CUDA, no capture of the phase failed, and it has run steadily (two eager calls in a row
+        found what the one before left, or its own graph holds): the kernels of a steady step are
+        compiled and loaded, as a capture needs."""
+        device = self.optimizer.engine.plans.index.device
+        return (not self._failed and device is not None and device.type == "cuda"
+                and (self._steady >= 2 or self._graph is not None))
+
+    def fold_holds(self) -> bool:
+        """Before a training step that runs the phase inside (eagerly, captured or replayed):
+        True where the step's graphs that ran it were made over what is there now (the first time,
+        this is taken as what they hold). False: the tables, a param, a grad, the scaler or the EMA
+        changed since, and the caller must drop those graphs; the phase then runs on its own (eager)
+        until it is steady again."""
+        if self._fold_held is None:
+            self._fold_held = self._holding()
+            return True
+        if self._holds(self._fold_held):
+            return True
+        self._fold_held = self._seen = None
+        self._steady = 0
+        self._drop()
+        return False
+
+    def prepare(self) -> None:
+        """The phase's host part (``prepare_step``), before a step that runs :meth:`inside`
+        (eagerly, captured or replayed; counted in :attr:`folded`)."""
+        self.optimizer.prepare_step()
+        self.folded += 1
+
+    def inside(self) -> None:
+        """The phase's launches, inside a training step's ``fn`` (run eagerly or captured), after
+        :meth:`prepare`."""
+        if not self._phase():
+            raise RuntimeError("GraphedOptimizerStep.inside: step_and_update took torch's two calls "
+                               "(not the fused step)")
+
+    def _holding(self) -> tuple:
+        """What a graph captured now holds (and keeps alive): see :meth:`_holds`."""
+        scale, tracker = self.scaler.device_state()
+        grads = [p.grad for p in self.optimizer.engine.plans.index.params]
+        return self._snapshot(), scale, tracker, grads, self.optimizer.ema_tensors()
 
     def _eager(self) -> None:
         self.scaler.step_and_update(self.optimizer)
         self.eager += 1
         self._seen = self._snapshot()
 
-    def _capture(self, device: torch.device, now: tuple) -> bool:
+    def _capture(self, device: torch.device) -> bool:
         """Capture this call's phase on the side stream and replay it; False (nothing ran) where
         the capture failed."""
         torch.cuda.synchronize(device)  # as torch.cuda.graph does: nothing in flight joins the capture
@@ -109,9 +164,7 @@ class GraphedOptimizerStep:
         finally:
             current.wait_stream(side)
         self._pool.hold(self)
-        scale, tracker = self.scaler.device_state()
-        grads = [p.grad for p in self.optimizer.engine.plans.index.params]
-        self._graph, self._held = graph, (now, scale, tracker, grads, self.optimizer.ema_tensors())
+        self._graph, self._held = graph, self._holding()
         self.captures += 1
         graph.replay()
         self.replays += 1
@@ -122,10 +175,11 @@ class GraphedOptimizerStep:
         fused = self.scaler.fused_update(self.optimizer)
         return fused is not None and self.optimizer.scaled_step(*fused)
 
-    def _holds(self) -> bool:
-        """Whether the graph still holds: :meth:`_snapshot`'s comparison, the cheap way (identities
-        and one tuple of the params' addresses: this runs before every replay)."""
-        now, scale, tracker, grads, ema = self._held
+    def _holds(self, held: tuple | None = None) -> bool:
+        """Whether the graph (or the graphs that hold ``held``) still holds: :meth:`_snapshot`'s
+        comparison, the cheap way (identities and one tuple of the params' addresses: this runs
+        before every replay)."""
+        now, scale, tracker, grads, ema = self._held if held is None else held
         opt, scaler = self.optimizer, self.scaler
         params = opt.engine.plans.index.params
         held_scale, held_tracker = scaler.device_state()
@@ -155,7 +209,7 @@ class GraphedOptimizerStep:
     def close(self) -> None:
         """Drop the graph; the optimizer steps the usual way again."""
         self._drop()
-        self._seen = None
+        self._seen = self._fold_held = None
         self.optimizer.graph_safe = False
 
 

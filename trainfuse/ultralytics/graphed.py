@@ -16,11 +16,19 @@ whether the call zeroes the grads first (below) as its bucket. What it returns t
 the graph's loss as the output of an op whose backward does nothing, so the loop's own
 ``backward()`` (four small launches) finds the grads already there.
 
-What stays eager, on purpose: the optimizer phase (``scaler.step_and_update``: two launches that
-read lr, momentum, the scale and the EMA weight as they are at each step). The graphs accumulate
-into the grads they captured, so those are not freed after a step: the trainer sets
-:attr:`GraphedLoss.zero_first`, and the next call zeroes them inside its graph (a graph of its own
-per shape) before the backward accumulates.
+The optimizer phase (``scaler.step_and_update``: two launches that read lr, momentum, the scale
+and the EMA weight from device memory) joins the graph of the iteration the loop steps after, once
+it runs steadily (:meth:`GraphedLoss.fold_phase`): the loop steps when ``ni - last_opt_step >=
+accumulate``, which this object follows by counting its calls since the last ``optimizer_step``
+(reset where the loop resets its count, and never ahead of it: when unsure, the phase runs on its
+own in ``optimizer_step``, as before). Such a call writes the phase's values first
+(``prepare_step``), and the trainer's ``optimizer_step`` then finds the step done. A loop that does
+not step after such a call is warned about, and the phase runs on its own from then on. Under DDP
+the phase stays outside (the all-reduce comes between the backward and the phase).
+
+The graphs accumulate into the grads they captured, so those are not freed after a step: the
+trainer sets :attr:`GraphedLoss.zero_first`, and the next call zeroes them inside its graph (a
+graph of its own per shape) before the backward accumulates.
 
 Loss items come back without a host sync: each replay's items are copied to pinned memory
 asynchronously, and the loop gets the newest ones the GPU has finished (a few iterations old while
@@ -30,11 +38,12 @@ end :meth:`GraphedLoss.epoch_means` gives the exact means, summed on the GPU ove
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 
-from trainfuse.graphs import CapturedStep
+from trainfuse.graphs import CapturedStep, GraphedOptimizerStep
 from trainfuse.ultralytics.targets import PADDED_KEY
 
 # loss-item copies in flight at once: the host runs at most this many iterations ahead of the GPU
@@ -160,6 +169,12 @@ class GraphedLoss:
         # graph before the backward accumulates (zero_grad folded into the replay: no launch)
         self.zero_first = False
         self._items: torch.Tensor | None = None  # the last call's items, on the GPU
+        # the optimizer phase inside the graphs (fold_phase)
+        self._phase: GraphedOptimizerStep | None = None
+        self._accumulate: Callable[[], int] | None = None
+        self._since_step = 0  # calls since the loop's last optimizer_step (never more than its count)
+        self._folding = False  # the call being run ends with the phase
+        self._pending = False  # the last call ran the phase; the loop's optimizer_step comes next
 
     # ---- what the loop calls -------------------------------------------------------------------
     def __call__(self, batch: dict, preds=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -169,11 +184,19 @@ class GraphedLoss:
         model = self.model
         if preds is not None or not model.training or not torch.is_grad_enabled() or PADDED_KEY not in batch:
             return type(model).loss(model, batch, preds)
+        self.settle()
         self._restore_grads()
         img, padded = batch["img"], batch[PADDED_KEY]
+        self._since_step += 1
+        self._folding = fold = self._phase_due()
         bucket = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type),
-                  self.zero_first and self._grads is not None)
-        loss, items = self.step(img, padded, bucket=bucket)
+                  self.zero_first and self._grads is not None, fold)
+        try:
+            loss, items = self.step(img, padded, bucket=bucket)
+        except BaseException:  # an OOM the loop retries restarts its step count (last_opt_step = -1)
+            self._since_step, self._pending = 0, False
+            raise
+        self._pending = fold
         self.zero_first = False
         if self._grads is None:  # the first call made the grads: the graphs accumulate into these
             self._grads = [p.grad for p in self._params]
@@ -191,7 +214,55 @@ class GraphedLoss:
             loss, items = self.model.criterion(preds, {"img": img, PADDED_KEY: padded})
         total = loss.sum() if self._loss_factor == 1 else loss.sum() * self._loss_factor
         self.scaler.scale(total).backward()
+        if self._folding:
+            self._phase.inside()
         return loss.detach(), torch.stack(tuple(items.values()))
+
+    # ---- the optimizer phase inside the graphs -------------------------------------------------
+    def fold_phase(self, phase: GraphedOptimizerStep, accumulate: Callable[[], int]) -> None:
+        """Run ``phase`` inside the graph of each iteration the loop will step after, from when it
+        is steady (see the module docstring).
+
+        Args:
+            phase: the trainer's optimizer phase over the grads these graphs accumulate into.
+            accumulate: the loop's current ``accumulate`` (its warmup changes it).
+        """
+        self._phase, self._accumulate = phase, accumulate
+
+    def optimizer_stepped(self) -> bool:
+        """The loop's ``optimizer_step`` is running: True where the last call's graph already ran
+        the phase (the caller then skips it)."""
+        ran, self._pending = self._pending, False
+        self._since_step = 0
+        return ran
+
+    def settle(self) -> None:
+        """Where the last call ran the phase and the loop did not step after it (a loop whose
+        stepping rule this object does not follow), warn once and run the phase on its own from
+        now on. Called before each call and at each epoch's end."""
+        if not self._pending:
+            return
+        self._pending = False
+        self._phase = None
+        warnings.warn("GraphedLoss: the training loop did not step the optimizer after an iteration whose "
+                      "graph ran the optimizer phase; the phase runs in optimizer_step from now on",
+                      RuntimeWarning, stacklevel=3)
+
+    def _phase_due(self) -> bool:
+        """Whether this call ends with the optimizer phase (after its ``prepare_step``): the loop
+        steps after it, and the phase is steady and still holds (else the graphs that ran it go)."""
+        phase = self._phase
+        if phase is None or self._since_step < self._accumulate() or not phase.ready_to_fold():
+            return False
+        if not phase.fold_holds():
+            self._renew_step()  # its graphs ran the phase over tensors that changed
+            return False
+        phase.prepare()
+        return True
+
+    def _renew_step(self) -> None:
+        """A new CapturedStep: the graphs (and their memory pool) go; every key is new again."""
+        self.step = CapturedStep(self._forward_backward, max_graphs=self._max_graphs, name=self.step.name)
 
     def _restore_grads(self) -> None:
         """Put the grads the graphs accumulate into back on the params, zeroed, after a
@@ -219,7 +290,8 @@ class GraphedLoss:
         the grads they wrote (set to None, as a stock ``zero_grad`` leaves them)."""
         if self.model.__dict__.get("loss") is self:
             del self.model.loss
-        self.step = CapturedStep(self._forward_backward, max_graphs=self._max_graphs, name=self.step.name)
+        self._renew_step()
+        self._phase = None
         if self._grads is not None:
             for p, g in zip(self._params, self._grads):
                 if p.grad is g:

@@ -25,8 +25,9 @@ results differ on purpose):
   the CPU by the loader's workers.
 - **CUDA graphs** (``cuda_graphs=True``, the default where it is safe): forward, loss and backward
   replayed per image shape and label capacity (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`),
-  the grads kept and zeroed inside the next replay; the fused phase of SGD, Adam and AdamW under AMP
-  replayed from a graph of its own once steady (:class:`~trainfuse.graphs.GraphedOptimizerStep`).
+  the grads kept and zeroed inside the next replay; the fused phase of SGD, Adam and AdamW under AMP,
+  once steady, inside the graph of each iteration the loop steps after (under DDP, a graph of its
+  own: :class:`~trainfuse.graphs.GraphedOptimizerStep`).
   Off on CPU, with ``compile``, or without a fused loss; choose with
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP, a subclass
   setting ``cuda_graphs = False``).
@@ -108,7 +109,8 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
             :attr:`~trainfuse.graphs.CapturedStep.stats` and
             :meth:`~trainfuse.graphs.CapturedStep.memory_report` (None before).
         phase_stats: after a graphed run whose optimizer phase was graphed, its eager calls,
-            captures and replays (:class:`~trainfuse.graphs.GraphedOptimizerStep`; None before).
+            captures, replays and runs inside the step's graphs (``folded``)
+            (:class:`~trainfuse.graphs.GraphedOptimizerStep`; None before).
     """
 
     fused_loss = True
@@ -196,7 +198,9 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
                 del self.optimizer.zero_grad
             self._graphed.zero_first = True
             return
-        if self._phase is not None:
+        if self._graphed is not None and self._graphed.optimizer_stepped():
+            pass  # this iteration's graph ran the phase after its backward
+        elif self._phase is not None:
             self._phase()  # replayed from its graph once steady
         elif isinstance(self.scaler, GradScaler):
             self.scaler.step_and_update(self.optimizer)
@@ -309,9 +313,14 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
             self._note("phase", "optimizer phase", OFF, f"optimizer phase eager: {why_not}")
             return
         self._phase = GraphedOptimizerStep(self.optimizer, self.scaler)
-        self._note("phase", "optimizer phase", ON, "optimizer phase (unscale, inf check, clip, step, EMA, "
-                   "scale update) replayed from one CUDA graph after its first steady steps; lr, momentum "
-                   "and the EMA weight written to the device before each replay")
+        if ddp:  # the all-reduce comes between the backward and the phase
+            where = "replayed from one CUDA graph of its own"
+        else:
+            where = "run inside the graph of each iteration the loop steps after"
+            self._graphed.fold_phase(self._phase, lambda: self.accumulate)
+        self._note("phase", "optimizer phase", ON, f"optimizer phase (unscale, inf check, clip, step, EMA, "
+                   f"scale update) {where}, after its first steady steps; lr, momentum and the EMA weight "
+                   "written to the device before")
 
     def _phase_unsafe(self) -> str:
         """Why the optimizer phase cannot replay from a graph ("" when it can)."""
@@ -403,7 +412,9 @@ def _on_train_epoch_end(trainer) -> None:
     """Put the exact per-epoch loss means in ``trainer.tloss`` (what the epoch logs), and the last
     iteration's loss items, on the GPU as ultralytics' validator expects them, in
     ``trainer.loss_items``."""
-    if (graphed := _graphed(trainer)) is not None and (means := graphed.epoch_means()) is not None:
+    if (graphed := _graphed(trainer)) is not None:
+        graphed.settle()
+    if graphed is not None and (means := graphed.epoch_means()) is not None:
         trainer.tloss = means
         trainer.loss_items = graphed.last_items()
 
@@ -414,7 +425,8 @@ def _on_train_end(trainer) -> None:
     if (graphed := _graphed(trainer)) is not None:
         trainer.graph_stats, trainer.graph_memory = graphed.step.stats, graphed.step.memory_report()
         if (phase := trainer._phase) is not None:
-            trainer.phase_stats = {"eager": phase.eager, "captures": phase.captures, "replays": phase.replays}
+            trainer.phase_stats = {"eager": phase.eager, "captures": phase.captures, "replays": phase.replays,
+                                   "folded": phase.folded}
         trainer._drop_graphs()
     if isinstance(trainer, FusedDetectionTrainer) and trainer._stem is not None:
         stem.uninstall(trainer._stem)  # the model computes its stem as before
