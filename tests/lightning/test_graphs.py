@@ -136,3 +136,54 @@ def test_graphed_children_of_a_module_without_forward():
     assert_params_equal(params(eager), params(graphed))
     assert all(s.replays == 5 and s.captures == 1 for s in cb.graph_stats.values()), \
         (cb.graph_stats, cb.graph_reasons)
+
+
+@cuda
+def test_graphed_fit_puts_relu_chains_on_cublas_and_matches_that_path_eagerly(monkeypatch):
+    """Under cuda_graphs=True a FusedMLP ReLU chain takes the cuBLAS path for the whole run (its
+    first eager calls, the replays, validation): equal to an eager run on that path, bit for bit;
+    the chain's own setting (unset) is back after the fit."""
+    pl = package()
+    from trainfuse.nn import FusedMLP
+    from trainfuse.nn.mlp import launches
+
+    class Relu(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = FusedMLP([32, 64, 64, 16], activation="relu")
+            self.losses, self.paths = [], []
+
+        def training_step(self, batch, i):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.body(x).float(), y)
+            self.losses.append(loss.detach().clone())
+            self.paths.append(self.body.library)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(6 * 64, 32, generator=g),
+                                          torch.randn(6 * 64, 16, generator=g))
+    runs = {}
+    for graphs in (False, True):
+        module = Relu()
+        cb = FusedTraining(verbose=False, cuda_graphs=graphs)
+        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=2, logger=False, callbacks=[cb],
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, precision="bf16-mixed")
+        with monkeypatch.context() as m:
+            if not graphs:  # the eager run on the cuBLAS path by the global switch
+                m.setattr(launches.config, "library", True)
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=64))
+        runs[graphs] = (module, cb)
+    (eager, _), (graphed, cb) = runs[False], runs[True]
+    assert eager.paths == [None] * 12 and graphed.paths == [True] * 12
+    assert graphed.body.library is None  # unset again after the fit
+    assert "FusedMLP chain(s) on cuBLAS" in rows_of(cb)["graphs"].detail
+    assert cb.graph_stats["forward"].replays == 12 - 2
+    for a, b in zip(eager.losses, graphed.losses, strict=True):
+        assert torch.equal(a, b)
+    assert_params_equal(params(eager), params(graphed))

@@ -12,7 +12,7 @@ from torch import nn
 
 from tests._helpers import cuda
 from tests.nn._reference import TOL, assert_close_to_reference, reference, rel, rounded, run
-from trainfuse.nn import FusedMLP
+from trainfuse.nn import FusedMLP, fuse_mlps
 from trainfuse.nn.mlp import launches, library
 from trainfuse.nn.mlp.activations import ACTIVATIONS, Layer
 from trainfuse.nn.mlp.tiles import MatmulConfigs
@@ -146,6 +146,27 @@ def test_eligible(monkeypatch):
     assert not library.eligible([relu, gelu], bf)
     assert not library.eligible([drop], bf)
     assert not library.eligible([relu], torch.float32)
+    assert not library.eligible([relu], bf, False)  # a chain's own False over the global switch
+    monkeypatch.setattr(launches, "config", MatmulConfigs(library=False))
+    assert library.eligible([relu], bf, True) and not library.eligible([relu], bf, None)
+    assert not library.eligible([relu, gelu], bf, True)
+
+
+def test_a_chains_own_setting_picks_its_path(kernels, device):
+    """``FusedMLP(library=...)`` and ``fuse_mlps(..., library=...)``: the chain's setting, else the
+    global switch (off)."""
+    x = torch.randn(64, 32, device=device)
+    on = FusedMLP([32, 48, 32], activation="relu", library=True).to(device)
+    assert on.library is True and "library=True" in repr(on)
+    assert _took_library(on, x.clone(), torch.bfloat16)
+    off = FusedMLP([32, 48, 32], activation="relu").to(device)
+    assert off.library is None and not _took_library(off, x.clone(), torch.bfloat16)
+    net = nn.Module()
+    net.head = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32)).to(device)
+    fuse_mlps(net, library=True)
+    assert net.head.library is True and _took_library(net.head, x.clone(), torch.bfloat16)
+    with pytest.raises(TypeError, match="library must be True, False or None"):
+        FusedMLP([32, 48], library=1)
 
 
 @cuda

@@ -2,6 +2,11 @@
 (:mod:`trainfuse.lightning.graphs` says which modules and why). Under DDP the replays accumulate
 into the flat buffer of :class:`~trainfuse.lightning.changes.ddp.FlatAllReduce`, whose one
 all-reduce per step takes the place of the hooks a replayed backward does not run.
+
+The module's FusedMLP chains whose ``library`` is unset take the cuBLAS path for the run
+(``library=True``): it costs less GPU time and more host time, which a replay does not pay. The
+whole run (eager first calls, replays, validation) takes that one path; the chains are left unset
+again at the end.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from trainfuse.graphs import GraphedModule
 from trainfuse.lightning import graphs
 from trainfuse.lightning.changes.base import Change, Run
 from trainfuse.lightning.changes.ddp import FlatAllReduce
+from trainfuse.nn import FusedMLP
 
 
 class Graphs(Change):
@@ -31,6 +37,7 @@ class Graphs(Change):
         self.enabled = enabled
         self.installed = installed
         self.ddp = ddp
+        self.library: list[FusedMLP] = []  # the chains set to the cuBLAS path for the run
 
     def name(self, run: Run) -> str:
         return "cuda_graphs"
@@ -58,6 +65,9 @@ class Graphs(Change):
             ddp.graphed = True
         self.installed.update(graphs.install(graphs.graph_targets(run.module),
                                              grads=None if ddp is None else ddp.grad_of, sync=ddp))
+        self.library = [m for m in run.module.modules() if isinstance(m, FusedMLP) and m.library is None]
+        for m in self.library:
+            m.library = True
 
     def rows(self, run: Run) -> list[Row]:
         detail = ("forward + backward replayed from CUDA graphs per input shape (first batch of a shape "
@@ -66,9 +76,15 @@ class Graphs(Change):
             detail += (f"; a step's last backward replays with DDP's all-reduce inside it, in "
                        f"{self.ddp.buckets()} buckets overlapping it, where one graphed forward reaches "
                        "every param")
+        if self.library:
+            detail += (f"; {len(self.library)} FusedMLP chain(s) on cuBLAS's matmuls where ReLU or linear "
+                       "(less GPU time, more host time: the replays pay none of it)")
         return [Row(self.kind, ", ".join(self.installed), ON, detail)]
 
     def restore(self, run: Run, *, failed: bool) -> None:
+        for m in self.library:
+            m.library = None
+        self.library = []
         graphs.uninstall(self.installed)
 
 

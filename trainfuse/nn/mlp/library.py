@@ -42,10 +42,11 @@ _NONE = ACTIVATIONS["none"]
 _BLOCK_M, _BLOCK_N = 32, 128
 
 
-def eligible(layers: list[Layer], cd: torch.dtype) -> bool:
-    """Whether a chain call takes the cuBLAS path: ``config.library`` is on, the compute dtype is
-    16-bit, and every layer is ReLU or linear, without dropout."""
-    if not launches.config.library or cd not in (torch.bfloat16, torch.float16):
+def eligible(layers: list[Layer], cd: torch.dtype, library: bool | None = None) -> bool:
+    """Whether a chain call takes the cuBLAS path: ``library`` is True (None: ``config.library``
+    is on), the compute dtype is 16-bit, and every layer is ReLU or linear, without dropout."""
+    on = launches.config.library if library is None else library
+    if not on or cd not in (torch.bfloat16, torch.float16):
         return False
     return all(layer.act in (_RELU, _NONE) and layer.p == 0.0 for layer in layers)
 

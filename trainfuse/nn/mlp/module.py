@@ -115,13 +115,17 @@ class FusedMLP(nn.Sequential):
             autograd. The sum is formed in the float32 accumulator: for float32 params not
             autograd's bits (as close to the exact sum), for 16-bit ones rounded once (autograd
             rounds the new grad, then the sum).
+        library: ReLU chains without dropout on cuBLAS's matmuls (below): True, False, or None
+            (``trainfuse.nn.mlp.config.library``).
 
     On CUDA, from the third call with the same launches (shapes, addresses: what a training loop
     repeats) the forward and a one-stream backward each replay as one CUDA graph, bit for bit
     what the launches would do (``trainfuse.nn.mlp.config.graphs = False`` turns it off).
-    ``trainfuse.nn.mlp.config.library = True`` runs ReLU chains without dropout on cuBLAS's
-    matmuls instead, with the ReLU mask and the bias grad fused into one pass of ours: less GPU
-    time, more host time (docs/design/mlp.md, "The cuBLAS path").
+    ``library=True`` (None: ``trainfuse.nn.mlp.config.library``, off by default) runs ReLU chains
+    without dropout on cuBLAS's matmuls instead, with the ReLU mask and the bias grad fused into
+    one pass of ours: less GPU time, more host time (docs/design/mlp.md, "The cuBLAS path"), the
+    path for a step captured in a CUDA graph (``FusedTraining(cuda_graphs=True)`` sets it on the
+    chains of the module it graphs).
 
     Example:
         >>> mlp = FusedMLP([32, 64, 64, 8], activation="gelu")
@@ -133,8 +137,8 @@ class FusedMLP(nn.Sequential):
 
     def __init__(self, sizes: Sequence[int], activation: str = "relu", last_activation: bool = False,
                  dropout: float = 0.0, bias: bool = True, streams: int | str = "auto",
-                 recompute: bool = False, fuse_grad_accumulation: bool = True, device=None,
-                 dtype=None) -> None:
+                 recompute: bool = False, fuse_grad_accumulation: bool = True, library: bool | None = None,
+                 device=None, dtype=None) -> None:
         if activation not in ACTIVATIONS:
             raise ValueError(f"FusedMLP: activation must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {activation!r}")
@@ -152,11 +156,11 @@ class FusedMLP(nn.Sequential):
                 if dropout > 0.0:
                     modules.append(nn.Dropout(dropout))
         super().__init__(*modules)
-        self._setup(streams, recompute, fuse_grad_accumulation)
+        self._setup(streams, recompute, fuse_grad_accumulation, library)
 
     @classmethod
     def from_sequential(cls, seq: nn.Sequential, streams: int | str = "auto", recompute: bool = False,
-                        fuse_grad_accumulation: bool = True) -> FusedMLP:
+                        fuse_grad_accumulation: bool = True, library: bool | None = None) -> FusedMLP:
         """A FusedMLP holding ``seq``'s own children (same Parameter objects, same keys).
 
         Raises:
@@ -164,24 +168,28 @@ class FusedMLP(nn.Sequential):
         """
         obj = cls.__new__(cls)
         nn.Sequential.__init__(obj, OrderedDict(seq.named_children()))
-        obj._setup(streams, recompute, fuse_grad_accumulation)
+        obj._setup(streams, recompute, fuse_grad_accumulation, library)
         return obj
 
-    def _setup(self, streams: int | str, recompute: bool, fuse_grad_accumulation: bool) -> None:
+    def _setup(self, streams: int | str, recompute: bool, fuse_grad_accumulation: bool,
+               library: bool | None) -> None:
         if streams not in _STREAMS:
             raise ValueError(f"FusedMLP: streams must be 1, 2 or 'auto', got {streams!r}")
+        if library is not None and not isinstance(library, bool):
+            raise TypeError(f"FusedMLP: library must be True, False or None, got {library!r}")
         for name, value in (("recompute", recompute), ("fuse_grad_accumulation", fuse_grad_accumulation)):
             if not isinstance(value, bool):
                 raise TypeError(f"FusedMLP: {name} must be a bool, got {type(value).__name__}")
         self.streams = streams
         self.recompute = recompute
         self.fuse_grad_accumulation = fuse_grad_accumulation
+        self.library = library
         self._chain = _parse(list(self.named_children()))
         self._narrow = max(lin.out_features for lin, _, _ in self._chain) <= _AUTO_TWO_STREAMS_WIDTH
 
     def extra_repr(self) -> str:
         return (f"streams={self.streams!r}, recompute={self.recompute}, "
-                f"fuse_grad_accumulation={self.fuse_grad_accumulation}")
+                f"fuse_grad_accumulation={self.fuse_grad_accumulation}, library={self.library}")
 
     def _kernel_dtype(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype | None:
         """The compute dtype if the kernels take this call, else None (torch's path)."""
@@ -233,7 +241,7 @@ class FusedMLP(nn.Sequential):
                       for (_, act, _), p in zip(self._chain, drops)]
             made[(drops, self.recompute)] = layers
         x2 = x.reshape(-1, x.shape[-1])
-        if eligible(layers, cd):
+        if eligible(layers, cd, self.__dict__.get("library")):  # (a module unpickled from before: None)
             out = _apply_library(x2, layers, cd, self.fuse_grad_accumulation, *weights, *biases)
             return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
         seed = int(torch.randint(0, 2**31 - 2**16, (1,))) if any(layer.p > 0 for layer in layers) else 0
@@ -262,15 +270,15 @@ class FuseReport:
 
 
 def fuse_mlps(model: nn.Module, streams: int | str = "auto", recompute: bool = False,
-              fuse_grad_accumulation: bool = True) -> FuseReport:
+              fuse_grad_accumulation: bool = True, library: bool | None = None) -> FuseReport:
     """Swap every ``nn.Sequential`` of ``model`` that is a Linear [activation] [Dropout] chain
     for a :class:`FusedMLP` holding the same children, in place.
 
     The Parameter objects stay the same (optimizers built before keep working) and so do the
     state_dict keys. Only whole Sequentials are swapped: a chain mixed with other modules would
     change the keys. ``model`` itself, if it is the chain, cannot be swapped in place: use
-    ``FusedMLP.from_sequential(model)``. ``streams``, ``recompute`` and
-    ``fuse_grad_accumulation`` are the FusedMLP arguments every swapped chain gets.
+    ``FusedMLP.from_sequential(model)``. ``streams``, ``recompute``, ``fuse_grad_accumulation``
+    and ``library`` are the FusedMLP arguments every swapped chain gets.
 
     Returns:
         A :class:`FuseReport`: what was swapped, what was skipped and why.
@@ -295,7 +303,7 @@ def fuse_mlps(model: nn.Module, streams: int | str = "auto", recompute: bool = F
                 report.skipped.append((full, reason))
                 continue
             setattr(parent, child_name, FusedMLP.from_sequential(child, streams, recompute,
-                                                                 fuse_grad_accumulation))
+                                                                 fuse_grad_accumulation, library))
             report.swapped.append(full)
     if type(model) is nn.Sequential and _why_not(model) is None:
         report.skipped.append(("(the model itself)", "a chain itself: use FusedMLP.from_sequential(model)"))
