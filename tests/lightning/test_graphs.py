@@ -183,7 +183,8 @@ def test_graphed_fit_puts_relu_chains_on_cublas_and_matches_that_path_eagerly(mo
     assert eager.paths == [None] * 12 and graphed.paths == [True] * 12
     assert graphed.body.library is None  # unset again after the fit
     assert "FusedMLP chain(s) on cuBLAS" in rows_of(cb)["graphs"].detail
-    assert cb.graph_stats["forward"].replays == 12 - 2
+    stats = cb.graph_stats["body"]  # no forward of its own: the chain is what is graphed
+    assert stats.fallbacks == 0 and stats.replays >= 12 - 2, stats
     for a, b in zip(eager.losses, graphed.losses, strict=True):
         assert torch.equal(a, b)
     assert_params_equal(params(eager), params(graphed))

@@ -239,9 +239,10 @@ def main(argv=None):
                      f"({', '.join(c.stock_name for c in COUNTERPARTS)})")
     workloads = [("GPT-2 124M", _params(gpt2_shapes())),
                  ("216-tensor YOLO-like", _params(yolo_like_shapes()))]
+    bf16 = ("GPT-2 124M bf16", _params(gpt2_shapes(), torch.bfloat16))
     if args.sweep or args.sweep_only:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
-        report["sweep"] = sweep_launch(workloads, entries, bw, configs or DEFAULT_SWEEP)
+        report["sweep"] = sweep_launch(workloads + [bf16], entries, bw, configs or DEFAULT_SWEEP)
         if args.sweep_only:
             return
     y5 = yolov5n()
@@ -249,7 +250,7 @@ def main(argv=None):
         workloads.append(("yolov5n", _clone_params([p for p in y5.parameters() if p.requires_grad])))
     else:
         note(report, "ultralytics not installed: yolov5n row skipped")
-    workloads.append(("GPT-2 124M bf16", _params(gpt2_shapes(), torch.bfloat16)))
+    workloads.append(bf16)
     for name, params in workloads:
         if args.only.lower() not in name.lower():
             continue

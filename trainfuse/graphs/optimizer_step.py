@@ -100,9 +100,10 @@ class GraphedOptimizerStep:
         CUDA, no capture of the phase failed, and it has run steadily (two eager calls in a row
         found what the one before left, or its own graph holds): the kernels of a steady step are
         compiled and loaded, as a capture needs."""
-        device = self.optimizer.engine.plans.index.device
-        return (not self._failed and device is not None and device.type == "cuda"
-                and (self._steady >= 2 or self._graph is not None))
+        if self._failed or (self._steady < 2 and self._graph is None):
+            return False
+        index = self.optimizer.engine.plans.index  # (built by the first step: it has run)
+        return index is not None and index.device is not None and index.device.type == "cuda"
 
     def fold_holds(self) -> bool:
         """Before a training step that runs the phase inside (eagerly, captured or replayed):
