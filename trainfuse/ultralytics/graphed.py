@@ -22,7 +22,9 @@ it runs steadily (:meth:`GraphedLoss.fold_phase`): the loop steps when ``ni - la
 accumulate``, which this object follows by counting its calls since the last ``optimizer_step``
 (reset where the loop resets its count, and never ahead of it: when unsure, the phase runs on its
 own in ``optimizer_step``, as before). Such a call writes the phase's values first
-(``prepare_step``), and the trainer's ``optimizer_step`` then finds the step done. A loop that does
+(``prepare_step``), its graph ends with the phase and the grads zeroed (so a shape keeps two graphs:
+the micro-batches' and the boundary's), and the trainer's ``optimizer_step`` then finds the step
+done. A loop that does
 not step after such a call is warned about, and the phase runs on its own from then on. Under DDP
 the phase stays outside (the all-reduce comes between the backward and the phase).
 
@@ -214,8 +216,9 @@ class GraphedLoss:
             loss, items = self.model.criterion(preds, {"img": img, PADDED_KEY: padded})
         total = loss.sum() if self._loss_factor == 1 else loss.sum() * self._loss_factor
         self.scaler.scale(total).backward()
-        if self._folding:
+        if self._folding:  # the optimizer phase, then the grads zeroed for the next micro-batches
             self._phase.inside()
+            torch._foreach_zero_(self._grads)  # (made by the first call: the phase has run since)
         return loss.detach(), torch.stack(tuple(items.values()))
 
     # ---- the optimizer phase inside the graphs -------------------------------------------------

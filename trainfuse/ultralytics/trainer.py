@@ -199,8 +199,10 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
             self._graphed.zero_first = True
             return
         if self._graphed is not None and self._graphed.optimizer_stepped():
-            pass  # this iteration's graph ran the phase after its backward
-        elif self._phase is not None:
+            if self.ema:  # this iteration's graph ran the phase after its backward, then zeroed the grads
+                self.ema.update(self.model)  # counts nothing while attached
+            return
+        if self._phase is not None:
             self._phase()  # replayed from its graph once steady
         elif isinstance(self.scaler, GradScaler):
             self.scaler.step_and_update(self.optimizer)
