@@ -24,13 +24,13 @@ accumulate``, which this object follows by counting its calls since the last ``o
 own in ``optimizer_step``, as before). Such a call writes the phase's values first
 (``prepare_step``), its graph ends with the phase and the grads zeroed (so a shape keeps two graphs:
 the micro-batches' and the boundary's), and the trainer's ``optimizer_step`` then finds the step
-done. A loop that does
-not step after such a call is warned about, and the phase runs on its own from then on. Under DDP
-the phase stays outside (the all-reduce comes between the backward and the phase).
+done. A loop that does not step after such a call is warned about, and the phase runs on its own
+from then on. Under DDP the phase stays outside (the all-reduce comes between the backward and the
+phase).
 
-The graphs accumulate into the grads they captured, so those are not freed after a step: the
-trainer sets :attr:`GraphedLoss.zero_first`, and the next call zeroes them inside its graph (a
-graph of its own per shape) before the backward accumulates.
+The graphs accumulate into the grads they captured, so those are not freed after a step. Where the
+phase ran on its own, the trainer sets :attr:`GraphedLoss.zero_first`, and the next call zeroes
+them inside its graph (a graph of its own per shape) before the backward accumulates.
 
 Loss items come back without a host sync: each replay's items are copied to pinned memory
 asynchronously, and the loop gets the newest ones the GPU has finished (a few iterations old while
