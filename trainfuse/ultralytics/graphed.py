@@ -75,6 +75,39 @@ def replayed_loss(loss: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     return _Replayed.apply(loss, anchor)
 
 
+class StepCadence:
+    """Which iterations ultralytics' loop steps the optimizer after: those where ``ni - last_opt_step
+    >= accumulate``, counted here as the iterations since the last ``optimizer_step``. A new cadence
+    starts at 0 wherever the loop's own count restarts (training start, resume, NaN recovery: a new
+    :class:`GraphedLoss`; an OOM retry: :meth:`restart`); the loop's count then starts at or above
+    ours, so a step is never predicted where the loop would not take one.
+    """
+
+    def __init__(self) -> None:
+        self.since = 0  # iterations since the loop's last optimizer_step, this one included
+        self.ran = False  # the last iteration ran the step; the loop's optimizer_step comes next
+
+    def next_iteration(self, accumulate: int) -> bool:
+        """Count one iteration; True where the loop steps after it (at ``accumulate`` as it is now)."""
+        self.since += 1
+        return self.since >= accumulate
+
+    def optimizer_stepped(self) -> bool:
+        """The loop's ``optimizer_step``: True where the last iteration already ran the step."""
+        ran, self.ran = self.ran, False
+        self.since = 0
+        return ran
+
+    def missed(self) -> bool:
+        """True (once) where the last iteration ran the step and the loop did not step after it."""
+        missed, self.ran = self.ran, False
+        return missed
+
+    def restart(self) -> None:
+        """The loop restarts its count (an OOM retry sets ``last_opt_step = -1``)."""
+        self.since, self.ran = 0, False
+
+
 class LossReadout:
     """Loss items read back without a host sync, and exact per-epoch means.
 
@@ -174,9 +207,8 @@ class GraphedLoss:
         # the optimizer phase inside the graphs (fold_phase)
         self._phase: GraphedOptimizerStep | None = None
         self._accumulate: Callable[[], int] | None = None
-        self._since_step = 0  # calls since the loop's last optimizer_step (never more than its count)
+        self.cadence = StepCadence()
         self._folding = False  # the call being run ends with the phase
-        self._pending = False  # the last call ran the phase; the loop's optimizer_step comes next
 
     # ---- what the loop calls -------------------------------------------------------------------
     def __call__(self, batch: dict, preds=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -189,16 +221,16 @@ class GraphedLoss:
         self.settle()
         self._restore_grads()
         img, padded = batch["img"], batch[PADDED_KEY]
-        self._since_step += 1
-        self._folding = fold = self._phase_due()
+        due = self.cadence.next_iteration(self._accumulate()) if self._phase is not None else False
+        self._folding = fold = due and self._phase_due()
         bucket = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type),
                   self.zero_first and self._grads is not None, fold)
         try:
             loss, items = self.step(img, padded, bucket=bucket)
         except BaseException:  # an OOM the loop retries restarts its step count (last_opt_step = -1)
-            self._since_step, self._pending = 0, False
+            self.cadence.restart()
             raise
-        self._pending = fold
+        self.cadence.ran = fold
         self.zero_first = False
         if self._grads is None:  # the first call made the grads: the graphs accumulate into these
             self._grads = [p.grad for p in self._params]
@@ -235,27 +267,24 @@ class GraphedLoss:
     def optimizer_stepped(self) -> bool:
         """The loop's ``optimizer_step`` is running: True where the last call's graph already ran
         the phase (the caller then skips it)."""
-        ran, self._pending = self._pending, False
-        self._since_step = 0
-        return ran
+        return self.cadence.optimizer_stepped()
 
     def settle(self) -> None:
         """Where the last call ran the phase and the loop did not step after it (a loop whose
         stepping rule this object does not follow), warn once and run the phase on its own from
         now on. Called before each call and at each epoch's end."""
-        if not self._pending:
+        if not self.cadence.missed():
             return
-        self._pending = False
         self._phase = None
         warnings.warn("GraphedLoss: the training loop did not step the optimizer after an iteration whose "
                       "graph ran the optimizer phase; the phase runs in optimizer_step from now on",
                       RuntimeWarning, stacklevel=3)
 
     def _phase_due(self) -> bool:
-        """Whether this call ends with the optimizer phase (after its ``prepare_step``): the loop
-        steps after it, and the phase is steady and still holds (else the graphs that ran it go)."""
+        """Whether this call, which the loop steps after, ends with the optimizer phase (after its
+        ``prepare_step``): the phase is steady and still holds (else the graphs that ran it go)."""
         phase = self._phase
-        if phase is None or self._since_step < self._accumulate() or not phase.ready_to_fold():
+        if not phase.ready_to_fold():
             return False
         if not phase.fold_holds():
             self._renew_step()  # its graphs ran the phase over tensors that changed
@@ -313,4 +342,4 @@ class GraphedLoss:
         return dict(zip(self.readout.names, self._items.clone().unbind()))
 
 
-__all__ = ["RING", "GraphedLoss", "LossReadout", "replayed_loss"]
+__all__ = ["RING", "GraphedLoss", "LossReadout", "StepCadence", "replayed_loss"]
