@@ -31,6 +31,7 @@ from trainfuse.ultralytics.augment.decode import (  # noqa: E402
     pack_sources,
     probe_jpeg,
     stand_in,
+    why_not_gpu_decoding,
 )
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 from trainfuse.ultralytics.targets import add_padded_targets  # noqa: E402
@@ -157,3 +158,13 @@ def test_the_decoder_keeps_the_latest_images_and_checks_the_header(tmp_path):
         decoder.pack(*pack_sources([lying]))
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         JpegDecoder(capacity=-1)
+
+
+def test_without_torchvisions_decode_jpeg_the_workers_decode(monkeypatch):
+    """torchvision deprecates its image decoding from 0.29 (for TorchCodec): where ``decode_jpeg``
+    is gone, the GPU path says why and the workers decode (the rest stays on the GPU)."""
+    import torchvision.io
+
+    assert why_not_gpu_decoding() == ""
+    monkeypatch.delattr(torchvision.io, "decode_jpeg")
+    assert why_not_gpu_decoding().startswith("torchvision.io has no decode_jpeg here")

@@ -71,9 +71,12 @@ class BatchLoading:
                 dataset.collate_fn = PadTargets(dataset.collate_fn)
             return dataset
         from trainfuse.ultralytics.augment import deferred
-        from trainfuse.ultralytics.augment.decode import JpegDecoder
+        from trainfuse.ultralytics.augment.decode import JpegDecoder, why_not_gpu_decoding
 
         decode = self.device.type == "cuda"
+        if decode and (why := why_not_gpu_decoding()):
+            decode = False
+            self._note("augment", "JPEG decoding", OFF, f"JPEGs decoded by the workers: {why}")
         deferred.install(dataset, self.args, pad=pad, decode=decode)
         if decode:  # the workers' recent images, for the mosaic, stay decoded
             self.jpeg_decoder = JpegDecoder(capacity=max(4 * (batch or 16),

@@ -160,6 +160,17 @@ def pack_sources(sources: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return HostTensor(table), torch.cat(raw) if raw else empty, HostTensor(torch.cat(jpeg) if jpeg else empty)
 
 
+def why_not_gpu_decoding() -> str:
+    """Why the GPU cannot decode the training JPEGs here ("" when it can): torchvision's
+    ``decode_jpeg`` (deprecated from torchvision 0.29 in favour of TorchCodec) is missing. The
+    workers then decode, and the rest of the deferred augmentation runs on the GPU as before."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg  # noqa: F401
+    except ImportError as e:
+        return f"torchvision.io has no decode_jpeg here ({e}): the loader's workers decode the JPEGs"
+    return ""
+
+
 class JpegDecoder:
     """Decodes the JPEG sources of deferred batches on their device and keeps the decoded images.
 
@@ -248,4 +259,4 @@ def _to_hwc_bgr(img: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 __all__ = ["Encoded", "HostTensor", "JPEG", "JpegDecoder", "RAW", "SOURCE_COLUMNS",
-           "encoded_load_image", "install", "pack_sources", "probe_jpeg", "stand_in"]
+           "encoded_load_image", "install", "pack_sources", "probe_jpeg", "stand_in", "why_not_gpu_decoding"]
