@@ -64,14 +64,16 @@ def _conditioned_grads(theirs, dtype, hp) -> list[torch.Tensor]:
     clipped grad, elements whose sum cancels to below 1e-4 of the grad are drawn again. There a
     one-ulp difference in ``weight_decay * param`` (torch's CPU add is fused, the kernel's is not)
     is the whole sum, and Adam's normalization turns it into a different update. AdamW's decay
-    scales the param instead: pass no ``weight_decay`` for it."""
+    scales the param instead: pass no ``weight_decay`` for it. With ``maximize`` the decay adds to
+    the negated grad, as torch negates it first."""
     wd = hp.get("weight_decay", 0.0)
+    sign = -1.0 if hp.get("maximize", False) else 1.0
     grads = []
     for q in theirs:
         g = (torch.randn(q.shape, device=q.device) * 2 * BOUND).to(dtype)
         for _ in range(100):
             c = g.float().clamp(-BOUND, BOUND)
-            bad = (c + wd * q.detach()).abs() < 1e-4 * c.abs()
+            bad = (sign * c + wd * q.detach()).abs() < 1e-4 * c.abs()
             if wd == 0.0 or not bad.any():
                 break
             g = torch.where(bad, (torch.randn(q.shape, device=q.device) * 2 * BOUND).to(dtype), g)
