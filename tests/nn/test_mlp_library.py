@@ -167,6 +167,8 @@ def test_a_chains_own_setting_picks_its_path(kernels, device):
     assert net.head.library is True and _took_library(net.head, x.clone(), torch.bfloat16)
     with pytest.raises(TypeError, match="library must be True, False or None"):
         FusedMLP([32, 48], library=1)
+    del off.__dict__["library"]  # a chain pickled before the switch existed: the global switch
+    assert "library=None" in repr(off) and not _took_library(off, x.clone(), torch.bfloat16)
 
 
 @cuda

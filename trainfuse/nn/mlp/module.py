@@ -189,7 +189,8 @@ class FusedMLP(nn.Sequential):
 
     def extra_repr(self) -> str:
         return (f"streams={self.streams!r}, recompute={self.recompute}, "
-                f"fuse_grad_accumulation={self.fuse_grad_accumulation}, library={self.library}")
+                f"fuse_grad_accumulation={self.fuse_grad_accumulation}, "
+                f"library={self.__dict__.get('library')}")
 
     def _kernel_dtype(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.dtype | None:
         """The compute dtype if the kernels take this call, else None (torch's path)."""
