@@ -43,10 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="dataset and training seed")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--device", default=None, help="ultralytics device ('0', 'cpu'; default: auto)")
-    parser.add_argument("--gpu-augment", action="store_true",
+    parser.add_argument("--gpu-augment", choices=("auto", "on", "off"), default="auto",
                         help="trainfuse runs: JPEG decoding and the augmentation's warp, HSV and flips "
-                        "on the GPU "
-                        "(FusedDetectionTrainer(gpu_augment=True); off by default)")
+                        "on the GPU (FusedDetectionTrainer(gpu_augment=...)); auto (the default): on CUDA "
+                        "where the images are read from disk every epoch (not cache=ram)")
     parser.add_argument("--out", default=str(OUT),
                         help="runs, dataset, table and PNG go here (default: runs/ next to this script)")
     parser.add_argument("--online", action="store_true",
@@ -81,8 +81,8 @@ def train(kind: str, args: argparse.Namespace, data: str, out: Path) -> dict:
                   "exist_ok": True, **({"device": args.device} if args.device is not None else {}),
                   **args.extra}
     if kind == "trainfuse":
-        train_args["trainer"] = (functools.partial(FusedDetectionTrainer, gpu_augment=True)
-                                 if args.gpu_augment else FusedDetectionTrainer)
+        setting = {"auto": None, "on": True, "off": False}[args.gpu_augment]
+        train_args["trainer"] = functools.partial(FusedDetectionTrainer, gpu_augment=setting)
     model.train(**train_args)
     summary = timer.summary(args.batch)
     summary["map50"], summary["map50_95"] = final_map(model.trainer)

@@ -1,5 +1,6 @@
 """Fixtures the loss tests share (the kernels' small blocks, garbage-filled outputs, the
-kernel-or-torch path) and the augmentation tests' stock loader that decodes as the GPU does."""
+kernel-or-torch path), the augmentation tests' stock loader that decodes as the GPU does, and the
+CPU augmentation for every test that does not ask for the GPU's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,22 @@ import pytest
 import torch
 
 from trainfuse.ultralytics import sums
+
+
+@pytest.fixture(autouse=True)
+def cpu_augmentation_unless_asked(request, monkeypatch):
+    """The trainer tests compare FusedDetectionTrainer's runs with stock ultralytics', whose
+    augmentation runs on the CPU, and nvJPEG decodes a few levels apart from OpenCV. So in this
+    process the trainer keeps the CPU augmentation unless a test asks for the GPU's
+    (``gpu_augment=True``) or for the trainer's own default (``@pytest.mark.gpu_augment_default``).
+    DDP ranks rebuild the trainer from its class in processes of their own: they keep the default
+    (on CUDA, the GPU augmentation for images read from disk)."""
+    if request.node.get_closest_marker("gpu_augment_default") is None:
+        try:
+            from trainfuse.ultralytics.loading import BatchLoading
+        except ImportError:  # no ultralytics: its tests skip
+            return
+        monkeypatch.setattr(BatchLoading, "gpu_augment", False)
 
 
 @pytest.fixture

@@ -118,7 +118,7 @@ def test_gpu_augment_reaches_the_trainer(tmp_path):
     pytest.importorskip("ultralytics")
     runs = _example().main(["--images", "8", "--val-images", "4", "--imgsz", "64", "--epochs", "1", "--batch",
                             "4", "--workers", "0", "--device", "cpu", "--out", str(tmp_path), "--gpu-augment",
-                            "plots=False"])
+                            "on", "plots=False"])
     assert runs["trainfuse"]["iterations"] == 2
     assert runs["trainfuse"]["augmentation"] == "GPU"
 

@@ -34,6 +34,7 @@ from trainfuse.ultralytics.augment.kernel import (  # noqa: E402
     pack_crops,
     tile_table,
 )
+from trainfuse.ultralytics.loading import CPU_DEFAULT_REASON, RAM_CACHE_REASON, setting_keeps_cpu  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets  # noqa: E402
 
@@ -345,11 +346,22 @@ def _train(data_yaml, tmp_path, name, **kwargs):
     return model.trainer
 
 
+@pytest.mark.parametrize("gpu_augment,device,cache,keeps", [
+    (False, "cuda", None, "gpu_augment=False"), (False, "cpu", "disk", "gpu_augment=False"),
+    (True, "cpu", "ram", ""), (True, "cuda", "ram", ""), (True, "cuda", None, ""),
+    (None, "cpu", None, CPU_DEFAULT_REASON), (None, "cpu", "ram", CPU_DEFAULT_REASON),
+    (None, "cuda", "ram", RAM_CACHE_REASON), (None, "cuda", None, ""), (None, "cuda", "disk", ""),
+])
+def test_the_default_augments_on_the_gpu_where_images_come_from_disk(gpu_augment, device, cache, keeps):
+    assert setting_keeps_cpu(gpu_augment, torch.device(device), cache) == keeps
+
+
+@pytest.mark.gpu_augment_default
 def test_training_with_gpu_augmentation_tracks_the_cpu_path(tmp_path):
     data_yaml = str(make_shapes_dataset(tmp_path / "data", n_train=8, n_val=2, imgsz=64))
-    cpu = _train(data_yaml, tmp_path, "cpu")  # the default
+    cpu = _train(data_yaml, tmp_path, "cpu")  # the default on a CPU device
     gpu = _train(data_yaml, tmp_path, "gpu", gpu_augment=True)
-    assert cpu.augment_reason == "gpu_augment=False" and gpu.augment_reason == ""
+    assert cpu.augment_reason == CPU_DEFAULT_REASON and gpu.augment_reason == ""
     assert [r.action for r in gpu.report if r.kind == "augment"] == ["on"]
     assert [r.action for r in cpu.report if r.kind == "augment"] == ["off"]
     for key in ("box_loss", "cls_loss", "dfl_loss"):  # the same images within a level, the same labels
@@ -357,24 +369,30 @@ def test_training_with_gpu_augmentation_tracks_the_cpu_path(tmp_path):
     assert (tmp_path / "gpu" / "train_batch0.jpg").exists()
 
 
+@pytest.mark.gpu_augment_default
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the JPEGs are decoded on the GPU on CUDA only")
 def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
+    """The default on CUDA: the GPU decodes and augments the JPEGs read every epoch, with the
+    step's replays paced beside its thread; with the images cached in RAM the CPU path stays."""
     from ultralytics import YOLO
 
     from trainfuse.ultralytics import FusedDetectionTrainer
 
     data_yaml = str(make_shapes_dataset(tmp_path / "data", n_train=32, n_val=4, imgsz=96, photo=True))
     trainers = {}
-    for name, on in (("cpu", False), ("gpu", True)):
+    for name, on, cache in (("cpu", False, False), ("gpu", None, False), ("ram", None, "ram")):
         model = YOLO("yolov5n.yaml")
         trainer = functools.partial(FusedDetectionTrainer, gpu_augment=on)
-        model.train(data=data_yaml, epochs=2, imgsz=96, batch=8, workers=2, device=0, seed=0,
+        model.train(data=data_yaml, epochs=1 if cache else 2, imgsz=96, batch=8, workers=2, device=0, seed=0,
                     deterministic=True, plots=False, val=False, close_mosaic=1, project=str(tmp_path),
-                    name=name, exist_ok=True, verbose=False, trainer=trainer)
+                    name=name, exist_ok=True, verbose=False, trainer=trainer, cache=cache)
         trainers[name] = model.trainer
     gpu, cpu = trainers["gpu"], trainers["cpu"]
-    assert gpu.augment_reason == ""
+    assert gpu.augment_reason == "" and trainers["ram"].augment_reason == RAM_CACHE_REASON
+    assert trainers["ram"].jpeg_decoder is None
     assert "JPEG decoding" in next(r.detail for r in gpu.report if r.kind == "augment")
+    assert "paced" in next(r.detail for r in gpu.report if r.kind == "graphs")
+    assert "paced" not in next(r.detail for r in cpu.report if r.kind == "graphs")
     assert gpu.jpeg_decoder.decoded >= 32 and gpu.jpeg_decoder.reused > 0  # each image; the mosaic's kept
     for key in ("box_loss", "cls_loss", "dfl_loss"):  # the same labels; pixels a decoder's levels apart
         torch.testing.assert_close(gpu.tloss[key], cpu.tloss[key], rtol=0.15, atol=1e-3)
@@ -383,7 +401,7 @@ def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
 def test_gpu_augment_must_be_a_bool():
     from trainfuse.ultralytics import FusedDetectionTrainer
 
-    with pytest.raises(TypeError, match="gpu_augment must be True or False"):
+    with pytest.raises(TypeError, match="gpu_augment must be True, False or None"):
         FusedDetectionTrainer(overrides={"data": "coco8.yaml"}, gpu_augment="yes")
 
 

@@ -1,8 +1,9 @@
 """The training batches of :class:`~trainfuse.ultralytics.FusedDetectionTrainer`: how they are built,
 augmented, padded and brought to the GPU (a mixin of the trainer; the rest of it is the step).
 
-- **GPU augmentation** (``gpu_augment=True``; off by default): the loader's workers read the
-  JPEGs' bytes and move the labels; on CUDA the GPU decodes the JPEGs
+- **GPU augmentation** (``gpu_augment``; by default on CUDA for images read from disk every epoch,
+  not for ``cache="ram"``): the loader's workers read the JPEGs' bytes and move the labels; on CUDA
+  the GPU decodes the JPEGs
   (:mod:`trainfuse.ultralytics.augment.decode`) and the random warp, HSV jitter and flips of the
   pixels run there, the whole batch in one kernel, with the very random parameters ultralytics'
   CPU transforms would have drawn (:mod:`trainfuse.ultralytics.augment.deferred`,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from ultralytics.utils.torch_utils import unwrap_model
 
 from trainfuse.clients import OFF, ON
@@ -27,14 +29,37 @@ from trainfuse.ultralytics.choices import takes_fused_loss
 from trainfuse.ultralytics.prefetch import DevicePrefetcher
 from trainfuse.ultralytics.targets import PADDED_KEY, PadTargets, add_padded_targets
 
+# why gpu_augment=None (the default) keeps the CPU augmentation
+CPU_DEFAULT_REASON = ("gpu_augment defaults to on for CUDA devices only (gpu_augment=True runs its torch "
+                      "path here)")
+RAM_CACHE_REASON = ("the images are cached in RAM (cache='ram'): the workers keep up with the step, so "
+                    "gpu_augment defaults to off (gpu_augment=True turns it on)")
+
+
+def setting_keeps_cpu(gpu_augment: bool | None, device: torch.device, cache: str | None) -> str:
+    """Why the ``gpu_augment`` setting keeps ultralytics' CPU augmentation on ``device`` with the
+    dataset's ``cache`` (ultralytics' ``dataset.cache``: None, ``"ram"`` or ``"disk"``), before the
+    dataset's own limits are asked; "" where it does not."""
+    if gpu_augment is False:
+        return "gpu_augment=False"
+    if gpu_augment is None and device.type != "cuda":
+        return CPU_DEFAULT_REASON
+    if gpu_augment is None and cache == "ram":
+        return RAM_CACHE_REASON
+    return ""
+
 
 class BatchLoading:
     """The trainer's dataset, loader and ``preprocess_batch`` (see the module).
 
     Attributes:
         gpu_augment: True augments the training batches' pixels on the GPU where the dataset
-            allows it (on a CPU device, through the torch path); False (the default) keeps
-            ultralytics' CPU transforms. Also a keyword of the trainer's constructor.
+            allows it (on a CPU device, through the torch path); False keeps ultralytics' CPU
+            transforms; None (the default) is True on CUDA where the images are read from disk
+            every epoch (``cache`` False or ``"disk"``) and False otherwise: with ``cache="ram"``
+            the workers neither read nor decode, keep up with the step, and the GPU's share of
+            the augmentation only adds to it (:data:`RAM_CACHE_REASON`). Also a keyword of the
+            trainer's constructor.
         augment_reason: empty when the training batches are augmented on the GPU, else why not.
         jpeg_decoder: with GPU augmentation on CUDA, the
             :class:`~trainfuse.ultralytics.augment.decode.JpegDecoder` that decodes the training
@@ -43,15 +68,16 @@ class BatchLoading:
             (a subclass may set False).
     """
 
-    gpu_augment = False
+    gpu_augment: bool | None = None
     augment_reason = "no training dataset yet"
     prefetch = True
     jpeg_decoder = None
 
     def _augment_off(self, dataset) -> str:
         """Why the training batches keep ultralytics' CPU augmentation ("" when they do not)."""
-        if not self.gpu_augment:
-            return "gpu_augment=False"
+        why = setting_keeps_cpu(self.gpu_augment, self.device, getattr(dataset, "cache", None))
+        if why:
+            return why
         from trainfuse.ultralytics.augment import deferred
 
         return deferred.unsupported(dataset, self.args)
@@ -122,4 +148,4 @@ def _finish_deferred(decoder, batch: dict) -> dict:
     return finish_batch(batch, decoder) if is_deferred(batch) else batch
 
 
-__all__ = ["BatchLoading"]
+__all__ = ["CPU_DEFAULT_REASON", "RAM_CACHE_REASON", "BatchLoading", "setting_keeps_cpu"]

@@ -31,8 +31,9 @@ results differ on purpose):
   Off on CPU, with ``compile``, or without a fused loss; choose with
   ``trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=False)`` (under DDP, a subclass
   setting ``cuda_graphs = False``).
-- **Input side** (CUDA): on request (``gpu_augment=True``), the JPEG decoding, random warp, HSV
-  jitter and flips of the training batches on the GPU, with ultralytics' own random draws
+- **Input side** (CUDA): where the images are read from disk every epoch (``gpu_augment``, on by
+  default unless ``cache="ram"``), the JPEG decoding, random warp, HSV jitter and flips of the
+  training batches on the GPU, with ultralytics' own random draws
   (:mod:`trainfuse.ultralytics.loading`); the first convolution on the space-to-depth image
   (:mod:`trainfuse.nn.stem`, ``fold_stem``); the batches copied to the GPU one ahead on a side
   stream (:class:`~trainfuse.ultralytics.prefetch.DevicePrefetcher`, ``prefetch``).
@@ -131,7 +132,8 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, cuda_graphs: bool | None = None,
                  gpu_augment: bool | None = None, **kwargs):
         if gpu_augment is not None and not isinstance(gpu_augment, bool):
-            raise TypeError(f"FusedDetectionTrainer: gpu_augment must be True or False, got {gpu_augment!r}")
+            raise TypeError(f"FusedDetectionTrainer: gpu_augment must be True, False or None (the default: "
+                            f"on for CUDA where the images are read from disk), got {gpu_augment!r}")
         # before ultralytics checks the dataset, which fails for another task's data first
         check_task(get_cfg(cfg, overrides))
         super().__init__(cfg, overrides, *args, **kwargs)
@@ -142,7 +144,7 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
                 raise TypeError(f"FusedDetectionTrainer: cuda_graphs must be True or False, "
                                 f"got {cuda_graphs!r}")
             self.cuda_graphs = cuda_graphs
-        if gpu_augment is not None:
+        if gpu_augment is not None:  # None: the class's choice (BatchLoading.gpu_augment)
             self.gpu_augment = gpu_augment
         # first in line, so that every other epoch-end callback sees the exact loss means; the
         # dict may be the YOLO object's, shared with its later trainers: once only
@@ -305,11 +307,15 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
                        f"gradients all-reduced once per optimizer step as one flat buffer ({sizes}) "
                        f"across {self.world_size} ranks, after the replays (DDP's reducer replaced)")
         ddp = self._flat is not None  # ultralytics' loss * world_size, averaged: DDP's arithmetic
+        # beside the GPU decoding's thread, the host stays one iteration ahead at most (GraphedLoss)
         self._graphed = GraphedLoss(model, self.scaler, grads=self._flat.grads if ddp else None,
-                                    loss_factor=self.world_size if ddp else 1).attach()
+                                    loss_factor=self.world_size if ddp else 1,
+                                    paced=self.jpeg_decoder is not None).attach()
         self.keeps_grads = True
         self._note("graphs", "cuda_graphs", ON, "forward, loss and backward replayed from CUDA graphs (one "
-                   "per image shape and label capacity; each shape's first batch runs eagerly)")
+                   "per image shape and label capacity; each shape's first batch runs eagerly)"
+                   + ("; paced: each replay waits for the last, beside the GPU decoding's thread"
+                      if self._graphed.paced else ""))
         why_not = self._phase_unsafe()
         if why_not:
             self._note("phase", "optimizer phase", OFF, f"optimizer phase eager: {why_not}")
