@@ -122,6 +122,8 @@ def test_ddp_with_graphs_trains_as_eager_ddp_and_keeps_the_ranks_equal(tmp_path_
     assert g0["optimizer"] == e0["optimizer"] == "FusedSGD"
     assert g0["graphs_reason"] == "" and e0["graphs_reason"] == "cuda_graphs=False"
     assert ["ddp", "swapped"] in g0["report"] and ["casts", "skipped"] in g0["report"]
+    # the class's default: each rank decodes and augments its JPEGs (read from disk) on its own GPU
+    assert all(["augment", "on"] in r["report"] for r in (g0, g1, e0, e1))
     assert g0["replays"] >= 80, g0["replays"]  # 5 iterations an epoch, 20 epochs, 100 in all
     assert len(g0["losses"]) == len(e0["losses"]) == 100
     for k in gw0["state"]:  # every rank the same weights (BatchNorm's statistics are per rank, as in DDP)
