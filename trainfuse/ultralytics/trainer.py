@@ -144,7 +144,7 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
                 raise TypeError(f"FusedDetectionTrainer: cuda_graphs must be True or False, "
                                 f"got {cuda_graphs!r}")
             self.cuda_graphs = cuda_graphs
-        if gpu_augment is not None:  # None: the class's choice (BatchLoading.gpu_augment)
+        if gpu_augment is not None:
             self.gpu_augment = gpu_augment
         # first in line, so that every other epoch-end callback sees the exact loss means; the
         # dict may be the YOLO object's, shared with its later trainers: once only
@@ -307,9 +307,8 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
                        f"gradients all-reduced once per optimizer step as one flat buffer ({sizes}) "
                        f"across {self.world_size} ranks, after the replays (DDP's reducer replaced)")
         ddp = self._flat is not None  # ultralytics' loss * world_size, averaged: DDP's arithmetic
-        # beside the GPU decoding's thread, the host stays one iteration ahead at most (GraphedLoss)
-        self._graphed = GraphedLoss(model, self.scaler, grads=self._flat.grads if ddp else None,
-                                    loss_factor=self.world_size if ddp else 1,
+        self._graphed = GraphedLoss(model, self.scaler, grads=self._flat.grads if ddp else None,  # paced:
+                                    loss_factor=self.world_size if ddp else 1,  # beside the decoding thread
                                     paced=self.jpeg_decoder is not None).attach()
         self.keeps_grads = True
         self._note("graphs", "cuda_graphs", ON, "forward, loss and backward replayed from CUDA graphs (one "
