@@ -307,14 +307,13 @@ class FusedDetectionTrainer(BatchLoading, DetectionTrainer):
                        f"gradients all-reduced once per optimizer step as one flat buffer ({sizes}) "
                        f"across {self.world_size} ranks, after the replays (DDP's reducer replaced)")
         ddp = self._flat is not None  # ultralytics' loss * world_size, averaged: DDP's arithmetic
-        self._graphed = GraphedLoss(model, self.scaler, grads=self._flat.grads if ddp else None,  # paced:
-                                    loss_factor=self.world_size if ddp else 1,  # beside the decoding thread
-                                    paced=self.jpeg_decoder is not None).attach()
+        paced = self.jpeg_decoder is not None  # beside the GPU decoding's thread (GraphedLoss)
+        self._graphed = GraphedLoss(model, self.scaler, grads=self._flat.grads if ddp else None,
+                                    loss_factor=self.world_size if ddp else 1, paced=paced).attach()
         self.keeps_grads = True
         self._note("graphs", "cuda_graphs", ON, "forward, loss and backward replayed from CUDA graphs (one "
                    "per image shape and label capacity; each shape's first batch runs eagerly)"
-                   + ("; paced: each replay waits for the last, beside the GPU decoding's thread"
-                      if self._graphed.paced else ""))
+                   + ("; paced: each replay waits for the last, beside the GPU decoding" if paced else ""))
         why_not = self._phase_unsafe()
         if why_not:
             self._note("phase", "optimizer phase", OFF, f"optimizer phase eager: {why_not}")
