@@ -190,7 +190,7 @@ class GraphedLoss:
             the host is at most one iteration ahead. For a loop beside a thread that issues CUDA
             work of its own (the GPU JPEG decoding): a graph launched while its previous replay
             still runs holds the host inside the driver, and that thread's launches and copies
-            wait there too (see :attr:`paced`).
+            wait there too (see the module).
     """
 
     def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, *, max_graphs: int = 8,
