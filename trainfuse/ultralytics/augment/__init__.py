@@ -1,5 +1,5 @@
-"""ultralytics' training augmentation with its pixels on the GPU
-(``FusedDetectionTrainer(gpu_augment=True)``; docs/design/augmentation.md):
+"""ultralytics' training augmentation with its pixels on the GPU (``FusedDetectionTrainer``'s
+``gpu_augment``: by default on CUDA for images read from disk; docs/design/augmentation.md):
 
 - :mod:`.deferred`: the loader's side. ultralytics' own transforms draw every random number and
   move the labels; the pixels are only cropped to what the warp reads and packed.
