@@ -292,8 +292,8 @@ def _padded_reference(plan, updates: list[torch.Tensor]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov):
     """The kernels' padded batches (Triton gather and scatter around the matmuls) against the same
-    padding in torch, bit for bit; and against MuSGD's own batching (``orthogonalized``) within
-    bfloat16 rounding on CPU, where the padding changes no sum."""
+    padding in torch, bit for bit; and against MuSGD's own batching (``orthogonalized``) on CPU,
+    within what another summation order leaves after five bfloat16 iterations."""
     from trainfuse.optim.musgd import _muon_momentum
     from trainfuse.optim.newton_schulz import BatchedNewtonSchulz, orthogonalized
 
@@ -312,6 +312,10 @@ def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov):
         assert torch.equal(_memory_matrix(t), e), f"tensor {k}"
     assert plan.key == BatchedNewtonSchulz.key_of(targets)
     if DEVICE.type == "cpu":
+        # The padded matmuls accumulate in another order, and five bfloat16 iterations grow that
+        # last-bit difference: at most 3.8 * 2**-7 of the largest entry over 3,000 seeds (the
+        # bfloat16 result's own error against float64 reaches 17 * 2**-7). Padding in the wrong
+        # place moves entries by the order of the largest one.
         for k, (t, e) in enumerate(zip(targets, orthogonalized(updates))):
-            torch.testing.assert_close(t, e, rtol=0, atol=2**-7 * float(e.abs().max()),
+            torch.testing.assert_close(t, e, rtol=0, atol=2**-4 * float(e.abs().max()),
                                        msg=lambda m, k=k: f"tensor {k}: {m}")
