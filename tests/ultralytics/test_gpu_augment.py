@@ -398,7 +398,7 @@ def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
         torch.testing.assert_close(gpu.tloss[key], cpu.tloss[key], rtol=0.15, atol=1e-3)
 
 
-def test_gpu_augment_must_be_a_bool():
+def test_gpu_augment_must_be_a_bool_or_none():
     from trainfuse.ultralytics import FusedDetectionTrainer
 
     with pytest.raises(TypeError, match="gpu_augment must be True, False or None"):
