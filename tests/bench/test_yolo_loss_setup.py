@@ -19,7 +19,7 @@ offline_env(Path(tempfile.gettempdir()) / "trainfuse-tests-yolo-config")
 pytest.importorskip("ultralytics")
 
 from trainfuse.bench.yolo_loss import _agreement, _criteria, _fwd_bwd, _leaves, _setup, family  # noqa: E402
-from trainfuse.ultralytics.targets import PADDED_KEY  # noqa: E402
+from trainfuse.losses.detection.targets import PADDED_KEY  # noqa: E402
 
 BRANCH = {"boxes", "scores", "feats"}
 # model: (its head's train-mode output keys, the leaves, the stock and fused losses)

@@ -19,7 +19,7 @@ from tests.lightning.helpers import (
     params,
 )
 from trainfuse.lightning import FusedTraining
-from trainfuse.lightning.graphs import graph_targets
+from trainfuse.lightning.graph_targets import graph_targets
 
 
 def rows_of(cb):

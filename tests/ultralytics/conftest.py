@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainfuse.ultralytics import sums
+from trainfuse.losses.detection import sums
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,7 @@ from ultralytics.data.build import build_yolo_dataset  # noqa: E402
 from ultralytics.data.utils import check_det_dataset  # noqa: E402
 
 from tests.ultralytics._augment import seeded_batch  # noqa: E402
+from trainfuse.losses.detection.targets import add_padded_targets  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch  # noqa: E402
 from trainfuse.ultralytics.augment.decode import (  # noqa: E402
@@ -34,7 +35,6 @@ from trainfuse.ultralytics.augment.decode import (  # noqa: E402
     why_not_gpu_decoding,
 )
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
-from trainfuse.ultralytics.targets import add_padded_targets  # noqa: E402
 
 
 def _photo(seed=0, h=48, w=64):

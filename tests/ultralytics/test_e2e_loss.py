@@ -14,10 +14,10 @@ import torch
 
 from tests._helpers import cuda, cuda_kernel_names, no_host_sync, warm_on_side_stream
 from tests.ultralytics.test_loss import assert_kernels_match_float64_reference, on_device, tie_free
+from trainfuse.losses.detection import assigner as tal
+from trainfuse.losses.detection.targets import anchor_grid
 from trainfuse.ultralytics import FusedDetectionLoss, FusedE2ELoss, add_padded_targets, takes_fused_e2e_loss
-from trainfuse.ultralytics import assigner as tal
 from trainfuse.ultralytics import loss as loss_module
-from trainfuse.ultralytics.targets import anchor_grid
 
 ultralytics_loss = pytest.importorskip("ultralytics.utils.loss")
 NC = 3

@@ -23,6 +23,7 @@ from ultralytics.data.build import build_yolo_dataset  # noqa: E402
 from ultralytics.data.utils import check_det_dataset  # noqa: E402
 
 from tests.ultralytics._augment import seeded_batch  # noqa: E402
+from trainfuse.losses.detection.targets import PADDED_KEY, add_padded_targets  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred  # noqa: E402
 from trainfuse.ultralytics.augment.color import hsv_luts, opencv_vector_block  # noqa: E402
@@ -36,7 +37,6 @@ from trainfuse.ultralytics.augment.kernel import (  # noqa: E402
 )
 from trainfuse.ultralytics.loading import CPU_DEFAULT_REASON, RAM_CACHE_REASON, setting_keeps_cpu  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
-from trainfuse.ultralytics.targets import PADDED_KEY, add_padded_targets  # noqa: E402
 
 
 def _crops(dims, seed=0):

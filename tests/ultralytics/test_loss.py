@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tests._helpers import cuda, cuda_kernel_names, no_host_sync, warm_on_side_stream
+from trainfuse.losses.detection import DetectionLossFunction, LossConstants, loss_terms_torch
+from trainfuse.losses.detection import assigner as tal
+from trainfuse.losses.detection.targets import PADDED_KEY, anchor_grid
 from trainfuse.ultralytics import FusedDetectionLoss, add_padded_targets, pad_targets, target_capacity
-from trainfuse.ultralytics import assigner as tal
-from trainfuse.ultralytics.loss import DetectionLossFunction, LossConstants, loss_terms_torch
-from trainfuse.ultralytics.targets import PADDED_KEY, anchor_grid
 
 ultralytics_loss = pytest.importorskip("ultralytics.utils.loss")
 NC = 3

@@ -249,9 +249,9 @@ def _assigner_rows(report, model, preds, plain, prepared, quick):
     from ultralytics.utils.loss import v8DetectionLoss
     from ultralytics.utils.tal import make_anchors
 
+    from trainfuse.losses.detection import assigner as tal
+    from trainfuse.losses.detection.targets import anchor_grid
     from trainfuse.ultralytics import FusedDetectionLoss
-    from trainfuse.ultralytics import assigner as tal
-    from trainfuse.ultralytics.targets import anchor_grid
 
     stock, fused = v8DetectionLoss(model), FusedDetectionLoss(model)
     boxes, scores = preds["boxes"].detach().float(), preds["scores"].detach().float()

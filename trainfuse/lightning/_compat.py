@@ -67,6 +67,12 @@ def weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
     return [cb for cb in callbacks if classes and isinstance(cb, tuple(classes))]
 
 
+def rank_zero_info(trainer: Any, message: str) -> None:
+    """Log ``message`` at info level on global rank zero, through the Trainer's own package (its
+    ``utilities.rank_zero``: Lightning's logger, which the package sets up to print)."""
+    importlib.import_module(package_of(trainer).__name__ + ".utilities.rank_zero").rank_zero_info(message)
+
+
 def strategy_kind(strategy: Any) -> str:
     """``"single"``, ``"ddp"``, ``"fsdp"`` (FSDPStrategy), ``"fsdp2"`` (ModelParallelStrategy), or
     the strategy's class name where FusedTraining does not act (DeepSpeed, XLA and others)."""
@@ -87,5 +93,5 @@ def strategy_kind(strategy: Any) -> str:
     return type(strategy).__name__
 
 
-__all__ = ["PACKAGES", "callback_bases", "installed", "is_overridden", "package_of", "strategy_kind",
-           "weight_averaging_callbacks"]
+__all__ = ["PACKAGES", "callback_bases", "installed", "is_overridden", "package_of", "rank_zero_info",
+           "strategy_kind", "weight_averaging_callbacks"]

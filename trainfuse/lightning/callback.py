@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trainfuse._runtime.backend import use_triton
-from trainfuse.clients import OFF, SKIPPED, Report
+from trainfuse.clients import AppliedChanges, Report
 from trainfuse.graphs import GraphedModule, StepStats
 from trainfuse.lightning import _compat
 from trainfuse.lightning.changes import (
@@ -60,7 +60,7 @@ class FusedTraining(*_compat.callback_bases()):
     Trainer has its clipping and its scaler back, the modules their own forward; after a fit that
     ended the module holds the EMA, as under EMAWeightAveraging. Checkpoints stay plain (float32
     weights, torch.optim state layout; with an EMA, WeightAveraging's layout). The report is
-    printed on rank zero.
+    logged on rank zero (Lightning's ``rank_zero_info``).
 
     Args:
         fuse_casts: under 16-mixed/bf16-mixed, 16-bit weights with float32 masters (the optimizer
@@ -76,7 +76,7 @@ class FusedTraining(*_compat.callback_bases()):
             the steps where the Trainer writes its logs (every ``log_every_n_steps``): a
             ``self.log`` call costs more host time than the whole fused step
             when clipping by norm runs in the step.
-        verbose: print the report table on rank zero at fit start.
+        verbose: log the report table on rank zero at fit start.
         cuda_graphs: replay the model's forward and backward from CUDA graphs, one pair per input
             shape (the first batch of a shape runs eagerly, the second is captured): the
             LightningModule's ``forward`` when it defines one, and each direct child module with
@@ -123,7 +123,7 @@ class FusedTraining(*_compat.callback_bases()):
 
     def _reset(self) -> None:
         self._run: Run | None = None  # set when the changes are made, for the fit's duration
-        self._applied: list[Change] = []
+        self._applied: AppliedChanges[Run] = AppliedChanges(self.report)
         self._deferred = False
         self._resumed: tuple[dict, int] | None = None  # the average of the checkpoint resumed from
         self._ema: EMA | None = None  # the fit's EMA, once made (kept after the fit for checkpoints)
@@ -167,40 +167,19 @@ class FusedTraining(*_compat.callback_bases()):
         return changes
 
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Make every change that applies, with its rows; print the report."""
+        """Make every change that applies, with its rows; log the report on rank zero."""
         device = trainer.strategy.root_device
         run = Run(trainer, pl_module, device, use_triton(device), str(trainer.precision),
                   _compat.strategy_kind(trainer.strategy))
         self._run = run
-        for change in self._changes(run):
-            off = change.why_off(run)
-            reason = change.why_not(run) if off is None else None
-            if off is not None or reason is not None:
-                action = OFF if reason is None else SKIPPED
-                self.report.add(change.kind, change.name(run), action, off or reason)
-                if reason is not None and change.ends_run:
-                    break
-                continue
-            change.apply(run)
-            self._applied.append(change)
-            if isinstance(change, EMA):
-                self._ema = change
-            for row in change.rows(run):
-                self.report.add(row.kind, row.name, row.action, row.detail)
-        if self.verbose and trainer.is_global_zero:
-            print(self.report)
+        self._applied.apply(self._changes(run), run)
+        self._ema = self._applied.find(EMA)
+        if self.verbose:
+            _compat.rank_zero_info(trainer, str(self.report))
 
     def _end(self, *, failed: bool) -> None:
         """Undo the applied changes in reverse order (each one, even when another raises)."""
-        applied, self._applied = self._applied, []
-        errors = []
-        for change in reversed(applied):
-            try:
-                change.restore(self._run, failed=failed)
-            except Exception as e:  # the others are undone first, then it is raised
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        self._applied.restore(self._run, failed=failed)
 
     # ---- when it acts ----------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

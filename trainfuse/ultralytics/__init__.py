@@ -2,9 +2,9 @@
 FusedE2ELoss (the same for ``E2ELoss``: YOLOv10, YOLO26) and the helpers that pad a batch's labels
 on the CPU. Importing this package does not import ultralytics."""
 
+from trainfuse.losses.detection.targets import add_padded_targets, pad_targets, target_capacity
 from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
-from trainfuse.ultralytics.targets import add_padded_targets, pad_targets, target_capacity
 
 __all__ = ["FusedDetectionLoss", "FusedDetectionTrainer", "FusedE2ELoss", "add_padded_targets", "pad_targets",
            "takes_fused_e2e_loss", "target_capacity"]

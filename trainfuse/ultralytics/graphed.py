@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from trainfuse.graphs import CapturedStep, GraphedOptimizerStep
-from trainfuse.ultralytics.targets import PADDED_KEY
+from trainfuse.losses.detection.targets import PADDED_KEY
 
 # loss-item copies in flight at once: the host runs at most this many iterations ahead of the GPU
 RING = 4

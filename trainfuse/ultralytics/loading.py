@@ -25,9 +25,9 @@ import torch
 from ultralytics.utils.torch_utils import unwrap_model
 
 from trainfuse.clients import OFF, ON
+from trainfuse.losses.detection.targets import PADDED_KEY, PadTargets, add_padded_targets
 from trainfuse.ultralytics.choices import takes_fused_loss
 from trainfuse.ultralytics.prefetch import DevicePrefetcher
-from trainfuse.ultralytics.targets import PADDED_KEY, PadTargets, add_padded_targets
 
 # why gpu_augment=None (the default) keeps the CPU augmentation
 CPU_DEFAULT_REASON = ("gpu_augment defaults to on for CUDA devices only (gpu_augment=True runs its torch "

@@ -16,7 +16,7 @@ weights, ``hyp.dfl`` gain), named so in the items.
 No ``.nonzero()``, boolean indexing or ``.item()`` inside, and every shape depends only on the
 batch size, the anchors and the ground-truth capacity, so a step can be captured in a CUDA graph.
 The capacity comes from ``batch["padded_targets"]`` when the trainer has put it there on the CPU
-(:func:`~trainfuse.ultralytics.targets.add_padded_targets`); a batch without it costs one host
+(:func:`~trainfuse.losses.detection.targets.add_padded_targets`); a batch without it costs one host
 sync (the largest label count, read from ``batch_idx``) when ``batch_idx`` is on the GPU.
 
 On CUDA tensors (or ``TRAINFUSE_BACKEND=triton``) the work is 6 launches forward (the assigner's
@@ -30,144 +30,23 @@ loss in float16 under AMP); grads come back in the predictions' dtypes.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from trainfuse._runtime.backend import use_triton
-from trainfuse._runtime.function import applier
-from trainfuse.losses.iou import bbox_iou_reference
-from trainfuse.ultralytics.assigner import (
+from trainfuse.losses.detection import (
+    PADDED_KEY,
     AssignConfig,
-    Assignment,
+    LossConstants,
+    anchor_grid,
+    apply_detection_loss,
     assign_kernels,
     assign_torch,
-    decode,
-    distances,
-)
-from trainfuse.ultralytics.box_loss import CIOU_EPS, box_loss_bwd_kernel, box_loss_fwd_kernel
-from trainfuse.ultralytics.cls_loss import cls_loss_bwd_kernel, cls_loss_fwd_kernel, cls_tiles
-from trainfuse.ultralytics.sums import blocks, launcher, persistent_grid, scratch
-from trainfuse.ultralytics.targets import (
-    PADDED_KEY,
-    anchor_grid,
-    label_pixels,
+    loss_terms_torch,
     pad_targets,
     target_capacity,
 )
-
-
-class LossConstants(NamedTuple):
-    """What the loss kernels take besides tensors: the image size in pixels, the gains, the batch
-    size (the result is ``terms * batch``) and the DFL target's upper bound ``reg_max - 1.01``
-    (unused without DFL)."""
-
-    height: float
-    width: float
-    gains: tuple[float, float, float]
-    batch: float
-    dfl_hi: float
-
-
-class DetectionLossFunction(torch.autograd.Function):
-    """The loss terms on the kernels: forward two launches (box+DFL or box+L1, BCE) writing ``out``
-    (the terms times the batch size) and ``items`` (the terms), backward two (the grads of the box
-    outputs and of the class logits)."""
-
-    @staticmethod
-    def forward(ctx, boxes, scores, asg: Assignment, gt, anchors, strides, class_weights, k: LossConstants):
-        B, C, A = boxes.shape
-        dev = boxes.device
-        out = torch.empty(3, dtype=torch.float32, device=dev)
-        items = torch.empty(3, dtype=torch.float32, device=dev)
-        nblk = B * -(-A // blocks.box)
-        partials, counter = scratch(dev, 2 * nblk)
-        launcher(box_loss_fwd_kernel, (nblk,), boxes, asg.gidx, asg.t, gt, anchors, strides, asg.tss, out,
-                 items, partials, counter, A, gt.shape[1], k.width, k.height, nblk, k.dfl_hi, CIOU_EPS,
-                 k.gains[0], k.gains[2], k.batch, R=C // 4, BLOCK=blocks.box, num_warps=4)
-        nc = scores.shape[1]
-        tiles, nab = cls_tiles(B, nc, A, blocks.cls)
-        grid = persistent_grid(dev, tiles)
-        w = class_weights if class_weights is not None else scores
-        partials, counter = scratch(dev, grid)
-        launcher(cls_loss_fwd_kernel, (grid,), scores, asg.label, asg.t, w, asg.tss, out, items, partials,
-                 counter, tiles, nab, A, nc, k.gains[1], k.batch, HAS_W=class_weights is not None,
-                 BLOCK=blocks.cls, num_warps=4)
-        ctx.save_for_backward(boxes, scores, asg.gidx, asg.label, asg.t, asg.tss, gt, anchors, strides, w)
-        ctx.constants, ctx.has_w = k, class_weights is not None
-        ctx.mark_non_differentiable(items)
-        ctx.set_materialize_grads(False)  # items' grad would be a zero-filled tensor: a launch per step
-        return out, items
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, go, _):
-        boxes, scores, gidx, label, t, tss, gt, anchors, strides, w = ctx.saved_tensors
-        k = ctx.constants
-        B, C, A = boxes.shape
-        g_boxes = g_scores = None
-        if go is None:  # only items reached the loss: no grad flows
-            return g_boxes, g_scores, None, None, None, None, None, None
-        if ctx.needs_input_grad[0]:
-            g_boxes = torch.empty_like(boxes)
-            launcher(box_loss_bwd_kernel, (B * -(-A // blocks.box),), boxes, g_boxes, gidx, t, gt, anchors,
-                     strides, tss, go, go.stride(0), A, gt.shape[1], k.width, k.height, k.dfl_hi, CIOU_EPS,
-                     k.gains[0], k.gains[2], k.batch, R=C // 4, BLOCK=blocks.box, num_warps=4)
-        if ctx.needs_input_grad[1]:
-            g_scores = torch.empty_like(scores)
-            nc = scores.shape[1]
-            tiles, nab = cls_tiles(B, nc, A, blocks.cls)
-            launcher(cls_loss_bwd_kernel, (persistent_grid(scores.device, tiles),), scores, label, t, w, tss,
-                     go, go.stride(0), g_scores, tiles, nab, A, nc, k.gains[1], k.batch, HAS_W=ctx.has_w,
-                     BLOCK=blocks.cls, num_warps=4)
-        return g_boxes, g_scores, None, None, None, None, None, None
-
-
-_apply_detection_loss = applier(DetectionLossFunction)
-
-
-def loss_terms_torch(boxes, scores, asg: Assignment, gt, imgsz, anchors, strides, class_weights
-                     ) -> torch.Tensor:
-    """The three terms (before gains) as dense, masked torch operations: the CPU path and the
-    kernels' reference. ``(3,)``: box, cls, dfl (l1 for ``reg_max = 1``) (float32, or float64
-    from float64 inputs)."""
-    B, C, A = boxes.shape
-    R = C // 4
-    ct = torch.promote_types(boxes.dtype, torch.float32)  # float32, or float64 for a float64 reference
-    fg = asg.gidx >= 0
-    gidx = asg.gidx.clamp(0).long()[..., None].expand(B, A, 4)
-    target = label_pixels(gt, imgsz).gather(1, gidx) / strides[:, None]
-    pred = decode(boxes, anchors)
-    iou = bbox_iou_reference(pred, target, xywh=False, CIoU=True).squeeze(-1)
-    box = torch.where(fg, (1.0 - iou) * asg.t, 0.0).sum() / asg.tss
-    y = torch.cat((anchors - target[..., :2], target[..., 2:] - anchors), -1)
-    if R == 1:
-        # ultralytics' L1: the ltrb distances in pixels over the image's (w, h, w, h)
-        size = strides.new_empty(4)
-        size[0::2], size[1::2] = imgsz[1], imgsz[0]
-        s = strides[:, None]
-        l1 = (distances(boxes) * s / size - y * s / size).abs().mean(-1)
-        third = torch.where(fg, l1 * asg.t, 0.0).sum() / asg.tss
-    else:
-        third = _dfl_term(boxes.to(ct).view(B, 4, R, A), y.clamp(0, R - 1 - 0.01), fg, asg)
-    onehot = torch.zeros(B, scores.shape[1] + 1, A, dtype=asg.t.dtype, device=scores.device)
-    onehot.scatter_(1, (asg.label.long() + 1)[:, None], asg.t[:, None])  # row 0: background
-    bce = torch.nn.functional.binary_cross_entropy_with_logits(scores.to(ct), onehot[:, 1:], reduction="none")
-    if class_weights is not None:
-        bce = bce * class_weights.view(1, -1, 1)
-    return torch.stack((box, bce.sum() / asg.tss, third))
-
-
-def _dfl_term(logits: torch.Tensor, y: torch.Tensor, fg: torch.Tensor, asg: Assignment) -> torch.Tensor:
-    """The DFL term of :func:`loss_terms_torch`: logits ``(B, 4, R, A)``, clamped targets ``y``
-    ``(B, A, 4)``."""
-    lo = y.long()
-    wl = (lo + 1) - y
-    logp = logits.log_softmax(2)
-    lo = lo.transpose(1, 2)[:, :, None]  # (B, 4, 1, A)
-    pick = logp.gather(2, lo).squeeze(2) * wl.transpose(1, 2) + logp.gather(2, lo + 1).squeeze(2) * (
-        1 - wl.transpose(1, 2))
-    return torch.where(fg, -pick.mean(1) * asg.t, 0.0).sum() / asg.tss
 
 
 class FusedDetectionLoss:
@@ -255,7 +134,7 @@ class FusedDetectionLoss:
             asg = assign(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, self.assign_config)
             if fused:
                 k = LossConstants(float(imgsz[0]), float(imgsz[1]), gains, float(B), self.reg_max - 1 - 0.01)
-                out, items = _apply_detection_loss(boxes, scores, asg, gt, anchors, strides,
+                out, items = apply_detection_loss(boxes, scores, asg, gt, anchors, strides,
                                                          self.class_weights, k)
             else:
                 items = loss_terms_torch(boxes, scores, asg, gt, imgsz, anchors, strides, self.class_weights)
@@ -265,4 +144,4 @@ class FusedDetectionLoss:
         return out, dict(zip(self.loss_names, items))
 
 
-__all__ = ["DetectionLossFunction", "FusedDetectionLoss", "LossConstants", "loss_terms_torch"]
+__all__ = ["FusedDetectionLoss"]

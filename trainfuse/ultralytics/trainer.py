@@ -67,6 +67,7 @@ from trainfuse.clients import (
     fused_scaler,
 )
 from trainfuse.graphs import GraphedOptimizerStep
+from trainfuse.losses.detection.targets import PadTargets
 from trainfuse.nn import stem
 from trainfuse.optim import FusedAdam, FusedEMA, FusedOptimizer, FusedSGD
 from trainfuse.ultralytics.casts import TorchLayoutOptimizer, cast_dtype
@@ -75,7 +76,6 @@ from trainfuse.ultralytics.e2e_loss import FusedE2ELoss
 from trainfuse.ultralytics.graphed import GraphedLoss
 from trainfuse.ultralytics.loading import BatchLoading
 from trainfuse.ultralytics.loss import FusedDetectionLoss
-from trainfuse.ultralytics.targets import PadTargets
 
 _PREFIX = colorstr("trainfuse:")
 GRAPHED_PHASES = (FusedSGD, FusedAdam)  # their phase, graph-safe, replays from one graph (AdamW: an Adam)

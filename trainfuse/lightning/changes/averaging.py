@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from trainfuse.clients import ON, Row
 from trainfuse.lightning.changes.base import Change, Run, describe
-from trainfuse.lightning.ema import WeightEMA
+from trainfuse.lightning.weight_ema import WeightEMA
 
 _SEMANTICS = ("validation runs on it; the module holds it after fit and checkpoints save it as state_dict "
               "(live weights in current_model_state), as EMAWeightAveraging")
 
 
 class EMA(Change):
-    """An EMA of the float params and buffers (:class:`~trainfuse.lightning.ema.WeightEMA`),
+    """An EMA of the float params and buffers (:class:`~trainfuse.lightning.weight_ema.WeightEMA`),
     folded into the one swapped optimizer's step, else updated after each step. Made before the
     casts: it averages the float32 weights (the masters, once they exist).
 

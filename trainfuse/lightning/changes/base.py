@@ -1,21 +1,19 @@
-"""The shape of every change FusedTraining makes to a run: a small object that says why it does
-not apply, applies, says what runs now, and undoes itself.
+"""What FusedTraining's changes see of a run (:class:`Run`), and the Lightning hooks a change may
+act on (:class:`Change`, a :class:`trainfuse.clients.Change`).
 
 FusedTraining walks its list of changes in order at fit start and undoes the applied ones in
 reverse order when training ends, at teardown, or on an exception: each change undoes what would
-leave the run unlike stock Lightning, on every path. Modelled on Composer's algorithms (each
-declares what it changes and reports when it matched nothing) and Lightning's WeightAveraging
-callbacks (hooks named for when they act).
+leave the run unlike stock Lightning, on every path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfuse.clients import Row
+from trainfuse import clients
 from trainfuse.optim import FusedOptimizer
 
 if TYPE_CHECKING:
@@ -59,42 +57,9 @@ class Run:
         return self.swapped[0] if self.all_swapped and len(self.swapped) == 1 else None
 
 
-class Change:
-    """One thing FusedTraining changes in a run.
-
-    Subclasses set :attr:`kind` and override what they need; every method has a do-nothing
-    default. The callback, for each change in order: writes an ``off`` row if :meth:`why_off`
-    gives a reason, else a ``skipped`` row if :meth:`why_not` does (and, for a change that
-    :attr:`ends_run`, changes nothing more), else calls :meth:`apply` and writes :meth:`rows`.
-    """
-
-    kind: ClassVar[str]
-    # a skip of this change leaves the whole run stock (an unsupported precision or strategy)
-    ends_run: ClassVar[bool] = False
-
-    def name(self, run: Run) -> str:
-        """What the change's ``off``/``skipped`` row is about."""
-        return "-"
-
-    def why_off(self, run: Run) -> str | None:
-        """Why there is nothing to change (turned off, or nothing matched): an ``off`` row."""
-        return None
-
-    def why_not(self, run: Run) -> str | None:
-        """Why this run cannot take the change: a ``skipped`` row. None: it can."""
-        return None
-
-    def apply(self, run: Run) -> None:
-        """Make the change."""
-
-    def rows(self, run: Run) -> list[Row]:
-        """After :meth:`apply`: what runs now, one row per thing changed or left alone."""
-        return []
-
-    def restore(self, run: Run, *, failed: bool) -> None:
-        """Undo the change (in reverse order of the list). ``failed``: the fit raised (Lightning
-        calls ``on_exception``); else training ended (``on_train_end``, or ``teardown`` for a
-        fit that ran no training loop)."""
+class Change(clients.Change[Run]):
+    """One thing FusedTraining changes in a run (:class:`trainfuse.clients.Change`), with the
+    Lightning hooks it may act on while the fit runs; each has a do-nothing default."""
 
     # ---- while the fit runs --------------------------------------------------------------------
     def before_batch(self, run: Run, batch_idx: int) -> None:

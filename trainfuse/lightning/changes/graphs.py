@@ -1,5 +1,5 @@
 """``FusedTraining(cuda_graphs=True)``: the model's forward and backward replayed from CUDA graphs
-(:mod:`trainfuse.lightning.graphs` says which modules and why). Under DDP the replays accumulate
+(:mod:`trainfuse.lightning.graph_targets` says which modules and why). Under DDP the replays accumulate
 into the flat buffer of :class:`~trainfuse.lightning.changes.ddp.FlatAllReduce`, whose one
 all-reduce per step takes the place of the hooks a replayed backward does not run.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from trainfuse.clients import ON, Row
 from trainfuse.graphs import GraphedModule
-from trainfuse.lightning import graphs
+from trainfuse.lightning import graph_targets
 from trainfuse.lightning.changes.base import Change, Run
 from trainfuse.lightning.changes.ddp import FlatAllReduce
 from trainfuse.nn import FusedMLP
@@ -55,7 +55,7 @@ class Graphs(Change):
             return f"{run.strategy} strategy: FusedTraining graphs single-device and DDP runs"
         if run.strategy == "ddp" and (self.ddp is None or self.ddp.flat is None):
             return "DDP's own reducer runs from hooks during the backward, which a replayed backward skips"
-        if not graphs.graph_targets(run.module):
+        if not graph_targets.graph_targets(run.module):
             return "no forward on the LightningModule and no child module with trainable params"
         return None
 
@@ -63,7 +63,7 @@ class Graphs(Change):
         ddp = self.ddp if run.strategy == "ddp" else None
         if ddp is not None:
             ddp.graphed = True
-        self.installed.update(graphs.install(graphs.graph_targets(run.module),
+        self.installed.update(graph_targets.install(graph_targets.graph_targets(run.module),
                                              grads=None if ddp is None else ddp.grad_of, sync=ddp))
         self.library = [m for m in run.module.modules() if isinstance(m, FusedMLP) and m.library is None]
         for m in self.library:
@@ -85,7 +85,7 @@ class Graphs(Change):
         for m in self.library:
             m.library = None
         self.library = []
-        graphs.uninstall(self.installed)
+        graph_targets.uninstall(self.installed)
 
 
 __all__ = ["Graphs"]

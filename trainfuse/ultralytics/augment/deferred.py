@@ -50,11 +50,11 @@ from ultralytics.data.augment import (
 )
 from ultralytics.data.dataset import YOLODataset
 
+from trainfuse.losses.detection.targets import PADDED_KEY, pad_targets, target_capacity
 from trainfuse.ultralytics.augment import decode as decoding
 from trainfuse.ultralytics.augment.color import opencv_vector_block
 from trainfuse.ultralytics.augment.decode import Encoded
 from trainfuse.ultralytics.augment.kernel import tile_table
-from trainfuse.ultralytics.targets import PADDED_KEY, pad_targets, target_capacity
 
 KEYS = ("aug_packed", "aug_sources", "aug_raw", "aug_jpeg", "aug_table", "aug_luts", "aug_size",
         "aug_perspective", "aug_vector_block")
@@ -287,7 +287,7 @@ class DeferredCollate:
     image once) and the per-image table of their tiles
     (:func:`~trainfuse.ultralytics.augment.kernel.tile_table`), the HSV lookup tables (or None), the
     output size, the warp's kind and OpenCV's vector block; with ``pad``, the labels padded as
-    :class:`~trainfuse.ultralytics.targets.PadTargets` pads them.
+    :class:`~trainfuse.losses.detection.targets.PadTargets` pads them.
 
     The sources are the painted crops packed into one flat uint8 tensor (``aug_packed``); where
     images wait for the GPU's decoder, :func:`~trainfuse.ultralytics.augment.decode.pack_sources`'

@@ -8,7 +8,7 @@ from one label and one score per anchor (the dense ``(B, A, nc)`` target is neve
 
 ``w`` are the optional class weights; ``tss`` (``target_scores_sum``) is read on the device. Math
 in float32; the grad comes back in the logits' dtype. The autograd Function and the torch
-reference of the whole loss are in ``loss.py`` (``DetectionLossFunction``, ``loss_terms_torch``).
+reference of the whole loss are in ``terms.py`` (``DetectionLossFunction``, ``loss_terms_torch``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton.language as tl
 from trainfuse._runtime.reduce import last_to_arrive
 from trainfuse._runtime.rounding import fast_div
 from trainfuse.losses.bce import log1p_unit
-from trainfuse.ultralytics.sums import arrive, gather_sum
+from trainfuse.losses.detection.sums import arrive, gather_sum
 
 
 @triton.jit

@@ -47,10 +47,10 @@ import triton.language as tl
 
 from trainfuse._runtime.reduce import last_to_arrive
 from trainfuse.losses.box_math import ciou_xyxy
+from trainfuse.losses.detection.box_loss import CIOU_EPS, label_box, side_distance
+from trainfuse.losses.detection.sums import arrive, blocks, gather_sum, launcher, scratch
+from trainfuse.losses.detection.targets import label_pixels
 from trainfuse.losses.iou import bbox_iou_reference
-from trainfuse.ultralytics.box_loss import CIOU_EPS, label_box, side_distance
-from trainfuse.ultralytics.sums import arrive, blocks, gather_sum, launcher, scratch
-from trainfuse.ultralytics.targets import label_pixels
 
 
 class Assignment(NamedTuple):

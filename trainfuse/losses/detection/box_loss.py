@@ -22,7 +22,7 @@ anchors load nothing and get a zero grad. The CIoU is ultralytics' ``bbox_iou(..
 CIoU=True)`` with its subgradients (ties in min/max split the grad; ``clamp(0)`` passes none at
 exactly 0): ``trainfuse.losses.box_math.ciou_xyxy``, the IoU kernel's own terms. Math in float32;
 the grads come back in the logits' dtype. The autograd Function and the torch reference of the
-whole loss are in ``loss.py`` (``DetectionLossFunction``, ``loss_terms_torch``).
+whole loss are in ``terms.py`` (``DetectionLossFunction``, ``loss_terms_torch``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from trainfuse._runtime.reduce import last_to_arrive
 from trainfuse.losses.box_math import ciou_xyxy, ciou_xyxy_grad1
-from trainfuse.ultralytics.sums import arrive, gather_sum
+from trainfuse.losses.detection.sums import arrive, gather_sum
 
 CIOU_EPS = 1e-7  # bbox_iou's default eps, as BboxLoss and the assigner call it
 
