@@ -104,6 +104,89 @@ def test_optimizer_init_calls_the_step_patch_method_by_name():
     assert calls == [opt]
 
 
+def test_torch_calls_the_step_code_hook_after_each_step_inside_its_range():
+    """torch's step wrapper calls ``_optimizer_step_code`` after the step, inside the step's
+    profiler range (the profiler's Python tracer hooks that method's code object); compat's call
+    is that method."""
+    assert callable(torch.optim.Optimizer.__dict__["_optimizer_step_code"])
+    seen = []
+
+    class Probe(torch.optim.SGD):
+        def _optimizer_step_code(self):
+            seen.append(compat.profiler_enabled())
+
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = Probe([p], lr=0.1)
+    p.grad = torch.ones(1)
+    opt.step()
+    with torch.autograd.profiler.profile() as prof:
+        opt.step()
+    assert seen == [False, True]
+    assert "Optimizer.step#Probe.step" in {e.name for e in prof.function_events}
+    compat.run_optimizer_step_code(opt)
+    assert len(seen) == 3
+    compat.run_optimizer_step_code(torch.optim.SGD([p], lr=0.1))  # torch's own: does nothing
+
+
+def test_zero_grad_reads_the_profile_name_compat_sets_as_torch_does():
+    """``Optimizer.__init__``'s patch method sets ``_zero_grad_profile_name`` and ``zero_grad``
+    names its profiler range by it (calling the patch method only when it is missing): compat's
+    setter gives torch's own name, and a class whose patch method is compat's setter keeps it."""
+    stock = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    torch_name = stock._zero_grad_profile_name
+    del stock._zero_grad_profile_name
+    compat.set_zero_grad_profile_name(stock)
+    assert stock._zero_grad_profile_name == torch_name == "Optimizer.zero_grad#SGD.zero_grad"
+
+    patches = []
+
+    class Probe(torch.optim.SGD):
+        pass
+
+    def patch(self):
+        patches.append(self)
+        compat.set_zero_grad_profile_name(self)
+
+    setattr(Probe, compat.STEP_PATCH_METHOD, patch)
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = Probe([p], lr=0.1)
+    assert opt._zero_grad_profile_name == "Optimizer.zero_grad#Probe.zero_grad" and len(patches) == 1
+    opt._zero_grad_profile_name = "probe zero_grad range"  # what zero_grad reads, not recomputes
+    p.grad = torch.ones(1)
+    with torch.autograd.profiler.profile() as prof:
+        opt.zero_grad(set_to_none=False)
+    assert "probe zero_grad range" in {e.name for e in prof.function_events}
+    assert len(patches) == 1  # the name was there: zero_grad did not patch again
+
+
+def test_grad_scaler_hands_the_scale_to_a_step_that_supports_amp_scaling():
+    """A class with ``STEP_SUPPORTS_AMP_SCALING`` True gets ``grad_scale`` and ``found_inf`` set for
+    its ``step()``, with its grads left scaled; without it GradScaler unscales them first."""
+    seen = {}
+
+    class Probe(torch.optim.SGD):
+        def step(self, closure=None):
+            seen["grad_scale"] = getattr(self, "grad_scale", None)
+            seen["found_inf"] = getattr(self, "found_inf", None)
+            seen["grad"] = self.param_groups[0]["params"][0].grad.clone()
+
+    for supports in (True, False):
+        seen.clear()
+        setattr(Probe, compat.STEP_SUPPORTS_AMP_SCALING, supports)
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = Probe([p], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        scaler.scale(p.sum()).backward()
+        scaler.step(opt)
+        if supports:
+            assert float(seen["grad_scale"]) == 8.0 and float(seen["found_inf"]) == 0.0
+            assert torch.equal(seen["grad"], torch.full((2,), 8.0))  # still scaled
+            assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")  # removed after
+        else:
+            assert seen["grad_scale"] is None and seen["found_inf"] is None
+            assert torch.equal(seen["grad"], torch.ones(2))  # unscaled by GradScaler
+
+
 def test_step_hooks_are_the_ones_torch_registers_in_its_order():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
     assert not compat.has_step_hooks(opt)

@@ -137,7 +137,20 @@ def test_refuses_what_it_cannot_graph(device):
         GraphedOptimizerStep(torch.optim.AdamW(net.parameters()), GradScaler(device.type))
     with pytest.raises(TypeError, match="trainfuse.amp.GradScaler"):
         GraphedOptimizerStep(fused, torch.amp.GradScaler(device.type))
+    assert not fused.graph_safe  # a refused phase leaves the optimizer as it was
     phase = GraphedOptimizerStep(fused, GradScaler(device.type))
     assert fused.graph_safe
     phase.close()
     assert not fused.graph_safe
+
+
+def test_refuses_an_optimizer_whose_class_is_not_capturable(device):
+    """FusedMuSGD declares ``capturable = False`` (Muon's Newton-Schulz part): refused by the
+    declaration, before anything changes, whatever its groups hold."""
+    net = torch.nn.Linear(3, 2).to(device)
+    musgd = trainfuse.FusedMuSGD([{"params": [net.weight], "use_muon": True}, {"params": [net.bias]}],
+                                 lr=0.01, momentum=0.9)
+    assert type(musgd).capturable is False
+    with pytest.raises(TypeError, match=r"FusedMuSGD\.capturable is False"):
+        GraphedOptimizerStep(musgd, GradScaler(device.type))
+    assert not musgd.graph_safe

@@ -1,9 +1,10 @@
-"""Graph-safe steps (``graph_safe = True``, ``prepare_step()``): the host part of a step (the EMA's
-update count and weight, the groups' hyperparameters) goes to device memory before the launches,
-which then read it there. Against the same optimizer stepping the usual way, over steps whose lr
-and EMA weight change every time, with GradScaler's skipped steps: equal bit for bit, eagerly
-(the kernels through the interpreter on CPU) and, on a GPU, with the step captured once in a CUDA
-graph and replayed."""
+"""Graph-safe steps (``set_graph_safe(True)``, ``prepare_step()``): the host part of a step (the
+EMA's update count and weight, the groups' hyperparameters) goes to device memory before the
+launches, which then read it there. Against the same optimizer stepping the usual way, over steps
+whose lr and EMA weight change every time, with GradScaler's skipped steps: equal bit for bit,
+eagerly (the kernels through the interpreter on CPU) and, on a GPU, with the step captured once in
+a CUDA graph and replayed. Whether a class's steps may be made graph-safe is its own declaration,
+``capturable``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 import trainfuse
 from tests._helpers import INF_STEPS, set_scaled_twin_grads
 from trainfuse.amp import GradScaler
-from trainfuse.optim import FusedEMA
+from trainfuse.optim import FusedEMA, FusedOptimizer, registry
+from trainfuse.optim.plans import CaptureView
 
 STEPS = 7
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,7 +32,7 @@ def _run(device, cls, hp, graph_safe: bool):
     opt = cls(net.parameters(), max_grad_norm=0.5, **hp)
     ema = FusedEMA(net, decay=0.9, tau=3.0)  # a ramp: the weight changes every update
     opt.attach_ema(ema)
-    opt.graph_safe = graph_safe
+    opt.set_graph_safe(graph_safe)
     return net, opt, ema, GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
 
 
@@ -61,8 +63,85 @@ def test_prepared_steps_equal_the_usual_ones(cls, hp, kernels, device):
 
 def test_prepare_step_needs_graph_safe(device):
     opt = trainfuse.FusedAdamW(_net(device).parameters())
-    with pytest.raises(RuntimeError, match="graph_safe"):
+    with pytest.raises(RuntimeError, match=r"set_graph_safe\(True\)"):
         opt.prepare_step()
+
+
+# each registered fused class and whether its step replays from a CUDA graph
+CAPTURABLE = {"FusedAdamW": True, "FusedAdam": True, "FusedSGD": True, "FusedMuSGD": False}
+
+
+def test_every_registered_class_declares_whether_its_step_is_capturable():
+    classes = registry.fused_classes()
+    assert set(classes) == set(CAPTURABLE)  # a new registry line declares it here too
+    for name, cls in classes.items():
+        # declared by the class or a fused ancestor of its own, not inherited from the base's False
+        assert any("capturable" in vars(c) for c in cls.__mro__
+                   if issubclass(c, FusedOptimizer) and c is not FusedOptimizer), name
+        assert cls.capturable is CAPTURABLE[name], name
+    assert FusedOptimizer.capturable is False  # a new subclass is not graph-safe until it says so
+
+
+@pytest.mark.parametrize("name", [n for n, on in CAPTURABLE.items() if on])
+def test_set_graph_safe_round_trips(name, device):
+    opt = registry.fused_classes()[name](_net(device).parameters(), lr=0.01)
+    assert opt.graph_safe is False
+    opt.set_graph_safe(True)
+    assert opt.graph_safe is True
+    opt.prepare_step()  # allowed now
+    opt.set_graph_safe(False)
+    assert opt.graph_safe is False
+    with pytest.raises(RuntimeError, match="set_graph_safe"):
+        opt.prepare_step()
+    with pytest.raises(AttributeError):
+        opt.graph_safe = True  # the optimizer's own setting: set_graph_safe changes it
+
+
+def test_a_class_that_is_not_capturable_refuses_graph_safe_steps(device):
+    weight = torch.nn.Parameter(torch.randn(4, 3, device=device))
+    opt = trainfuse.FusedMuSGD([{"params": [weight], "use_muon": True}], lr=0.01, momentum=0.9)
+    with pytest.raises(TypeError, match=r"FusedMuSGD\.set_graph_safe: .*FusedMuSGD\.capturable is False"):
+        opt.set_graph_safe(True)
+    assert opt.graph_safe is False
+    opt.set_graph_safe(False)  # turning it off is always allowed
+    assert opt.graph_safe is False
+
+
+def test_the_torch_capturable_keyword_stays_a_group_key(device):
+    """FusedAdam's ``capturable=`` is torch's per-group option, kept for the state_dict layout; the
+    class attribute says what the class can do, whatever the groups say."""
+    net = _net(device)
+    opt = trainfuse.FusedAdamW(net.parameters(), capturable=False)
+    assert opt.capturable is True and type(opt).capturable is True
+    assert all(g["capturable"] is False for g in opt.param_groups)
+    assert all(g["capturable"] is False for g in opt.state_dict()["param_groups"])
+    stock = torch.optim.AdamW(net.parameters(), capturable=False)
+    assert opt.state_dict()["param_groups"][0].keys() == stock.state_dict()["param_groups"][0].keys()
+    opt.set_graph_safe(True)  # the class's declaration decides, not the groups' key
+    assert opt.graph_safe
+
+
+def test_the_capture_view_names_the_tables_generation_device_and_params(kernels, device):
+    net = _net(device)
+    opt = trainfuse.FusedSGD(net.parameters(), lr=0.01)
+    before = opt.capture_view()
+    assert isinstance(before, CaptureView) and before.device is None and len(before.params) == 0
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    view = opt.capture_view()
+    assert view.generation == opt.engine.plans.generation != before.generation
+    assert view.device == next(net.parameters()).device
+    assert [id(p) for p in view.params] == [id(p) for p in net.parameters()]
+    opt.step()
+    again = opt.capture_view()  # the same tables
+    assert again.generation == view.generation and again.device == view.device
+    assert again.params is view.params
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device), requires_grad=True)]})
+    opt.param_groups[-1]["params"][0].grad = torch.ones(3, device=device)
+    opt.step()
+    grown = opt.capture_view()
+    assert grown.generation != view.generation and len(grown.params) == len(view.params) + 1
 
 
 def test_the_generation_changes_with_the_tables(kernels, device):

@@ -109,8 +109,14 @@ scalar_dtype: Callable[[], torch.dtype] = _optimizer._get_scalar_dtype
 # the global step hook dicts torch.optim.optimizer.register_optimizer_step_pre_hook/post_hook fill
 global_step_pre_hooks: dict = _optimizer._global_optimizer_pre_hooks
 global_step_post_hooks: dict = _optimizer._global_optimizer_post_hooks
-# the method Optimizer.__init__ calls to wrap ``step`` in a profiler range and the hook walk
+# the method Optimizer.__init__ (and __setstate__) calls to wrap ``step`` in a profiler range and
+# the hook walk, and to name zero_grad's range: a subclass that binds its own under this name keeps
+# its step unwrapped. Public: none.
 STEP_PATCH_METHOD = "_patch_step_function"
+# the class attribute GradScaler.step reads: True, it sets ``grad_scale`` and ``found_inf`` on the
+# optimizer and calls ``step()`` without unscaling the grads or checking them for inf/NaN first (as
+# for torch's fused Adam). Public: none.
+STEP_SUPPORTS_AMP_SCALING = "_step_supports_amp_scaling"
 # torch.optim's names for the per-optimizer step hook dicts (register_step_pre_hook/post_hook)
 _STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 
@@ -126,6 +132,23 @@ def step_hooks(opt: torch.optim.Optimizer) -> tuple[list[Callable], list[Callabl
     pre = [*global_step_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values()]
     post = [*opt._optimizer_step_post_hooks.values(), *global_step_post_hooks.values()]
     return pre, post
+
+
+def run_optimizer_step_code(opt: torch.optim.Optimizer) -> None:
+    """Call ``Optimizer._optimizer_step_code``, the empty method torch's step wrapper calls after
+    every step, inside the step's profiler range: the profiler's Python tracer hooks its code object
+    to record the optimizer's params, groups and state after the step (memory timelines). A step
+    that skips torch's wrapper calls this where the wrapper would. Public: none
+    (``torch.profiler`` has no step hook of its own; the global step post hooks run beside it)."""
+    opt._optimizer_step_code()
+
+
+def set_zero_grad_profile_name(opt: torch.optim.Optimizer) -> None:
+    """Name ``opt.zero_grad``'s profiler range as torch's ``_patch_step_function`` does
+    (``"Optimizer.zero_grad#<class>.zero_grad"``, in ``_zero_grad_profile_name``): torch's
+    ``zero_grad`` reads it, and calls ``_patch_step_function`` when it is missing. For a class
+    that replaces that method (:data:`STEP_PATCH_METHOD`). Public: none."""
+    opt._zero_grad_profile_name = f"Optimizer.zero_grad#{type(opt).__name__}.zero_grad"
 
 
 def record_step_call(opt: torch.optim.Optimizer) -> None:
@@ -181,10 +204,11 @@ def triton_allocator_is_null() -> bool:
     return isinstance(current, _allocation.NullAllocator)
 
 
-__all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "addmm_activation", "compiled_original",
-           "current_device_index", "current_raw_stream", "end_allocate_to_pool", "function_c_apply",
-           "functorch_transforms_active", "global_step_post_hooks", "global_step_pre_hooks",
-           "has_step_hooks", "inner_schedulers", "local_tensor", "mark_step_for_schedulers",
-           "module_hooks", "parameters_of", "profiler_enabled", "record_step_call", "scalar_dtype",
-           "scaler_optimizer_states", "step_hooks", "tensor_grad_hooks", "triton_allocator_is_null",
+__all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "STEP_SUPPORTS_AMP_SCALING",
+           "addmm_activation", "compiled_original", "current_device_index", "current_raw_stream",
+           "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
+           "global_step_post_hooks", "global_step_pre_hooks", "has_step_hooks", "inner_schedulers",
+           "local_tensor", "mark_step_for_schedulers", "module_hooks", "parameters_of", "profiler_enabled",
+           "record_step_call", "run_optimizer_step_code", "scalar_dtype", "scaler_optimizer_states",
+           "set_zero_grad_profile_name", "step_hooks", "tensor_grad_hooks", "triton_allocator_is_null",
            "will_engine_execute_node"]

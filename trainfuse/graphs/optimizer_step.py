@@ -1,21 +1,23 @@
 """The optimizer phase of an iteration replayed from one CUDA graph.
 
-On a graph-safe fused optimizer (``graph_safe = True``) every value the phase's launches read is
-in device memory: the tables, the hyperparameters, the EMA weight (written by
-:meth:`~trainfuse.optim.FusedOptimizer.prepare_step`), GradScaler's scale and growth tracker (read
-and updated by the statistics pass). So ``scaler.step_and_update(optimizer)`` (unscale, inf check,
-clip, update, EMA, scale update: two launches) can be captured once and replayed.
+On a graph-safe fused optimizer (its class declares ``capturable``; ``set_graph_safe(True)``)
+every value the phase's launches read is in device memory: the tables, the hyperparameters, the
+EMA weight (written by :meth:`~trainfuse.optim.FusedOptimizer.prepare_step`), GradScaler's scale
+and growth tracker (read and updated by the statistics pass). So
+``scaler.step_and_update(optimizer)`` (unscale, inf check, clip, update, EMA, scale update: two
+launches) can be captured once and replayed.
 :class:`GraphedOptimizerStep` runs it eagerly while what a graph would hold keeps changing (the
 first call builds the tables), captures it once two eager calls in a row left it unchanged (the
 kernels of a steady step compiled and loaded: nothing may compile or load inside a capture), and
 replays it after that.
 
-What a graph holds, compared before every replay: the engine's tables (``plans.generation``: a
-param group, the state, a param's storage), the params' and grads' addresses, the scaler's two
-tensors and the attached EMA's tensor list. Any difference drops the graph; that call runs
-eagerly, and a later one captures again. The graph keeps every tensor it addresses alive (the
-tables and their tensors through the engine, which changes ``generation`` before freeing any; the
-grads and the scaler's tensors here).
+What a graph holds (:class:`_Snapshot`, :class:`_Held`), compared by name before every replay: the
+optimizer's tables (``optimizer.capture_view().generation``: a param group, the state, a param's
+storage), the params' and grads' addresses, the scaler's two tensors and constants, and the
+attached EMA's tensor list. Any difference drops the graph; that call runs eagerly, and a later
+one captures again. The graph keeps every tensor it addresses alive (the tables and their tensors
+through the optimizer, whose generation changes before it frees any; the grads and the scaler's
+tensors here).
 
 A training step that is itself captured can run the phase inside its own graph instead, after
 its backward (:meth:`GraphedOptimizerStep.ready_to_fold`, :meth:`~GraphedOptimizerStep.fold_holds`,
@@ -26,6 +28,7 @@ Off CUDA, and where a capture fails, every call runs eagerly (after ``prepare_st
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import warnings
 
@@ -35,17 +38,56 @@ from trainfuse.amp import GradScaler
 from trainfuse.graphs.pool import GraphPool
 from trainfuse.graphs.sync import captured, side_stream
 from trainfuse.optim import FusedOptimizer
+from trainfuse.optim.plans import CaptureView
 
 _data_ptr = torch.Tensor.data_ptr
 _grad = operator.attrgetter("grad")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """What a graph of the phase captured now would hold, by value: two eager calls that leave
+    equal snapshots make the phase steady.
+
+    Attributes:
+        generation: the optimizer's tables (``capture_view().generation``).
+        param_addresses: the params' addresses, in table order.
+        grad_addresses: their grads' addresses (-1 for a param without a grad).
+        scale_id, tracker_id: the scaler's scale and growth tracker tensors, by identity.
+        ema_id: the attached EMA's tensor list (``optimizer.ema_tensors()``), by identity.
+        growth_factor, backoff_factor, growth_interval: the scaler's constants, arguments of the
+            captured launch.
+    """
+
+    generation: int
+    param_addresses: tuple[int, ...]
+    grad_addresses: tuple[int, ...]
+    scale_id: int
+    tracker_id: int
+    ema_id: int
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Held:
+    """What captured graphs hold: their :class:`_Snapshot` and the objects it names by identity,
+    kept alive here (the graphs address the grads and the scaler's tensors)."""
+
+    snapshot: _Snapshot
+    scale: torch.Tensor | None
+    tracker: torch.Tensor | None
+    grads: list[torch.Tensor | None]
+    ema: list[torch.Tensor] | None
 
 
 class GraphedOptimizerStep:
     """``scaler.step_and_update(optimizer)``, replayed from a CUDA graph where it holds.
 
     Args:
-        optimizer: a fused optimizer; made graph-safe for this object's life (:meth:`close`
-            undoes it).
+        optimizer: a fused optimizer whose class declares ``capturable``; made graph-safe
+            (``set_graph_safe``) for this object's life (:meth:`close` undoes it).
         scaler: trainfuse's GradScaler, enabled.
 
     Attributes:
@@ -57,18 +99,22 @@ class GraphedOptimizerStep:
         if not isinstance(optimizer, FusedOptimizer):
             raise TypeError(f"GraphedOptimizerStep: optimizer must be a trainfuse fused optimizer, got "
                             f"{type(optimizer).__name__}")
+        if not optimizer.capturable:
+            name = type(optimizer).__name__
+            raise TypeError(f"GraphedOptimizerStep: optimizer must declare capturable steps; {name}'s "
+                            f"cannot be captured in a CUDA graph ({name}.capturable is False)")
         if not isinstance(scaler, GradScaler) or not scaler.is_enabled():
             raise TypeError("GraphedOptimizerStep: scaler must be an enabled trainfuse.amp.GradScaler, got "
                             f"{type(scaler).__name__}")
         self.optimizer, self.scaler = optimizer, scaler
-        optimizer.graph_safe = True
+        optimizer.set_graph_safe(True)
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._held: tuple | None = None  # what the graph was captured over (and keeps alive)
-        self._seen: tuple | None = None  # what the last eager call left
+        self._held: _Held | None = None  # what the graph was captured over (and keeps alive)
+        self._seen: _Snapshot | None = None  # what the last eager call left
         self._steady = 0  # eager calls in a row that found what the one before left
         self._failed = False
         self._pool = GraphPool()
-        self._fold_held: tuple | None = None  # what the step graphs that run the phase hold
+        self._fold_held: _Held | None = None  # what the step graphs that run the phase hold
         self.eager = self.captures = self.replays = self.folded = 0
 
     def __call__(self) -> None:
@@ -86,8 +132,9 @@ class GraphedOptimizerStep:
                 self.replays += 1
                 return
             self._drop()  # something it holds changed: run eagerly, capture later
-        now = self._snapshot()
-        device = opt.engine.plans.index.device
+        view = opt.capture_view()
+        now = self._snapshot(view)
+        device = view.device
         self._steady = self._steady + 1 if now == self._seen else 0
         if (not self._failed and self._steady >= 2 and device is not None and device.type == "cuda"
                 and self._capture(device)):
@@ -102,8 +149,8 @@ class GraphedOptimizerStep:
         compiled and loaded, as a capture needs."""
         if self._failed or (self._steady < 2 and self._graph is None):
             return False
-        index = self.optimizer.engine.plans.index  # (built by the first step: it has run)
-        return index is not None and index.device is not None and index.device.type == "cuda"
+        device = self.optimizer.capture_view().device  # (the tables' device: the first step has run)
+        return device is not None and device.type == "cuda"
 
     def fold_holds(self) -> bool:
         """Before a training step that runs the phase inside (eagerly, captured or replayed):
@@ -134,16 +181,17 @@ class GraphedOptimizerStep:
             raise RuntimeError("GraphedOptimizerStep.inside: step_and_update took torch's two calls "
                                "(not the fused step)")
 
-    def _holding(self) -> tuple:
+    def _holding(self) -> _Held:
         """What a graph captured now holds (and keeps alive): see :meth:`_holds`."""
+        view = self.optimizer.capture_view()
         scale, tracker = self.scaler.device_state()
-        grads = [p.grad for p in self.optimizer.engine.plans.index.params]
-        return self._snapshot(), scale, tracker, grads, self.optimizer.ema_tensors()
+        grads = [p.grad for p in view.params]
+        return _Held(self._snapshot(view), scale, tracker, grads, self.optimizer.ema_tensors())
 
     def _eager(self) -> None:
         self.scaler.step_and_update(self.optimizer)
         self.eager += 1
-        self._seen = self._snapshot()
+        self._seen = self._snapshot(self.optimizer.capture_view())
 
     def _capture(self, device: torch.device) -> bool:
         """Capture this call's phase on the side stream and replay it; False (nothing ran) where
@@ -176,32 +224,35 @@ class GraphedOptimizerStep:
         fused = self.scaler.fused_update(self.optimizer)
         return fused is not None and self.optimizer.scaled_step(*fused)
 
-    def _holds(self, held: tuple | None = None) -> bool:
+    def _holds(self, held: _Held | None = None) -> bool:
         """Whether the graph (or the graphs that hold ``held``) still holds: :meth:`_snapshot`'s
         comparison, the cheap way (identities and one tuple of the params' addresses: this runs
         before every replay)."""
-        now, scale, tracker, grads, ema = self._held if held is None else held
+        held = self._held if held is None else held
+        was = held.snapshot
         opt, scaler = self.optimizer, self.scaler
-        params = opt.engine.plans.index.params
-        held_scale, held_tracker = scaler.device_state()
-        return (opt.engine.plans.generation == now[0] and held_scale is scale and held_tracker is tracker
-                and opt.ema_tensors() is ema and tuple(map(_data_ptr, params)) == now[1]
-                and all(map(operator.is_, map(_grad, params), grads))
-                and (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval())
-                == now[6:])
+        view = opt.capture_view()
+        params = view.params
+        scale, tracker = scaler.device_state()
+        return (view.generation == was.generation and scale is held.scale and tracker is held.tracker
+                and opt.ema_tensors() is held.ema and tuple(map(_data_ptr, params)) == was.param_addresses
+                and all(map(operator.is_, map(_grad, params), held.grads))
+                and scaler.get_growth_factor() == was.growth_factor
+                and scaler.get_backoff_factor() == was.backoff_factor
+                and scaler.get_growth_interval() == was.growth_interval)
 
-    def _snapshot(self) -> tuple:
-        """What a graph captured now would hold: the tables' generation, the params' and grads'
-        addresses, the scaler's tensors and the EMA's tensor list (by identity), the scaler's
-        factors and interval (constants of the launch)."""
-        opt = self.optimizer
-        params = opt.engine.plans.index.params
+    def _snapshot(self, view: CaptureView) -> _Snapshot:
+        """What a graph captured now would hold, ``view`` the optimizer's ``capture_view()``."""
+        params = view.params
         scale, tracker = self.scaler.device_state()
-        grads = tuple(-1 if p.grad is None else p.grad.data_ptr() for p in params)
         scaler = self.scaler
-        return (opt.engine.plans.generation, tuple(map(_data_ptr, params)), grads, id(scale), id(tracker),
-                id(opt.ema_tensors()), scaler.get_growth_factor(), scaler.get_backoff_factor(),
-                scaler.get_growth_interval())
+        return _Snapshot(
+            generation=view.generation,
+            param_addresses=tuple(map(_data_ptr, params)),
+            grad_addresses=tuple(-1 if p.grad is None else p.grad.data_ptr() for p in params),
+            scale_id=id(scale), tracker_id=id(tracker), ema_id=id(self.optimizer.ema_tensors()),
+            growth_factor=scaler.get_growth_factor(), backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval())
 
     def _drop(self) -> None:
         self._graph = self._held = None
@@ -211,7 +262,7 @@ class GraphedOptimizerStep:
         """Drop the graph; the optimizer steps the usual way again."""
         self._drop()
         self._seen = self._fold_held = None
-        self.optimizer.graph_safe = False
+        self.optimizer.set_graph_safe(False)
 
 
 __all__ = ["GraphedOptimizerStep"]

@@ -13,7 +13,7 @@ state_dict live here and in the driver.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.optim.optimizer import Optimizer
@@ -22,6 +22,7 @@ from trainfuse._multi_tensor.tables import conform, same_layout
 from trainfuse._runtime import compat
 from trainfuse.optim.clip_settings import ClipSettings
 from trainfuse.optim.engine import MultiTensorEngine
+from trainfuse.optim.plans import CaptureView
 from trainfuse.optim.tracked import ParamList, StateDict
 
 # state key of the float32 master weight of a 16-bit param (saved in state_dict like any state)
@@ -48,8 +49,6 @@ class FusedOptimizer(ClipSettings, Optimizer):
     ``plans`` are the cached tables), rebuilt on copy and unpickle.
     """
 
-    # GradScaler hands us ``grad_scale`` / ``found_inf`` instead of unscaling and checking itself.
-    _step_supports_amp_scaling = True
     # Width of one group's row in the float64 hyperparameter table the kernel reads.
     HP_WIDTH = 8
     # The subclass's per-chunk update (a @triton.jit function, kernels.run's contract), and whether
@@ -63,9 +62,13 @@ class FusedOptimizer(ClipSettings, Optimizer):
     # grads (one all-reduce on the device, no host sync). DTensor params (FSDP2) need none: their
     # mesh names the group. Not carried by copies or pickles.
     shard_group: Any = None
-    # Graph-safe steps (see prepare_step): every value a step's launches read from the host is in
-    # device memory instead, so a step captured in a CUDA graph replays as later steps.
-    graph_safe = False
+    # Whether a step of this class can be captured in a CUDA graph and replayed as later steps:
+    # every value its launches read can live in device memory (set_graph_safe). torch's optimizers
+    # state the same as ``capturable``; a client reads it here and keeps no list of classes. False
+    # until a subclass declares otherwise.
+    capturable: ClassVar[bool] = False
+    # Graph-safe steps are on (set_graph_safe; read through the graph_safe property).
+    _graph_safe = False
 
     def __init__(self, params, defaults: dict[str, Any], max_grad_norm: float | None = None,
                  max_grad_value: float | None = None):
@@ -251,11 +254,12 @@ class FusedOptimizer(ClipSettings, Optimizer):
                 p.grad = None
 
     def _keep_step_unwrapped(self) -> None:
-        """Stands in for torch's ``Optimizer._patch_step_function`` (bound below): torch wraps every
-        step in a profiler range plus a walk over four hook dicts (~25 us a call, a quarter of a
-        200-tensor step); :meth:`step` does the same only when a hook is registered or the
-        profiler is on."""
-        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        """Stands in for torch's ``Optimizer._patch_step_function`` (bound below,
+        ``compat.STEP_PATCH_METHOD``): torch wraps every step in a profiler range plus a walk over
+        four hook dicts (~25 us a call, a quarter of a 200-tensor step); :meth:`step` does the same
+        only when a hook is registered or the profiler is on. The other thing torch's method does,
+        naming ``zero_grad``'s profiler range, is done here too."""
+        compat.set_zero_grad_profile_name(self)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform a single optimization step (one kernel launch per device).
@@ -268,7 +272,7 @@ class FusedOptimizer(ClipSettings, Optimizer):
         torch's fused optimizers do), and on inf/NaN skips the update, the states and ``step``
         without a host sync. Step pre/post hooks and the profiler range work as in torch.
         """
-        if not self.graph_safe:  # graph-safe: prepare_step counted the EMA update
+        if not self._graph_safe:  # graph-safe: prepare_step counted the EMA update
             self._count_ema_update()
         if closure is None and not self._hooked():
             self.engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
@@ -290,11 +294,11 @@ class FusedOptimizer(ClipSettings, Optimizer):
             return self._scaled_step(scale, update)
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
             done = self._scaled_step(scale, update)
-            self._optimizer_step_code()
+            compat.run_optimizer_step_code(self)
             return done
 
     def _scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
-        if self.graph_safe:  # prepare_step counted the EMA update and wrote its weight
+        if self._graph_safe:  # prepare_step counted the EMA update and wrote its weight
             return self.engine.scaled_step(scale, update)
         ema = self._ema if self._ema is not None and self._ema.enabled else None
         self.ema_weight = None if ema is None else 1.0 - ema.decay(ema.updates + 1)
@@ -312,14 +316,51 @@ class FusedOptimizer(ClipSettings, Optimizer):
         else:
             self.ema_weight = None
 
+    # ---- graph-safe steps --------------------------------------------------------------------
+    @property
+    def graph_safe(self) -> bool:
+        """Whether graph-safe steps are on (:meth:`set_graph_safe`): the update launch reads the
+        EMA weight from device memory, which :meth:`prepare_step` fills before each step."""
+        return self._graph_safe
+
+    def set_graph_safe(self, on: bool) -> None:
+        """Turn graph-safe steps on or off.
+
+        On, every value a step's launches read is in device memory: the tables, the
+        hyperparameters, GradScaler's scale and growth tracker, and the EMA weight, which the
+        update launch then reads from a device tensor instead of taking it as an argument. Call
+        :meth:`prepare_step` before each step: a step captured in a CUDA graph then replays as the
+        next step (:class:`trainfuse.graphs.GraphedOptimizerStep` does both). Off, a step takes
+        the EMA weight as an argument again and counts the EMA update itself. Not carried by
+        copies or pickles.
+
+        Args:
+            on: True for graph-safe steps, False for the usual ones.
+
+        Raises:
+            TypeError: ``on`` for a class whose :attr:`capturable` is False.
+        """
+        if on and not self.capturable:
+            name = type(self).__name__
+            raise TypeError(f"{name}.set_graph_safe: {name}'s step cannot be captured in a CUDA graph "
+                            f"({name}.capturable is False)")
+        self._graph_safe = bool(on)
+
+    def capture_view(self) -> CaptureView:
+        """What a CUDA graph captured around a step now would hold of this optimizer's tables:
+        their generation, the params' one device and the params in table order
+        (:meth:`trainfuse.optim.plans.PlanCache.capture_view`: read as they are, no check, no
+        rebuild)."""
+        return self.engine.plans.capture_view()
+
     def prepare_step(self) -> None:
-        """Graph-safe optimizers (``graph_safe = True``): the host part of the next step. Counts
+        """Graph-safe optimizers (:meth:`set_graph_safe`): the host part of the next step. Counts
         the EMA update and writes its weight and the groups' hyperparameters into the device
         memory the launches read (no sync), so a step captured in a CUDA graph and replayed after
         this is the next step, while the grads stay where they were and the tables hold
-        (``engine.plans.generation`` unchanged; docs/design/engine.md, "Graph-safe steps")."""
-        if not self.graph_safe:
-            raise RuntimeError(f"{type(self).__name__}.prepare_step: set graph_safe = True first (the "
+        (``capture_view().generation`` unchanged; docs/design/engine.md, "Graph-safe steps")."""
+        if not self._graph_safe:
+            raise RuntimeError(f"{type(self).__name__}.prepare_step: call set_graph_safe(True) first (the "
                                "launches then read the EMA weight from device memory)")
         self._count_ema_update()
         self.engine.write_ema_weight()
@@ -350,7 +391,7 @@ class FusedOptimizer(ClipSettings, Optimizer):
                     loss = closure()
             with torch.no_grad():
                 self.engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-            self._optimizer_step_code()
+            compat.run_optimizer_step_code(self)
             for hook in post_hooks:
                 hook(self, args, kwargs)
         return loss
@@ -424,6 +465,8 @@ class FusedOptimizer(ClipSettings, Optimizer):
 
 # torch's Optimizer.__init__ calls this method by name (trainfuse._runtime.compat.STEP_PATCH_METHOD)
 setattr(FusedOptimizer, compat.STEP_PATCH_METHOD, FusedOptimizer._keep_step_unwrapped)
+# GradScaler.step hands the step ``grad_scale`` / ``found_inf`` instead of unscaling and checking itself
+setattr(FusedOptimizer, compat.STEP_SUPPORTS_AMP_SCALING, True)
 
 
 __all__ = ["MASTER_KEY", "FusedOptimizer", "_as_float", "scalar"]

@@ -132,8 +132,11 @@ class FusedAdam(FusedOptimizer):
         weight_decay: L2 penalty (decoupled, as in AdamW, when ``decoupled_weight_decay``).
         amsgrad: use the running maximum of the second moment.
         maximize: maximize the objective instead of minimizing.
-        foreach, capturable, differentiable, fused: accepted for torch compatibility. The CUDA
-            path is always fused and capturable; ``differentiable=True`` is not supported.
+        foreach, capturable, differentiable, fused: accepted for torch compatibility and kept in
+            the param groups (torch's state_dict layout); ``differentiable=True`` is not supported.
+            The CUDA path is always fused and capturable, whatever a group's ``capturable`` says:
+            the class attribute :attr:`~trainfuse.optim.FusedOptimizer.capturable` (True) is what
+            states that a step can be captured in a CUDA graph.
         decoupled_weight_decay: AdamW's weight decay.
         master_weights: keep a float32 master (and float32 states) for each bfloat16/float16
             param: the update runs on the master and writes the 16-bit param the next forward
@@ -154,6 +157,10 @@ class FusedAdam(FusedOptimizer):
     """
 
     chunk_fn = _adam_chunk
+    # every value a step reads can live in device memory (lr, betas... in the hyperparameter table,
+    # step counters on the device): a step captured in a CUDA graph replays. Not the constructor's
+    # ``capturable``, torch's per-group request, which the kernels do not need
+    capturable = True
     # 16-bit blocks stay single width: with five operands prefetched, doubled blocks made bf16
     # GPT-2 AdamW 1.36 ms instead of 0.90 on the H100 (register pressure)
     wide16 = False

@@ -35,7 +35,8 @@ class OptimizerClient(Protocol):
         ema_weight: the lerp weight of the attached EMA for this step, or None (no EMA update).
         shard_group: the process group whose ranks hold the other shards of the grads, or None.
         graph_safe: the launches read the EMA weight from device memory (the engine's
-            ``write_ema_weight``) instead of taking it as an argument.
+            ``write_ema_weight``) instead of taking it as an argument. Read only: the optimizer's
+            ``set_graph_safe`` changes it, where its class declares ``capturable``.
     """
 
     param_groups: list[dict[str, Any]]

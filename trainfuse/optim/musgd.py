@@ -183,6 +183,10 @@ class FusedMuSGD(FusedOptimizer):
     """
 
     chunk_fn = _musgd_chunk
+    # Muon's Newton-Schulz part takes the momentum as a host number, picks its batches by which
+    # params have a grad, and needs the grads unscaled before the statistics pass would read the
+    # scale (scaled_step declines it): a step is not replayed from a CUDA graph
+    capturable = False
     wide16 = True  # 16-bit rows in blocks twice as long: 16-byte accesses per thread
 
     def __init__(

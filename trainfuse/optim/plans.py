@@ -15,12 +15,17 @@ both:
 
 Every other address a row holds belongs to a storage the plan keeps alive (``plan.keepalive``:
 masters, states, step counters, and the params and EMA tensors too).
+
+A CUDA graph captured around a step holds the plans it launched: :meth:`PlanCache.capture_view`
+names what a client compares to know they still hold (:class:`CaptureView`).
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +39,22 @@ from trainfuse.optim.tracked import changed, snapshot
 _grad = operator.attrgetter("grad")
 _generations = itertools.count(1)  # every plan set any cache holds gets a number of its own
 _data_ptr = torch.Tensor.data_ptr
+
+
+class CaptureView(NamedTuple):
+    """What a CUDA graph captured around a step holds of the plans, as they are now.
+
+    Attributes:
+        generation: the plans' generation: it changes whenever a plan is built or the plans are
+            dropped (a new group, cleared state, a param's storage moved), and never repeats.
+        device: the params' one device, or None (params on several devices, or no index yet).
+        params: every param in table order (the index's own list: read it, do not change it;
+            empty before the first step).
+    """
+
+    generation: int
+    device: torch.device | None
+    params: Sequence[torch.Tensor]
 
 
 class CachedPlan:
@@ -96,6 +117,8 @@ class PlanCache:
         self._structure: tuple | None = None  # what tracked.snapshot saw when the plans were valid
         # device -> (grad_scale, entry) of a statistics pass GradScaler ran just before the step
         self._checks: dict[torch.device, tuple[torch.Tensor, CachedPlan]] = {}
+        self._view: CaptureView | None = None  # capture_view's answer, for _view_index
+        self._view_index: ParamIndex | None = None
 
     # ---- what the addresses cannot show ------------------------------------------------------
     def current_index(self) -> ParamIndex:
@@ -108,6 +131,18 @@ class PlanCache:
             self._checks.clear()
             self._reindex()
         return self.index
+
+    def capture_view(self) -> CaptureView:
+        """The generation, device and params of the plans as they are (no check, no rebuild: a
+        step's :meth:`current_index` does those), for a client that holds a CUDA graph of a step.
+        The same object while the generation and the index are (a client asks before every
+        replay: two comparisons instead of a new tuple, a microsecond)."""
+        view = self._view
+        if view is None or view.generation != self.generation or self._view_index is not self.index:
+            index = self._view_index = self.index
+            view = self._view = (CaptureView(self.generation, None, ()) if index is None
+                                 else CaptureView(self.generation, index.device, index.params))
+        return view
 
     def record_structure(self) -> None:
         """Take the state and param lists as they are now as the ones the plans hold for (after
@@ -219,4 +254,4 @@ class PlanCache:
         self._checks.clear()
 
 
-__all__ = ["CachedPlan", "PlanCache"]
+__all__ = ["CachedPlan", "CaptureView", "PlanCache"]

@@ -102,6 +102,7 @@ class FusedSGD(FusedOptimizer):
     """
 
     chunk_fn = _sgd_chunk
+    capturable = True  # every value a step reads can live in device memory: a captured step replays
     wide16 = True  # 16-bit rows in blocks twice as long: 16-byte accesses per thread
 
     def __init__(

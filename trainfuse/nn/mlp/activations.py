@@ -18,7 +18,6 @@ DERIV_SAVED = (2, 3, 4)  # the activations whose derivative the forward saves fo
 _RELU = tl.constexpr(1)
 _GELU = tl.constexpr(2)
 _GELU_TANH = tl.constexpr(3)
-_SILU = tl.constexpr(4)
 
 
 @dataclasses.dataclass(frozen=True)  # FusedMLP reuses one list of them across calls
@@ -63,7 +62,7 @@ def activation_and_deriv(x, ACT: tl.constexpr):
         t = _tanh((x + x2 * x * _TANH_K) * _TANH_C)
         return (0.5 * x * (1.0 + t),
                 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (1.0 + x2 * (3.0 * _TANH_K)) * _TANH_C)
-    else:
+    else:  # SiLU (ACTIVATIONS["silu"])
         s = _sigmoid(x)
         return x * s, s * (1.0 + x * (1.0 - s))
 
