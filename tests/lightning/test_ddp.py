@@ -122,7 +122,8 @@ def _close(a: dict, b: dict) -> None:
                 torch.testing.assert_close(b[key][k], v, rtol=1e-5, atol=1e-6, msg=f"{key} {k}")
 
 
-@pytest.mark.parametrize("accelerator,graphs", [("cpu", False), ("gpu", False), ("gpu", True)])
+@pytest.mark.parametrize("accelerator,graphs", [pytest.param("cpu", False, marks=pytest.mark.cpu_training),
+                                               ("gpu", False), ("gpu", True)])
 def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(accelerator, graphs, tmp_path,
                                                                     monkeypatch):
     """DDP's reducer off, one flat all-reduce per step instead; with CUDA graphs (3 epochs: 2 eager
@@ -203,7 +204,7 @@ def test_checkpoints_from_either_layout_resume_on_the_other(tmp_path):
         _close(full[2], _load(tmp_path / f"from1-rank{r}-of-2.pt"))
 
 
-@pytest.mark.parametrize("accelerator", ["cpu", "gpu"])
+@pytest.mark.parametrize("accelerator", [pytest.param("cpu", marks=pytest.mark.cpu_training), "gpu"])
 def test_bf16_casts_stay_on_under_ddp_and_all_reduce_16_bit_grads(accelerator, tmp_path, monkeypatch):
     """bf16-mixed: with DDP's reducer replaced by the flat all-reduce, the casts apply as on one
     device (16-bit weights, float32 masters in the optimizer); the cast params' buffer is bf16,

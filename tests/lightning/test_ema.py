@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 from tests.lightning.helpers import (
     ACCELERATOR,
@@ -212,3 +213,89 @@ def test_after_fit_the_module_holds_the_ema(torch_path, tmp_path):
         torch.testing.assert_close(ours[k], stock[k], atol=EMA_TOL, rtol=0, msg=k)
         torch.testing.assert_close(ours_loaded[k], stock_loaded[k], atol=EMA_TOL, rtol=0, msg=k)
     torch.testing.assert_close(ours_predicted, stock_predicted, atol=1e-5, rtol=0)
+
+
+VOCAB, WIDTH, CONTEXT = 16, 8, 6
+
+
+def make_tied_module(pl):
+    """A GPT-like LightningModule: token embedding, an MLP block, and a head whose weight is the
+    embedding's (``head.weight is emb.weight``: one tensor under two state_dict keys)."""
+
+    class TinyGPT(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(VOCAB, WIDTH)
+            nn.init.normal_(self.emb.weight, std=0.02)  # GPT-2's init: AdamW's steps move it visibly
+            self.block = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+            self.head.weight = self.emb.weight
+
+        def training_step(self, batch, i):
+            (tokens,) = batch
+            h = self.emb(tokens[:, :-1])
+            logits = self.head(h + self.block(h))
+            return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return TinyGPT()
+
+
+def token_batches(steps: int) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (steps * BATCH, CONTEXT), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=BATCH)
+
+
+def assert_tied_keys_agree(checkpoint: dict, name: str) -> None:
+    for key in ("state_dict", "current_model_state"):
+        state = checkpoint[key]
+        assert torch.equal(state["head.weight"], state["emb.weight"]), f"{name} {key}: the aliases differ"
+
+
+@pytest.mark.cpu_training  # the checkpoint's keys are the point: on the CPU, torch's path, exact live weights
+def test_tied_weights_checkpoint_matches_ema_weight_averaging(torch_path, tmp_path):
+    """A head tied to the embedding: every checkpoint holds one value under both keys, the average
+    in ``state_dict`` and the live weights in ``current_model_state``, as EMAWeightAveraging's
+    does, so loading either puts that value into the tied tensor whichever key wins. Saved at the
+    fit's last step by both callbacks, and after the fit by FusedTraining (compared with
+    EMAWeightAveraging's save at the last step: after the fit its average is in the module, which
+    it then saves as ``current_model_state`` too)."""
+    pl = package()
+    steps, saved = 4, {}
+
+    class SaveAtLastStep(pl.Callback):  # listed after the averaging callback: after its update
+        def __init__(self, name):
+            self.name = name
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == steps:
+                trainer.save_checkpoint(tmp_path / f"{self.name}.ckpt")
+
+    for name in ("stock", "ours"):
+        trainer = make_trainer(pl, [ema_callback(pl, name), SaveAtLastStep(name)], accelerator="cpu")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*(num_workers|does not have many workers).*")
+            trainer.fit(make_tied_module(pl), token_batches(steps))
+        saved[name] = torch.load(tmp_path / f"{name}.ckpt", weights_only=False)
+    trainer.save_checkpoint(tmp_path / "ours after the fit.ckpt")
+    saved["ours after the fit"] = torch.load(tmp_path / "ours after the fit.ckpt", weights_only=False)
+    stock = saved["stock"]
+    assert not torch.equal(stock["state_dict"]["emb.weight"], stock["current_model_state"]["emb.weight"])
+    for name, checkpoint in saved.items():
+        assert_tied_keys_agree(checkpoint, name)
+        assert checkpoint["state_dict"].keys() == stock["state_dict"].keys()
+        for k, v in stock["state_dict"].items():
+            # the same decay schedule, lerp against multiply-add: a float32 rounding or two per
+            # update on weights below 0.5 (ulp 6e-8), 4 updates within EMA_TOL (6e-8 measured)
+            torch.testing.assert_close(checkpoint["state_dict"][k], v, atol=EMA_TOL, rtol=0,
+                                       msg=f"{name} {k}")
+        for k, v in stock["current_model_state"].items():
+            # torch's path: FusedAdamW runs torch.optim's AdamW math, the live weights are equal
+            assert torch.equal(checkpoint["current_model_state"][k], v), f"{name} {k}"
+        loaded = make_tied_module(pl)
+        loaded.load_state_dict(checkpoint["current_model_state"])
+        assert torch.equal(loaded.head.weight, stock["current_model_state"]["emb.weight"]), name

@@ -47,7 +47,8 @@ def _same_weights(a: dict, b: dict, exact: bool = False) -> None:
     torch.testing.assert_close(torch.tensor(b["norms"]), torch.tensor(a["norms"]), **tol)
 
 
-@pytest.mark.parametrize("strategy,accelerator", [("fsdp2", "cpu"), ("fsdp2", "gpu"), ("fsdp", "gpu")])
+@pytest.mark.parametrize("strategy,accelerator", [
+    pytest.param("fsdp2", "cpu", marks=pytest.mark.cpu_training), ("fsdp2", "gpu"), ("fsdp", "gpu")])
 def test_sharded_ranks_match_one_process_and_resume_from_their_checkpoint(strategy, accelerator, tmp_path):
     if accelerator == "gpu" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

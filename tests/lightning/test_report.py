@@ -1,24 +1,48 @@
 """FusedTraining's report, what it skips and why, strict mode, both Lightning packages, bad input."""
 
+import logging
+import re
+
 import pytest
 import torch
+from lightning_utilities.core import rank_zero as lightning_rank_zero
 from torch import nn
 
 import trainfuse
 from tests.conftest import DEVICE
 from tests.lightning.helpers import PACKAGES, fit, float16_mixed, make_module, package
 from trainfuse.lightning import FusedTraining, Row, SkipError
+from trainfuse.lightning.changes import Run
 
 
 def rows_of(cb):
     return {(r.kind, r.name): r for r in cb.report}
 
 
+class Messages(logging.Handler):
+    """The info messages a logger handles (Lightning's prints them through a handler of its own, or
+    through the root logger's where one was set up before it was imported, pytest's)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.parametrize("pkg", PACKAGES)
-def test_report_rows_and_printed_table(torch_path, pkg, capsys):
+def test_report_rows_and_printed_table(torch_path, pkg):
     pl = package(pkg)
     cb = FusedTraining(ema_decay=0.9)
-    trainer = fit(pl, make_module(pl), 2, callbacks=[cb], clip=1.0)
+    # every package's rank_zero_info writes to lightning_utilities' one logger (the last package
+    # imported names it)
+    logger, logged = lightning_rank_zero.log, Messages()
+    logger.addHandler(logged)
+    try:
+        trainer = fit(pl, make_module(pl), 2, callbacks=[cb], clip=1.0)
+    finally:
+        logger.removeHandler(logged)
     device = str(trainer.strategy.root_device)  # the device with its index: "cuda:0", "cpu"
     assert all(isinstance(r, Row) for r in cb.report)
     assert [(r.kind, r.name, r.action) for r in cb.report] == [
@@ -33,8 +57,8 @@ def test_report_rows_and_printed_table(torch_path, pkg, capsys):
     ]
     detail = rows_of(cb)[("backend", device)].detail
     assert detail.startswith("no GPU: torch path" if DEVICE.type == "cpu" else "torch path for cuda tensors")
-    printed = capsys.readouterr().out
-    assert "FusedTraining: 3 swapped, 0 skipped" in printed
+    (printed,) = [m for m in logged.messages if m.startswith("FusedTraining:")]
+    assert printed.startswith("FusedTraining: 3 swapped, 0 skipped\n")
     for r in cb.report:
         assert r.detail in printed
 
@@ -215,3 +239,17 @@ def test_bad_ema_decay(decay):
 def test_bad_flags(name):
     with pytest.raises(TypeError, match=f"FusedTraining: {name} must be a bool"):
         FusedTraining(**{name: 1})
+
+
+def test_docstring_lists_the_changes_in_the_order_they_are_made():
+    """FusedTraining's docstring numbers its changes by kind, in the order it makes them in a run
+    that has every one (DDP under 16-mixed, with an EMA), and names the strategies it takes."""
+    run = Run(trainer=None, module=None, device=torch.device("cpu"), kernels=False, precision="16-mixed",
+              strategy="ddp")
+    made = [change.kind for change in FusedTraining(ema_decay=0.9)._changes(run)]
+    listed = re.findall(r"^ +(\d+)\. ``(\w+)``", FusedTraining.__doc__, re.MULTILINE)
+    assert [int(n) for n, _ in listed] == list(range(1, len(made) + 1))
+    assert [kind for _, kind in listed] == made
+    strategies = FusedTraining.__doc__.split("3. ``strategy``:")[1].split("4. ``mlp``")[0]
+    for taken in ("single-device", "DDP", "FSDPStrategy(use_orig_params=True)", "ModelParallelStrategy"):
+        assert taken in strategies

@@ -11,6 +11,7 @@ Below both clients in the dependency order (``optim``, ``amp`` <- ``clients`` <-
 
 from trainfuse.clients.cast_state import CastState
 from trainfuse.clients.change import AppliedChanges, Change
+from trainfuse.clients.flat_all_reduce import FlatAllReduce
 from trainfuse.clients.flat_grads import FlatGrads
 from trainfuse.clients.grad_buckets import BucketLaunch, GradBuckets
 from trainfuse.clients.report import OFF, ON, SKIPPED, SWAPPED, Report, Row, SkipError, format_rows
@@ -18,6 +19,6 @@ from trainfuse.clients.scaler import fused_scaler, hand_back_scaler
 from trainfuse.clients.swap import repoint_schedulers, sparse_grad_params, swap_optimizer, why_not_swappable
 
 __all__ = ["OFF", "ON", "SKIPPED", "SWAPPED", "AppliedChanges", "BucketLaunch", "CastState", "Change",
-           "FlatGrads", "GradBuckets", "Report", "Row", "SkipError", "format_rows", "fused_scaler",
-           "hand_back_scaler", "repoint_schedulers", "sparse_grad_params", "swap_optimizer",
+           "FlatAllReduce", "FlatGrads", "GradBuckets", "Report", "Row", "SkipError", "format_rows",
+           "fused_scaler", "hand_back_scaler", "repoint_schedulers", "sparse_grad_params", "swap_optimizer",
            "why_not_swappable"]

@@ -57,6 +57,14 @@ def is_overridden(method: str, module: Any) -> bool:
     return getattr(type(module), method, None) is not getattr(base, method, None)
 
 
+def compiled_by_trainer(module: Any) -> bool:
+    """Whether the Trainer runs the LightningModule ``module``'s forward and steps through
+    torch.compile: the fit was given ``torch.compile(module)``, which Lightning unwraps (its
+    ``from_compiled``), keeping the compile context in the module's private ``_compiler_ctx``
+    while the compiled forward and steps are in place."""
+    return getattr(module, "_compiler_ctx", None) is not None
+
+
 def weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
     """The callbacks that are Lightning WeightAveraging (EMAWeightAveraging included), either package."""
     classes = []
@@ -68,8 +76,9 @@ def weight_averaging_callbacks(callbacks: list[Any]) -> list[Any]:
 
 
 def rank_zero_info(trainer: Any, message: str) -> None:
-    """Log ``message`` at info level on global rank zero, through the Trainer's own package (its
-    ``utilities.rank_zero``: Lightning's logger, which the package sets up to print)."""
+    """Log ``message`` at info level on global rank zero through Lightning's ``rank_zero_info`` (of
+    the Trainer's package; both packages log it through the one logger of lightning_utilities,
+    which Lightning sets up to print)."""
     importlib.import_module(package_of(trainer).__name__ + ".utilities.rank_zero").rank_zero_info(message)
 
 
@@ -93,5 +102,5 @@ def strategy_kind(strategy: Any) -> str:
     return type(strategy).__name__
 
 
-__all__ = ["PACKAGES", "callback_bases", "installed", "is_overridden", "package_of", "rank_zero_info",
-           "strategy_kind", "weight_averaging_callbacks"]
+__all__ = ["PACKAGES", "callback_bases", "compiled_by_trainer", "installed", "is_overridden", "package_of",
+           "rank_zero_info", "strategy_kind", "weight_averaging_callbacks"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import override
+
 from trainfuse._runtime.backend import use_triton
 from trainfuse.clients import AppliedChanges, Report
 from trainfuse.graphs import GraphedModule, StepStats
@@ -39,21 +41,35 @@ class FusedTraining(*_compat.callback_bases()):
     a row in :attr:`report` (what runs now, or why it was left alone):
 
     1. ``backend``: which code runs, the Triton kernels or torch's path (nothing changes);
-    2. ``precision``, ``strategy``: any precision but 32-true/16-mixed/bf16-mixed, or a strategy
-       but single-device/DDP, leaves the run stock;
-    3. ``mlp``: Linear/activation ``nn.Sequential`` chains -> ``trainfuse.nn.FusedMLP``;
-    4. ``loss``: ``nn.BCEWithLogitsLoss`` -> ``trainfuse.losses.BCEWithLogitsLoss``;
-    5. ``optimizer``: ``torch.optim.AdamW``/``Adam``/``SGD`` -> FusedAdamW/FusedAdam/FusedSGD
+    2. ``precision``: any precision but 32-true/16-mixed/bf16-mixed leaves the run stock;
+    3. ``strategy``: single-device, DDP, FSDP (``FSDPStrategy(use_orig_params=True)``, Lightning's
+       default) and FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) are taken; any other
+       strategy (DeepSpeed, XLA...) and the layouts the fused step cannot clip
+       (``use_orig_params=False``, hybrid sharding, tensor parallelism) leave the run stock. Under
+       FSDP and FSDP2 each rank's fused step takes its own shards, and ``mlp``, ``ema``, ``casts``
+       and ``graphs`` are skipped, with the reason;
+    4. ``mlp``: Linear/activation ``nn.Sequential`` chains -> ``trainfuse.nn.FusedMLP``;
+    5. ``loss``: ``nn.BCEWithLogitsLoss`` -> ``trainfuse.losses.BCEWithLogitsLoss``;
+    6. ``optimizer``: ``torch.optim.AdamW``/``Adam``/``SGD`` -> FusedAdamW/FusedAdam/FusedSGD
        (same param groups, state and schedulers), unless the step cannot take them (sparse
        gradients, step hooks, manual optimization...);
-    6. ``clipping``: ``Trainer(gradient_clip_val=...)`` inside the fused step (by norm:
+    7. ``clipping``: ``Trainer(gradient_clip_val=...)`` inside the fused step (by norm:
        ``max_grad_norm``; by value: ``max_grad_value``), the Trainer's own clipping off meanwhile;
-    7. ``ema``: an EMA inside the optimizer step, with EMAWeightAveraging's semantics;
-    8. ``casts``: under 16-mixed/bf16-mixed, 16-bit weights with float32 masters in the
+    8. ``ema``: an EMA inside the optimizer step, with EMAWeightAveraging's semantics;
+    9. ``casts``: under 16-mixed/bf16-mixed, 16-bit weights with float32 masters in the
        optimizer (:func:`trainfuse.amp.fuse_casts`);
-    9. ``scaler``: under 16-mixed, trainfuse's GradScaler for Lightning's;
-    10. ``graphs``: forward and backward replayed from CUDA graphs;
-    11. validation inside the fit on the EMA.
+    10. ``scaler``: under 16-mixed, trainfuse's GradScaler for Lightning's;
+    11. ``ddp``: under DDP, the grads averaged by one all-reduce of a flat buffer per optimizer
+        step, DDP's reducer off (:class:`~trainfuse.lightning.changes.FlatAllReduce`), unless
+        the run keeps DDP's reducer (the row says why);
+    12. ``graphs``: forward and backward replayed from CUDA graphs;
+    13. ``ema`` again, with ``ema_decay``: validation inside the fit runs on the EMA (no row of
+        its own: the first ``ema`` row says so).
+
+    Modules that torch.compile compiled keep their own forward (``mlp`` and ``loss`` rows
+    ``skipped``, with the reason): those inside a ``torch.compile``'d child module, and all of them
+    when ``trainer.fit`` is given ``torch.compile(model)``; then ``graphs`` is skipped too, and the
+    optimizer swap, clipping, EMA and casts, which act outside the compiled code, are made as usual.
 
     When training ends, and on an exception (Lightning then calls ``on_exception``, not
     ``teardown``), the changes are undone in reverse order: the weights are float32 again, the
@@ -182,6 +198,7 @@ class FusedTraining(*_compat.callback_bases()):
         self._applied.restore(self._run, failed=failed)
 
     # ---- when it acts ----------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Fit begins: refuse a second average of the weights, and forget the last fit's state."""
         if stage != "fit":
@@ -196,6 +213,7 @@ class FusedTraining(*_compat.callback_bases()):
         self._graphs.clear()
         self.report.clear()
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Make the changes, unless the fit resumes from a checkpoint: Lightning loads its optimizer
         state after this hook, so the swap waits for ``on_train_start`` and carries it over."""
@@ -204,54 +222,64 @@ class FusedTraining(*_compat.callback_bases()):
             return
         self._start(trainer, pl_module)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Make the changes of a resumed fit (its checkpoint is fully loaded now)."""
         if self._deferred and self._run is None:
             self._start(trainer, pl_module)
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         """A training batch begins: graphed DDP learns whether it ends the accumulation."""
         for change in self._applied:
             change.before_batch(self._run, batch_idx)
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         """Before each training backward: eager DDP's grads go back into the flat buffer."""
         for change in self._applied:
             change.before_backward(self._run)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         """After each batch: the EMA update when no optimizer step does it, ``grad_norm``'s log."""
         for change in self._applied:
             change.after_batch(self._run)
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
         """The step's grads are complete (accumulation done): the all-reduce of graphed DDP."""
         for change in self._applied:
             change.before_optimizer_step(self._run, optimizer)
 
+    @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Validation inside the fit begins: the EMA goes into the module."""
         for change in self._applied:
             change.validation_starts(self._run)
 
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Validation inside the fit ended: the live weights come back."""
         for change in self._applied:
             change.validation_ends(self._run)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Training ended: undo the changes (the module holds the EMA from now on, as under
         EMAWeightAveraging, whose ``on_train_end`` copies it in)."""
         self._end(failed=False)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Fit ends: undo what a fit without a training loop (nothing left to train) still holds."""
         if stage == "fit":
             self._end(failed=False)
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
         """The fit raised (Lightning calls no ``teardown`` then): undo every change, the module
@@ -259,6 +287,7 @@ class FusedTraining(*_compat.callback_bases()):
         self._end(failed=True)
 
     # ---- checkpoints -----------------------------------------------------------------------------
+    @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """A checkpoint: float32 weights, torch.optim's layout, and with the fit's EMA,
@@ -275,6 +304,7 @@ class FusedTraining(*_compat.callback_bases()):
         else:
             plain_checkpoint(checkpoint, live, ema.ema.values(), ema.ema.updates)
 
+    @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """A fit resumes: with the EMA on and a checkpoint in WeightAveraging's layout, the

@@ -54,12 +54,14 @@ class WeightEMA:
         self.fused.decay = lambda k: 0.0 if k <= 1 else decay
         ema = self.fused.ema.state_dict(keep_vars=True)
         src = self.holder.state_dict(keep_vars=True)
-        seen: set[int] = set()
-        self.pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        # tied tensors (a head sharing the embedding's weight) are one tensor under several keys:
+        # averaged once, swapped and saved under every key, so that no alias keeps another value
+        tied: dict[int, tuple[list[str], torch.Tensor, torch.Tensor]] = {}
         for k, e in ema.items():
-            if id(e) not in seen:
-                seen.add(id(e))
-                self.pairs.append((k.replace(_SEP, "."), e, src[k]))
+            tied.setdefault(id(e), ([], e, src[k]))[0].append(k.replace(_SEP, "."))
+        # (every state_dict key of the tensor, its average, the module's tensor)
+        self.pairs: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = [
+            (tuple(keys), e, w) for keys, e, w in tied.values()]
         self._saved: list[torch.Tensor] | None = None
 
     @property
@@ -78,11 +80,11 @@ class WeightEMA:
         validate/test) keeps its Parameter objects but replaces its buffers, so the tensors
         paired at fit start may no longer be the module's."""
         current = module.state_dict(keep_vars=True)
-        missing = [k for k, _, _ in self.pairs if k not in current]
+        missing = [k for keys, _, _ in self.pairs for k in keys if k not in current]
         if missing:
             raise KeyError(f"FusedTraining: the module has no {missing[0]} (and {len(missing) - 1} more "
                            "averaged entries): the EMA was made for another model")
-        return [current[k] for k, _, _ in self.pairs]
+        return [current[keys[0]] for keys, _, _ in self.pairs]
 
     @torch.no_grad()
     def swap_in(self, module: nn.Module) -> bool:
@@ -109,7 +111,7 @@ class WeightEMA:
         """While the EMA is swapped in: state_dict key -> the live value it displaced (else empty)."""
         if self._saved is None:
             return {}
-        return {k: saved for (k, _, _), saved in zip(self.pairs, self._saved)}
+        return {k: saved for (keys, _, _), saved in zip(self.pairs, self._saved) for k in keys}
 
     @torch.no_grad()
     def copy_to(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -119,26 +121,31 @@ class WeightEMA:
         if self.updates == 0:
             return {}
         displaced = {}
-        for (k, e, _), w in zip(self.pairs, self._current(module)):
-            displaced[k] = w.detach().clone()
+        for (keys, e, _), w in zip(self.pairs, self._current(module)):
+            displaced.update(dict.fromkeys(keys, w.detach().clone()))
             w.copy_(e)
         return displaced
 
     # ---- checkpoint ----------------------------------------------------------------------------
     def values(self) -> dict[str, torch.Tensor]:
-        """The averaged tensors under the module's own state_dict keys (copies, float32)."""
-        return {k: e.detach().clone() for k, e, _ in self.pairs}
+        """The averaged tensors under the module's own state_dict keys, each alias of a tied tensor
+        included (copies, float32; one copy per tensor, shared by its keys as in ``state_dict()``)."""
+        values = {}
+        for keys, e, _ in self.pairs:
+            values.update(dict.fromkeys(keys, e.detach().clone()))
+        return values
 
     @torch.no_grad()
     def load(self, values: dict[str, torch.Tensor], updates: int) -> None:
         """Continue from a saved average: ``values`` under the module's state_dict keys (a
-        checkpoint's ``state_dict`` in EMAWeightAveraging's layout), after ``updates`` updates."""
-        missing = [k for k, _, _ in self.pairs if k not in values]
+        checkpoint's ``state_dict`` in EMAWeightAveraging's layout), after ``updates`` updates. A
+        tied tensor takes the value of its last key, as ``load_state_dict`` gives the module."""
+        missing = [k for keys, _, _ in self.pairs for k in keys if k not in values]
         if missing:
             raise KeyError(f"FusedTraining: the checkpoint's average lacks {missing[0]} (and "
                            f"{len(missing) - 1} more): it was saved from another model")
-        for k, e, _ in self.pairs:
-            e.copy_(values[k])
+        for keys, e, _ in self.pairs:
+            e.copy_(values[keys[-1]])
         self.fused.updates = int(updates)
 
 

@@ -4,6 +4,8 @@ after the fit and in the checkpoints' ``state_dict``."""
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from trainfuse.clients import ON, Row
 from trainfuse.lightning.changes.base import Change, Run, describe
 from trainfuse.lightning.weight_ema import WeightEMA
@@ -37,12 +39,15 @@ class EMA(Change):
         self._last_step = 0
         self._displaced: dict = {}  # the live values the average replaced at train end
 
+    @override
     def name(self, run: Run) -> str:
         return "-" if self.decay is None else f"decay={self.decay}"
 
+    @override
     def why_off(self, run: Run) -> str | None:
         return "ema_decay=None" if self.decay is None else None
 
+    @override
     def why_not(self, run: Run) -> str | None:
         if run.strategy in ("fsdp", "fsdp2"):
             return (f"{run.strategy}: Lightning's sharded checkpoints hold the model and optimizer states "
@@ -50,6 +55,7 @@ class EMA(Change):
                     "FusedEMA over the sharded model saves with torch.distributed.checkpoint")
         return None
 
+    @override
     def apply(self, run: Run) -> None:
         self.ema = WeightEMA(run.module, self.decay)
         if self.resumed is not None:
@@ -60,6 +66,7 @@ class EMA(Change):
         else:
             self._after_step = True
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         n = len(self.ema.pairs)
         if self._after_step:
@@ -72,6 +79,7 @@ class EMA(Change):
                            "update)")
         return [Row(self.kind, self.name(run), ON, f"{how}; {_SEMANTICS}")]
 
+    @override
     def restore(self, run: Run, *, failed: bool) -> None:
         if not failed:
             self._displaced = self.ema.copy_to(run.module)
@@ -81,6 +89,7 @@ class EMA(Change):
         instead: while validation runs on it, and after the fit ended."""
         return {**self.ema.live_values(), **self._displaced}
 
+    @override
     def after_batch(self, run: Run) -> None:
         if self._after_step and run.trainer.global_step > self._last_step:
             self.ema.update()
@@ -98,14 +107,17 @@ class EvaluateOnEMA(Change):
     def __init__(self, ema: EMA) -> None:
         self.ema = ema
 
+    @override
     def validation_starts(self, run: Run) -> None:
         if self.ema.ema is not None:  # None: the EMA was skipped (its row says why)
             self.ema.ema.swap_in(run.module)
 
+    @override
     def validation_ends(self, run: Run) -> None:
         if self.ema.ema is not None:
             self.ema.ema.swap_out(run.module)
 
+    @override
     def restore(self, run: Run, *, failed: bool) -> None:
         if self.ema.ema is not None:
             self.ema.ema.swap_out(run.module)

@@ -37,8 +37,10 @@ import math
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
-from trainfuse.clients import ON, FlatGrads, GradBuckets, Row
+from trainfuse import clients
+from trainfuse.clients import GradBuckets, Row
 from trainfuse.lightning.changes.base import Change, Run
 
 
@@ -55,13 +57,12 @@ def why_not_flat(run: Run) -> str | None:
     return None
 
 
-class FlatAllReduce(Change):
-    """DDP's gradient all-reduce as one collective per optimizer step (module docstring)."""
-
-    kind = "ddp"
+class FlatAllReduce(clients.FlatAllReduce[Run], Change):
+    """DDP's gradient all-reduce as one collective per optimizer step (module docstring; the
+    buffer, its all-reduce and its row are :class:`trainfuse.clients.FlatAllReduce`'s)."""
 
     def __init__(self) -> None:
-        self.flat: FlatGrads | None = None
+        super().__init__()
         self.graphed = False  # the Graphs change replays the backward into the views
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._buckets: GradBuckets | None = None
@@ -69,14 +70,13 @@ class FlatAllReduce(Change):
         self._reduced = False  # the step's last backward averaged the grads (a replayed graph)
         self.overlapped = 0  # steps whose grads a replayed backward averaged
 
-    def name(self, run: Run) -> str:
-        return "all-reduce"
-
+    @override
     def why_not(self, run: Run) -> str | None:
         return why_not_flat(run)
 
+    @override
     def apply(self, run: Run) -> None:
-        self.flat = FlatGrads(run.module.parameters()).attach()
+        self.make_flat(run.module.parameters())
         self._views = {id(p): g for p, g in zip(self.flat.params, self.flat.grads)}
         self._ddp = run.trainer.strategy.model
         self._ddp.require_backward_grad_sync = False  # DDP's hooks stay idle: the all-reduce is ours
@@ -104,12 +104,14 @@ class FlatAllReduce(Change):
         """``param``'s grad in the flat buffer (the kept grad a graph accumulates into), or None."""
         return None if self.flat is None else self._views.get(id(param))
 
+    @override
     def before_batch(self, run: Run, batch_idx: int) -> None:
         trainer = run.trainer
         last = trainer.num_training_batches
         self._boundary = ((batch_idx + 1) % trainer.accumulate_grad_batches == 0
                           or (not math.isinf(last) and batch_idx + 1 >= last))
 
+    @override
     def before_backward(self, run: Run) -> None:
         self._reduced = False  # only the step's last backward counts
         # an eager backward then adds into the views in place: no fresh grads to copy in after it
@@ -117,6 +119,7 @@ class FlatAllReduce(Change):
         if self.flat is not None and not self.graphed:
             self.flat.attach()
 
+    @override
     def before_optimizer_step(self, run: Run, optimizer: torch.optim.Optimizer) -> None:
         if self.flat is None:
             return
@@ -124,15 +127,13 @@ class FlatAllReduce(Change):
         if self._reduced and not self.flat.copied:  # None grads became zeros: zero on every rank
             self.overlapped += 1
             return
-        self.flat.all_reduce(average=True)
+        self.all_reduce()
 
+    @override
     def rows(self, run: Run) -> list[Row]:
-        sizes = ", ".join(f"{b.numel() / 1e6:.1f}M {str(b.dtype).removeprefix('torch.')}"
-                          for b in self.flat.buffers.values())
-        detail = (f"DDP's reducer off: the grads averaged by one all-reduce of one flat buffer ({sizes}) per "
-                  "optimizer step, after the backward")
-        return [Row(self.kind, self.name(run), ON, detail)]
+        return [self.row("after the backward")]
 
+    @override
     def restore(self, run: Run, *, failed: bool) -> None:
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True

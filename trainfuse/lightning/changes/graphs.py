@@ -11,9 +11,11 @@ again at the end.
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from trainfuse.clients import ON, Row
 from trainfuse.graphs import GraphedModule
-from trainfuse.lightning import graph_targets
+from trainfuse.lightning import _compat, graph_targets
 from trainfuse.lightning.changes.base import Change, Run
 from trainfuse.lightning.changes.ddp import FlatAllReduce
 from trainfuse.nn import FusedMLP
@@ -39,13 +41,19 @@ class Graphs(Change):
         self.ddp = ddp
         self.library: list[FusedMLP] = []  # the chains set to the cuBLAS path for the run
 
+    @override
     def name(self, run: Run) -> str:
         return "cuda_graphs"
 
+    @override
     def why_off(self, run: Run) -> str | None:
         return None if self.enabled else "cuda_graphs=False: forward and backward run eagerly"
 
+    @override
     def why_not(self, run: Run) -> str | None:
+        if _compat.compiled_by_trainer(run.module):
+            return ("the LightningModule is compiled (trainer.fit(torch.compile(model))): dynamo would trace "
+                    "the replays; torch.compile(mode='reduce-overhead') replays CUDA graphs of its own")
         if run.device.type != "cuda":
             return f"the run is on {run.device.type}: CUDA graphs need a CUDA device"
         if run.strategy in ("fsdp", "fsdp2"):
@@ -59,6 +67,7 @@ class Graphs(Change):
             return "no forward on the LightningModule and no child module with trainable params"
         return None
 
+    @override
     def apply(self, run: Run) -> None:
         ddp = self.ddp if run.strategy == "ddp" else None
         if ddp is not None:
@@ -69,6 +78,7 @@ class Graphs(Change):
         for m in self.library:
             m.library = True
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         detail = ("forward + backward replayed from CUDA graphs per input shape (first batch of a shape "
                   "eager, second captured); loss, logging, hooks and optimizer step eager")
@@ -81,6 +91,7 @@ class Graphs(Change):
                        "(less GPU time, more host time: the replays pay none of it)")
         return [Row(self.kind, ", ".join(self.installed), ON, detail)]
 
+    @override
     def restore(self, run: Run, *, failed: bool) -> None:
         for m in self.library:
             m.library = None

@@ -4,7 +4,9 @@
 Both keep the Parameter objects, buffers and state_dict keys, so optimizers, checkpoints, wrap
 policies and EMA copies made before stay valid. Modules with hooks or parametrizations (pruning,
 weight_norm, spectral_norm) are left alone: the fused forward would not call the hooks, and a
-parametrized weight is recomputed by its own forward.
+parametrized weight is recomputed by its own forward. So are modules torch.compile compiled (a
+``torch.compile``'d child, or the whole LightningModule given to ``trainer.fit`` compiled): their
+compiled code calls the modules it wrapped, and dynamo would trace a fused forward's Triton launch.
 
 The fused modules stay after the fit, on every path: a FusedMLP is an ``nn.Sequential`` with the
 same children and a fused BCEWithLogitsLoss an ``nn.BCEWithLogitsLoss`` with the same state, and
@@ -14,11 +16,15 @@ not run), so there is nothing the user's model would lack.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from torch import nn
 from torch.nn.utils import parametrize
+from typing_extensions import override
 
 from trainfuse._runtime import compat
 from trainfuse.clients import SKIPPED, SWAPPED, Row
+from trainfuse.lightning import _compat
 from trainfuse.lightning.changes.base import Change, Run, describe
 from trainfuse.losses import BCEWithLogitsLoss
 from trainfuse.nn import fuse_mlps
@@ -40,14 +46,48 @@ def why_not_fusable(module: nn.Module) -> str | None:
     return None
 
 
-def _chains(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Sequential]]:
-    """(parent, attribute, full name, Sequential) for every plain Sequential with a Linear child."""
-    out = []
-    for name, parent in model.named_modules():
-        for child_name, child in parent.named_children():
-            if type(child) is nn.Sequential and any(isinstance(m, nn.Linear) for m in child.children()):
-                out.append((parent, child_name, f"{name}.{child_name}" if name else child_name, child))
-    return out
+def _walk(module: nn.Module, name: str = "", parent: nn.Module | None = None, attr: str = "",
+          compiled: str | None = None, seen: set[int] | None = None
+          ) -> Iterator[tuple[str, nn.Module, nn.Module | None, str, str | None]]:
+    """(name, module, parent, attribute, compiled) for ``module`` and every module inside it, by the
+    names of the user's model: a torch.compile wrapper adds no name, the module it wraps stands in
+    its place. ``compiled``: the outermost torch.compile'd module it runs inside, or None. A module
+    reached under several names is listed under each, its children once."""
+    seen = set() if seen is None else seen
+    inner = compat.compiled_original(module)
+    if inner is not None:
+        module, compiled = inner, name if compiled is None else compiled
+    yield name, module, parent, attr, compiled
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    for child_name, child in module.named_children():
+        full = f"{name}.{child_name}" if name else child_name
+        yield from _walk(child, full, module, child_name, compiled, seen)
+
+
+def why_compiled(compiled: str) -> str:
+    """Why a module inside the torch.compile'd module named ``compiled`` keeps its own forward."""
+    return (f"{compiled} is torch.compile'd: dynamo compiled it, its compiled code calls the modules it "
+            "wrapped (a fused module swapped in would not run) and a recompile would trace a fused "
+            "module's Triton launch")
+
+
+def why_not_compiled_run(run: Run) -> str | None:
+    """Why no module may be swapped when Lightning compiles the LightningModule, else None."""
+    if not _compat.compiled_by_trainer(run.module):
+        return None
+    return ("the LightningModule is compiled (trainer.fit(torch.compile(model))): Lightning runs its forward "
+            "and steps through dynamo, which would trace a fused module's Triton launch; the modules "
+            "stay stock, compiled as given")
+
+
+def _chains(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Sequential, str | None]]:
+    """(parent, attribute, full name, Sequential, compiled) for every plain Sequential with a Linear
+    child; ``compiled``: the torch.compile'd module it runs inside, or None."""
+    return [(parent, attr, name, m, compiled) for name, m, parent, attr, compiled in _walk(model)
+            if parent is not None and type(m) is nn.Sequential
+            and any(isinstance(c, nn.Linear) for c in m.children())]
 
 
 def _why_not_chain(seq: nn.Sequential) -> str | None:
@@ -69,21 +109,28 @@ class MLPFusion(Change):
     def __init__(self) -> None:
         self._rows: list[Row] = []
 
+    @override
+    def name(self, run: Run) -> str:
+        return ", ".join(full for _, _, full, _, _ in _chains(run.module))
+
+    @override
     def why_off(self, run: Run) -> str | None:
         if not _chains(run.module):
             return "no nn.Sequential of Linear + activation in the module"
         return None
 
+    @override
     def why_not(self, run: Run) -> str | None:
         if run.strategy in ("fsdp", "fsdp2"):
             return f"{run.strategy} shards the layers' weights and gathers them from its own hooks"
-        return None
+        return why_not_compiled_run(run)
 
+    @override
     def apply(self, run: Run) -> None:
         detail = describe(run, "FusedMLP: matmul + bias + activation a layer, one kernel",
                           "FusedMLP: on the torch path the Sequential's own layers run (same params, keys)")
-        for parent, attr, full, seq in _chains(run.module):
-            reason = _why_not_chain(seq)
+        for parent, attr, full, seq, compiled in _chains(run.module):
+            reason = _why_not_chain(seq) if compiled is None else why_compiled(compiled)
             if reason is None:
                 # fuse_mlps acts on the children of the module it is given: a one-child box limits it
                 # to this Sequential
@@ -97,12 +144,19 @@ class MLPFusion(Change):
                 reason = result.skipped[0][1] if result.skipped else "fuse_mlps did not take it"
             self._rows.append(Row(self.kind, full, SKIPPED, reason))
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         return self._rows
 
 
-def _losses(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if type(m) is nn.BCEWithLogitsLoss]
+def _losses(model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
+    """(name, module, compiled) for every ``nn.BCEWithLogitsLoss`` module, each once; ``compiled``: the
+    torch.compile'd module it runs inside, or None."""
+    found = {}
+    for name, m, _, _, compiled in _walk(model):
+        if type(m) is nn.BCEWithLogitsLoss:
+            found.setdefault(id(m), (name, m, compiled))
+    return list(found.values())
 
 
 class LossFusion(Change):
@@ -114,20 +168,31 @@ class LossFusion(Change):
     def __init__(self) -> None:
         self._rows: list[Row] = []
 
+    @override
+    def name(self, run: Run) -> str:
+        return ", ".join(name for name, _, _ in _losses(run.module))
+
+    @override
     def why_off(self, run: Run) -> str | None:
         return None if _losses(run.module) else "no nn.BCEWithLogitsLoss module"
 
+    @override
+    def why_not(self, run: Run) -> str | None:
+        return why_not_compiled_run(run)
+
+    @override
     def apply(self, run: Run) -> None:
         detail = describe(run, "BCEWithLogitsLoss: loss, reduction and grad in one pass",
                           "BCEWithLogitsLoss: on the torch path torch's binary_cross_entropy_with_logits")
-        for name, m in _losses(run.module):
-            reason = why_not_fusable(m)
+        for name, m, compiled in _losses(run.module):
+            reason = why_not_fusable(m) if compiled is None else why_compiled(compiled)
             if reason is not None:
                 self._rows.append(Row(self.kind, name, SKIPPED, reason))
                 continue
             m.__class__ = BCEWithLogitsLoss
             self._rows.append(Row(self.kind, name, SWAPPED, detail))
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         return self._rows
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import override
 
 from trainfuse.clients import ON, SKIPPED, SWAPPED, Row, repoint_schedulers, swap_optimizer, why_not_swappable
 from trainfuse.lightning import _compat
@@ -48,6 +49,7 @@ class OptimizerSwap(Change):
     def __init__(self) -> None:
         self._rows: list[Row] = []
 
+    @override
     def why_off(self, run: Run) -> str | None:
         return None if run.trainer.strategy.optimizers else "configure_optimizers returned no optimizer"
 
@@ -60,6 +62,7 @@ class OptimizerSwap(Change):
                     "clip optimizers that unscale inside their step")
         return why_not_swappable(opt, kernels=run.kernels, module=run.module)
 
+    @override
     def apply(self, run: Run) -> None:
         strategy = run.trainer.strategy
         clip, algorithm = clipping_of(run.trainer)
@@ -88,6 +91,7 @@ class OptimizerSwap(Change):
             strategy.optimizers = result  # rebuilds the LightningOptimizer wrappers the loop steps
         run.all_swapped = bool(run.swapped) and len(run.swapped) == len(result)
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         return self._rows
 
@@ -106,18 +110,22 @@ class Clipping(Change):
         self._saved: tuple[Any, Any] = (None, None)
         self._norm_of: FusedOptimizer | None = None  # the optimizer whose step clips by norm
 
+    @override
     def name(self, run: Run) -> str:
         clip, algorithm = clipping_of(run.trainer)
         if clip is None:
             return "gradient_clip_val"
         return f"gradient_clip_val={run.trainer.gradient_clip_val}, algorithm={algorithm}"
 
+    @override
     def why_off(self, run: Run) -> str | None:
         return "not set" if clipping_of(run.trainer)[0] is None else None
 
+    @override
     def why_not(self, run: Run) -> str | None:
         return None if run.all_swapped else "an optimizer was not swapped: Lightning clips as before"
 
+    @override
     def apply(self, run: Run) -> None:
         self._name = self.name(run)
         trainer = run.trainer
@@ -126,6 +134,7 @@ class Clipping(Change):
         self._saved = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         trainer.gradient_clip_val = None  # Lightning's clipping refuses fused optimizers; ours runs instead
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         if self._norm_of is not None:
             detail = describe(run, "by norm inside the fused step (statistics pass + update, no host sync)",
@@ -138,9 +147,11 @@ class Clipping(Change):
                               "by value inside the fused step (torch's clip_grad_value_ before the update)")
         return [Row(self.kind, self._name, ON, detail + "; Trainer clipping off for the run")]
 
+    @override
     def restore(self, run: Run, *, failed: bool) -> None:
         run.trainer.gradient_clip_val, run.trainer.gradient_clip_algorithm = self._saved
 
+    @override
     def after_batch(self, run: Run) -> None:
         if not self.log_grad_norm or self._norm_of is None or not _log_step(run.trainer):
             return

@@ -4,6 +4,7 @@ optimizer (cast fusion), and trainfuse's GradScaler in place of Lightning's unde
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 from trainfuse.clients import ON, SWAPPED, CastState, Row, fused_scaler, hand_back_scaler
 from trainfuse.lightning import _compat
@@ -24,9 +25,11 @@ class Casts(Change):
         self.enabled = enabled
         self.state: CastState | None = None
 
+    @override
     def name(self, run: Run) -> str:
         return run.precision
 
+    @override
     def why_off(self, run: Run) -> str | None:
         if PRECISIONS[run.precision] is None:
             return f"{run.precision}: nothing is cast"
@@ -34,6 +37,7 @@ class Casts(Change):
             return "fuse_casts=False: autocast casts every weight at each use"
         return None
 
+    @override
     def why_not(self, run: Run) -> str | None:
         if run.strategy in ("fsdp", "fsdp2"):
             return "FSDP keeps float32 shards and casts them with its own param_dtype"
@@ -52,15 +56,18 @@ class Casts(Change):
                     "the float32 masters would overwrite")
         return None
 
+    @override
     def apply(self, run: Run) -> None:
         self.state = CastState(run.module, run.sole_optimizer, PRECISIONS[run.precision])
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         dtype = str(self.state.dtype).removeprefix("torch.")
         return [Row(self.kind, run.precision, ON, f"{len(self.state.params)} params {dtype} with float32 "
                     "masters; the step writes the 16-bit weights the forward reads (norms and embeddings "
                     "stay float32)")]
 
+    @override
     def restore(self, run: Run, *, failed: bool) -> None:
         self.state.restore()
 
@@ -79,12 +86,15 @@ class Scaler(Change):
     def __init__(self) -> None:
         self._old: torch.amp.GradScaler | None = None
 
+    @override
     def name(self, run: Run) -> str:
         return "GradScaler"
 
+    @override
     def why_off(self, run: Run) -> str | None:
         return None if run.swapped else "no optimizer was swapped: Lightning's scaler steps the user's"
 
+    @override
     def why_not(self, run: Run) -> str | None:
         old = getattr(run.trainer.precision_plugin, "scaler", None)
         if type(old) is not torch.amp.GradScaler:
@@ -92,17 +102,20 @@ class Scaler(Change):
                     "stays")
         return None
 
+    @override
     def apply(self, run: Run) -> None:
         plugin = run.trainer.precision_plugin
         self._old = plugin.scaler
         plugin.scaler = fused_scaler(self._old, str(getattr(plugin, "device", run.device.type)))
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         return [Row(self.kind, "GradScaler", SWAPPED, describe(
             run, "trainfuse.amp.GradScaler: the inf check is the step's statistics pass; unscale and inf "
             "skip run in the step, no host sync",
             "trainfuse.amp.GradScaler: on the torch path it runs torch's GradScaler check and step"))]
 
+    @override
     def restore(self, run: Run, *, failed: bool) -> None:
         plugin = run.trainer.precision_plugin
         plugin.scaler = hand_back_scaler(plugin.scaler, self._old)

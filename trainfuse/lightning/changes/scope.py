@@ -4,6 +4,7 @@ strategies it takes (any other leaves the whole run stock, with the reason)."""
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 import trainfuse
 from trainfuse.clients import ON, Row
@@ -21,6 +22,7 @@ class Backend(Change):
 
     kind = "backend"
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         setting = f"TRAINFUSE_BACKEND={trainfuse.backend()}"
         if run.kernels:
@@ -39,9 +41,11 @@ class Precision(Change):
     kind = "precision"
     ends_run = True
 
+    @override
     def name(self, run: Run) -> str:
         return f"precision={run.precision!r}"
 
+    @override
     def why_not(self, run: Run) -> str | None:
         if run.precision not in PRECISIONS:
             return f"FusedTraining takes precision {', '.join(map(repr, PRECISIONS))}: nothing changed"
@@ -60,9 +64,11 @@ class Strategy(Change):
     kind = "strategy"
     ends_run = True
 
+    @override
     def name(self, run: Run) -> str:
         return run.strategy
 
+    @override
     def why_not(self, run: Run) -> str | None:
         if run.strategy in ("single", "ddp"):
             return None
@@ -77,10 +83,12 @@ class Strategy(Change):
         return ("FusedTraining acts under single-device, DDP, FSDP and ModelParallel (FSDP2) strategies "
                 "(engine-managed optimizers): nothing changed")
 
+    @override
     def apply(self, run: Run) -> None:
         if run.strategy == "fsdp" and _sharding(run) != "NO_SHARD":
             run.shard_group = run.trainer.strategy.model.process_group
 
+    @override
     def rows(self, run: Run) -> list[Row]:
         if run.strategy not in ("fsdp", "fsdp2"):
             return []
