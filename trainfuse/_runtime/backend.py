@@ -6,6 +6,9 @@
 - ``triton``: the kernels everywhere. On CPU tensors this needs the Triton interpreter
   (``TRITON_INTERPRET=1`` set before ``trainfuse`` is imported); that is how CI runs every kernel.
 - ``torch``: the reference path everywhere.
+
+Code that ``torch.compile`` traces takes the torch path whatever the setting: dynamo cannot trace
+a Triton launch from Python, and the torch path is what it compiles well.
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ def triton_available() -> bool:
 
 
 def use_triton(device: torch.device) -> bool:
-    """Whether tensors on ``device`` take the Triton kernels."""
+    """Whether tensors on ``device`` take the Triton kernels (never inside code ``torch.compile``
+    traces)."""
+    if torch.compiler.is_compiling():
+        return False
     name = backend()
     if name == "torch":
         return False
