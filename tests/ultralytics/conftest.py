@@ -20,10 +20,10 @@ def cpu_augmentation_unless_asked(request, monkeypatch):
     (on CUDA, the GPU augmentation for images read from disk)."""
     if request.node.get_closest_marker("gpu_augment_default") is None:
         try:
-            from trainfuse.ultralytics.loading import BatchLoading
+            from trainfuse.ultralytics import FusedDetectionTrainer
         except ImportError:  # no ultralytics: its tests skip
             return
-        monkeypatch.setattr(BatchLoading, "gpu_augment", False)
+        monkeypatch.setattr(FusedDetectionTrainer, "gpu_augment", False)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainfuse.ultralytics.graphed import StepCadence
+from trainfuse.ultralytics.phase_fold import StepCadence
 
 
 def _warmup(nw: int, acc0: int, n: int) -> list[int]:

@@ -37,9 +37,10 @@ def data(tmp_path_factory) -> str:
     return str(make_shapes_dataset(root, n_train=16, n_val=8, imgsz=64, seed=0))
 
 
-def _train(data, project, trainer, device, resume=None, epochs=2):
+def _train(data, project, trainer, device, resume=None, epochs=2, at_end=None):
     """A run (or a resume); returns the trainer, what each iteration saw and the checkpoint of
-    epoch 1 with its optimizer state (the final last.pt has it stripped)."""
+    epoch 1 with its optimizer state (the final last.pt has it stripped). ``at_end(trainer, seen)``
+    runs in ``on_train_end``, while the trainer's changes are still made."""
     model = YOLO(str(resume) if resume else "yolov5n.yaml")
     name = trainer.__name__ if trainer else "stock"
     seen = {"losses": [], "dtypes": set(), "mid": Path(project) / f"mid-{name}.pt"}
@@ -54,6 +55,8 @@ def _train(data, project, trainer, device, resume=None, epochs=2):
 
     model.add_callback("on_train_batch_end", record)
     model.add_callback("on_model_save", keep_first_checkpoint)
+    if at_end is not None:
+        model.add_callback("on_train_end", lambda t: at_end(t, seen))
     if resume:
         model.train(resume=True, save_dir=str(Path(project) / f"resumed-{Path(resume).stem}"),
                     trainer=trainer)
@@ -64,21 +67,17 @@ def _train(data, project, trainer, device, resume=None, epochs=2):
     return model.trainer, seen
 
 
+@pytest.mark.cpu_training
 def test_no_casts_without_amp_on_cpu(data, tmp_path):
     trainer, seen = _train(data, tmp_path, FusedDetectionTrainer, "cpu", epochs=1)
-    assert seen["dtypes"] == {torch.float32} and trainer._casts is None
+    assert seen["dtypes"] == {torch.float32}
+    assert {r.kind: r.action for r in trainer.report}["casts"] == "off"
 
 
-@cuda
-def test_cast_run_checkpoint_resume_and_nan_recovery(data, tmp_path):
-    ours, seen = _train(data, tmp_path, FusedDetectionTrainer, "0")
-    ref, ref_seen = _train(data, tmp_path, Float32Trainer, "0")
-    assert seen["dtypes"] == {torch.float16} and ref_seen["dtypes"] == {torch.float32}
-    # the first forward reads the same float16 weights autocast makes; later iterations differ in
-    # the last bits (16-bit grad sums), which these 64-pixel runs amplify through the assigner's
-    # discrete choices within a few steps: quality is compared by `python -m trainfuse.bench yolo`
-    assert seen["losses"][0] == ref_seen["losses"][0]
-    assert all(torch.isfinite(torch.tensor(seen["losses"])))
+def _check_casts_and_reload(ours, seen) -> None:
+    """At the end of the cast run, its changes still made: 16-bit weights with float32 masters, a
+    stock checkpoint, and ultralytics' NaN-recovery load (weights loaded into the 16-bit model,
+    then ``_load_checkpoint_state``) making the casts again from the loaded weights."""
     model = unwrap_model(ours.model)
     bn = model.model[0].bn
     assert bn.weight.dtype == torch.float32  # BatchNorm stays float32
@@ -97,10 +96,27 @@ def test_cast_run_checkpoint_resume_and_nan_recovery(data, tmp_path):
     ema_weights = ckpt["ema"].float().state_dict()
     model.load_state_dict(ema_weights)
     ours._load_checkpoint_state(ckpt)
-    assert conv.dtype == torch.float16 and ours._casts is not None
+    assert conv.dtype == torch.float16
+    assert {r.kind: r.action for r in ours.report}["casts"] == "on"
     assert ours.ema.ema.model[0].conv.weight.dtype == torch.float32
     master = ours.optimizer.state[conv][MASTER_KEY]
     assert torch.equal(master, ema_weights["model.0.conv.weight"].to(master.device))
+    seen["checked"] = True
+
+
+@cuda
+def test_cast_run_checkpoint_resume_and_nan_recovery(data, tmp_path):
+    ours, seen = _train(data, tmp_path, FusedDetectionTrainer, "0", at_end=_check_casts_and_reload)
+    ref, ref_seen = _train(data, tmp_path, Float32Trainer, "0")
+    assert seen["dtypes"] == {torch.float16} and ref_seen["dtypes"] == {torch.float32}
+    # the first forward reads the same float16 weights autocast makes; later iterations differ in
+    # the last bits (16-bit grad sums), which these 64-pixel runs amplify through the assigner's
+    # discrete choices within a few steps: quality is compared by `python -m trainfuse.bench yolo`
+    assert seen["losses"][0] == ref_seen["losses"][0]
+    assert all(torch.isfinite(torch.tensor(seen["losses"])))
+    assert seen.get("checked")
+    # after training the weights are float32 again, as stock leaves them
+    assert all(p.dtype == torch.float32 for p in unwrap_model(ours.model).parameters())
 
     # resume from the epoch-1 checkpoint: stock ultralytics and this trainer
     for trainer in (None, FusedDetectionTrainer):

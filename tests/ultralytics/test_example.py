@@ -95,6 +95,7 @@ def test_generator_rejects_bad_arguments(tmp_path, bad, match):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.cpu_training
 def test_compare_trains_both_and_writes_the_table_and_plot(tmp_path, capsys):
     pytest.importorskip("ultralytics")
     runs = _example().main(["--compare", "--images", "8", "--val-images", "4", "--imgsz", "64", "--epochs",
@@ -114,6 +115,7 @@ def test_compare_trains_both_and_writes_the_table_and_plot(tmp_path, capsys):
     assert (tmp_path / "trainfuse" / "weights" / "last.pt").exists()
 
 
+@pytest.mark.cpu_training
 def test_gpu_augment_reaches_the_trainer(tmp_path):
     pytest.importorskip("ultralytics")
     runs = _example().main(["--images", "8", "--val-images", "4", "--imgsz", "64", "--epochs", "1", "--batch",

@@ -356,6 +356,7 @@ def test_the_default_augments_on_the_gpu_where_images_come_from_disk(gpu_augment
     assert setting_keeps_cpu(gpu_augment, torch.device(device), cache) == keeps
 
 
+@pytest.mark.cpu_training
 @pytest.mark.gpu_augment_default
 def test_training_with_gpu_augmentation_tracks_the_cpu_path(tmp_path):
     data_yaml = str(make_shapes_dataset(tmp_path / "data", n_train=8, n_val=2, imgsz=64))

@@ -50,7 +50,8 @@ from ultralytics.data.augment import (
 )
 from ultralytics.data.dataset import YOLODataset
 
-from trainfuse.losses.detection.targets import PADDED_KEY, pad_targets, target_capacity
+from trainfuse.losses.detection import PADDED_KEY, pad_targets, target_capacity
+from trainfuse.ultralytics import compat
 from trainfuse.ultralytics.augment import decode as decoding
 from trainfuse.ultralytics.augment.color import opencv_vector_block
 from trainfuse.ultralytics.augment.decode import Encoded
@@ -158,8 +159,7 @@ class DeferredMosaic(Mosaic):
         if self.n != 4:
             return super().apply_image(labels, params)
         c = labels["img"].shape[2]
-        labels["mosaic_tiles"] = [(t["labels_patch"]["img"], t["x1a"], t["y1a"], t["x2a"], t["y2a"], t["x1b"],
-                                   t["y1b"]) for t in params["layout"]]
+        labels["mosaic_tiles"] = compat.mosaic_tiles(params)
         labels["img"] = _stand_in(self.imgsz * 2, self.imgsz * 2, c)
         return labels
 
@@ -174,8 +174,9 @@ class DeferredPerspective(RandomPerspective):
         img = labels["img"]
         h, w, c = img.shape
         tiles = labels.pop("mosaic_tiles", None) or [(img, 0, 0, w, h, 0, 0)]
-        size = tuple(int(v) for v in params["size"])
-        region = _region(params["M"], (h, w), size, bool(self.perspective))
+        size = compat.perspective_size(params)
+        matrix = compat.perspective_matrix(params)
+        region = _region(matrix, (h, w), size, bool(self.perspective))
         tiles = _clip(tiles, region)
         if any(isinstance(t[0], Encoded) for t in tiles):  # the pixels at hand: as small tiles of their own
             tiles = [t if isinstance(t[0], Encoded) else _own_tile(*t) for t in tiles]
@@ -183,7 +184,7 @@ class DeferredPerspective(RandomPerspective):
             x0, y0, x1, y1 = region
             tiles = [(_paint(tiles, region, c), x0, y0, x1, y1, 0, 0)]
         labels["tiles"] = tiles
-        labels["warp"] = {"inverse": np.linalg.inv(params["M"].astype(np.float64)), "size": size,
+        labels["warp"] = {"inverse": np.linalg.inv(matrix.astype(np.float64)), "size": size,
                           "perspective": bool(self.perspective)}
         labels["img"] = _stand_in(size[1], size[0], c)
         labels["resized_shape"] = size[::-1]
@@ -212,7 +213,8 @@ class DeferredFlip(RandomFlip):
 
     def apply_image(self, labels, params=None):
         flips = labels.setdefault("flips", [False, False])
-        flips[0 if params["direction"] == "vertical" else 1] |= bool(params["flip"])
+        vertical, flipped = compat.flip_of(params)
+        flips[0 if vertical else 1] |= flipped
         return labels
 
 
@@ -240,9 +242,7 @@ def defer(transforms: Compose) -> Compose:
         seen.add(id(compose))
         for i, t in enumerate(compose.transforms):
             if type(t) in _DEFERRED:
-                swapped = _DEFERRED[type(t)].__new__(_DEFERRED[type(t)])
-                swapped.__dict__.update(t.__dict__)
-                compose.transforms[i] = swapped
+                compose.transforms[i] = compat.retyped(t, _DEFERRED[type(t)])
             elif isinstance(t, Compose):
                 walk(t)
             elif isinstance(getattr(t, "pre_transform", None), Compose):

@@ -1,0 +1,30 @@
+"""The changes FusedDetectionTrainer makes to a run, one small object each
+(:class:`~trainfuse.ultralytics.changes.base.Change`), in the order it makes them; it undoes them in
+reverse. Adding one is its class and one line in :func:`changes`."""
+
+from __future__ import annotations
+
+from trainfuse.ultralytics.changes.amp import Casts, Scaler
+from trainfuse.ultralytics.changes.averaging import EMASwap
+from trainfuse.ultralytics.changes.base import Change, Options, Results, Run
+from trainfuse.ultralytics.changes.ddp import FlatGradsDDP
+from trainfuse.ultralytics.changes.graphs import Graphs, Phase
+from trainfuse.ultralytics.changes.loss import Augment, LossSwap
+from trainfuse.ultralytics.changes.optimizer import OptimizerSwap
+from trainfuse.ultralytics.changes.stem import FoldStem
+
+
+def changes(options: Options) -> list[Change]:
+    """A run's changes, in the order they are made: the optimizer, the scaler and the EMA (folded
+    into the optimizer's step), the loss, how the batches load, the casts, the stem, then DDP's
+    flat all-reduce, the graphs and the optimizer phase inside them, which need the ones before."""
+    made: list[Change] = [OptimizerSwap(), Scaler(), EMASwap()]
+    if options.fused_loss:
+        made.append(LossSwap())
+    made += [Augment(), Casts(options.fuse_casts), FoldStem(options.fold_stem), FlatGradsDDP(), Graphs(),
+             Phase()]
+    return made
+
+
+__all__ = ["Augment", "Casts", "Change", "EMASwap", "FlatGradsDDP", "FoldStem", "Graphs", "LossSwap",
+           "OptimizerSwap", "Options", "Phase", "Results", "Run", "Scaler", "changes"]
