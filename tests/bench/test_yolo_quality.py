@@ -22,6 +22,7 @@ def _tiny(tmp_path, model: str) -> list[str]:
             "--out", str(tmp_path / "out")]
 
 
+@pytest.mark.cpu_training
 def test_a_tiny_cpu_matrix_reports_each_variants_map_and_keeps_each_runs_log(tmp_path, monkeypatch):
     monkeypatch.setenv("YOLO_CONFIG_DIR", str(tmp_path / "shared-config"))  # each run overrides it
     out = tmp_path / "out"
@@ -39,7 +40,7 @@ def test_a_tiny_cpu_matrix_reports_each_variants_map_and_keeps_each_runs_log(tmp
     for run in runs:
         assert "error" not in run, run["error"]
         assert (out / "yolo-quality-logs" / f"{run['run']}.log").read_text()
-        assert (out / f"yolo-config-{run['run']}" / "Arial.ttf").is_file()
+        assert (out / f"yolo-config-{run['run']}" / "Ultralytics" / "Arial.ttf").is_file()
     assert not (tmp_path / "shared-config").exists()
     assert [run["optimizer_class"] for run in runs] == ["AdamW", "FusedAdamW"]
     assert [run["fused_reason"] for run in runs] == [None, ""]

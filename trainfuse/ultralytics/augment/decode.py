@@ -11,21 +11,21 @@ Any other image (PNG and the rest, progressive or CMYK JPEGs, an EXIF rotation, 
 cache) is decoded by ultralytics' ``load_image`` as before, in the worker.
 
 :class:`JpegDecoder` is the GPU's side: it decodes a batch's JPEGs that it has not decoded lately
-with ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA, libjpeg-turbo on the CPU), resizes them as
+with ``decode_jpeg`` (nvJPEG on CUDA, libjpeg-turbo on the CPU), resizes them as
 ultralytics would have (bilinear), turns them to HWC BGR and keeps them by dataset index: the
 mosaic's other three images come from the workers' recent images, so most tiles of a batch are
 decoded already. It then packs the batch's sources, decoded and raw, into the flat buffer that
-:func:`~trainfuse.ultralytics.augment.kernel.augment_images` reads.
+:func:`~trainfuse.ultralytics.augment.kernel.augment_images` reads. ``decode_jpeg`` is TorchCodec's
+where it is installed, else torchvision's (deprecated from torchvision 0.29 for TorchCodec's).
 
 nvJPEG's output is not libjpeg-turbo's bit for bit (its chroma upsampling and IDCT differ): pixels
-differ by a level or two on average, more on sharp colour edges; on the CPU, torchvision decodes
-as OpenCV does, exactly.
+differ by a level or two on average, more on sharp colour edges; on the CPU, both decode as OpenCV
+does, exactly.
 """
 
 from __future__ import annotations
 
 import io
-import math
 from collections import OrderedDict
 
 import numpy as np
@@ -85,24 +85,6 @@ def probe_jpeg(path: str) -> tuple[np.ndarray, int, int] | None:
     return data, h, w
 
 
-def _resized_shape(dataset, h0: int, w0: int, rect_mode: bool, resize_short: bool) -> tuple[int, int]:
-    """The (h, w) ultralytics' ``load_image`` resizes an (h0, w0) image to."""
-    size = dataset.imgsz
-    shape = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-    imgsz = max(shape)
-    if not rect_mode:
-        return shape if (h0, w0) != shape else (h0, w0)
-    if resize_short:
-        r = imgsz / min(h0, w0)
-        if r != 1:
-            return (imgsz, math.ceil(w0 * r)) if h0 < w0 else (math.ceil(h0 * r), imgsz)
-        return h0, w0
-    r = imgsz / max(h0, w0)
-    if r != 1:
-        return min(math.ceil(h0 * r), imgsz), min(math.ceil(w0 * r), imgsz)
-    return h0, w0
-
-
 def encoded_load_image(dataset, i: int, rect_mode: bool = True, resize_short: bool = False):
     """ultralytics' ``BaseDataset.load_image`` for ``dataset``, with a plain JPEG not decoded: an
     :class:`Encoded` stand-in of the resized shape in its place (see the module)."""
@@ -112,14 +94,11 @@ def encoded_load_image(dataset, i: int, rect_mode: bool = True, resize_short: bo
     if probed is None:
         return type(dataset).load_image(dataset, i, rect_mode, resize_short)
     data, h0, w0 = probed
-    h, w = _resized_shape(dataset, h0, w0, rect_mode, resize_short)
+    from trainfuse.ultralytics import compat
+
+    h, w = compat.resized_shape(dataset, h0, w0, rect_mode, resize_short)
     im = stand_in(h, w, (i, data, h0, w0))
-    if dataset.augment and dataset.cache != "ram":  # ultralytics' buffer, as load_image keeps it
-        dataset.ims[i], dataset.im_hw0[i], dataset.im_hw[i] = im, (h0, w0), (h, w)
-        dataset.buffer.append(i)
-        if 1 < len(dataset.buffer) >= dataset.max_buffer_length:
-            j = dataset.buffer.pop(0)
-            dataset.ims[j], dataset.im_hw0[j], dataset.im_hw[j] = None, None, None
+    compat.keep_loaded(dataset, i, im, (h0, w0), (h, w))  # ultralytics' buffer, as load_image keeps it
     return im, (h0, w0), (h, w)
 
 
@@ -236,9 +215,20 @@ class JpegDecoder:
         return torch.cat(parts)
 
     def _decode(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        from torchvision.io import ImageReadMode, decode_jpeg
+        try:  # TorchCodec (from 0.16) holds the image decoders torchvision deprecates from 0.29
+            from torchcodec.decoders import decode_jpeg
+        except (ImportError, OSError, RuntimeError):  # not installed, or its libraries do not load
+            import warnings
 
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+            from torchvision.io import ImageReadMode, decode_jpeg
+
+            # torchvision >= 0.29 warns on each call that TorchCodec supersedes it. A filter, not
+            # catch_warnings: the prefetcher decodes in a thread of its own, and catch_warnings is
+            # not thread-safe.
+            warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision "
+                                    "are deprecated", DeprecationWarning)
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        return decode_jpeg(data, mode="RGB", device=device)
 
     def _keep(self, index: int, img: torch.Tensor) -> None:
         if self.capacity == 0:
