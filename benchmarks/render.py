@@ -4,15 +4,17 @@
     python benchmarks/render.py --check   # exit 1 where a marked block is out of date
 
 Input: ``benchmarks/results/<gpu>/<family>.json``, as ``python -m trainfuse.bench <family> --out
-benchmarks/results/<gpu>`` writes it (schema: trainfuse/bench/_common.py). Output:
+benchmarks/results/<gpu>`` writes it (schema: trainfuse/bench/_common.py). Output, between a
+file's ``<!-- results:<name>:begin -->`` and ``<!-- results:<name>:end -->``:
 
-- in README.md, between ``<!-- results:begin -->`` and ``<!-- results:end -->``: one table per GPU,
-  each workload's first trainfuse row against its fastest torch row, on the report's headline metric
-  (less the workloads a report lists under ``details.summary_skip``, a sweep's points);
-- in docs/performance.md, between ``<!-- results:<family>:begin -->`` and
-  ``<!-- results:<family>:end -->``: every row of that family, per GPU;
-- ``benchmarks/results/<gpu>/<family>.png``: the headline metric per workload and implementation
-  (needs matplotlib).
+- ``headline`` (README.md): the workloads of :data:`HEADLINE` on :data:`HEADLINE_GPU`, each one's
+  first trainfuse row against its fastest torch row on the report's headline metric;
+- ``summary`` (docs/performance.md): one such table per GPU with every workload (less those a
+  report lists under ``details.summary_skip``, a sweep's points);
+- ``<family>`` (docs/performance.md): every row of that family, per GPU;
+
+and ``benchmarks/results/<gpu>/<family>.png``: the headline metric per workload and implementation
+(needs matplotlib).
 """
 
 from __future__ import annotations
@@ -32,7 +34,17 @@ SCHEMA = 1
 FAMILY_ORDER = ["optim", "amp", "ema", "losses", "mlp", "lightning", "yolo", "yolo-yolov5s", "yolo-loss"]
 LABELS = {"do_bench_ms": "do_bench ms", "wall_ms": "wall ms", "host_ms": "host ms",
           "graph_ms": "GPU ms (graph)", "phase_ms": "phase ms", "floor_ms": "floor ms", "tflops": "TFLOP/s"}
-MARKER = re.compile(r"<!-- results((?::[\w-]+)?):begin -->\n.*?<!-- results\1:end -->", re.S)
+MARKER = re.compile(r"<!-- results:([\w-]+):begin -->\n.*?<!-- results:\1:end -->", re.S)
+# the README's table: (family, workload) on one GPU, a handful of the workloads users run most
+HEADLINE_GPU = "h200"
+HEADLINE = (
+    ("optim", "AdamW, GPT-2 124M (148 tensors, 124.5M params)"),
+    ("optim", "AdamW, yolov5n (219 tensors, 2.7M params)"),
+    ("lightning", "gpt: training step, cuda_graphs=True"),
+    ("yolo", "yolov5n.yaml batch 16 imgsz 640: training-loop iteration"),
+    ("yolo-yolo26n", "yolo26n.yaml batch 16 imgsz 640: training-loop iteration"),
+    ("yolo-loss", "loss forward + backward, yolov5n batch 16, 640 px, nc 80, AMP fp16 predictions"),
+)
 
 
 def load_results(root: Path = RESULTS) -> dict[str, dict[str, dict]]:
@@ -106,32 +118,68 @@ def _versions(reports: dict[str, dict]) -> str:
                      for (t, tr), (fws, dates) in combos.items())
 
 
+def _table_head(gpu: str, reports: dict[str, dict], link: str) -> list[str]:
+    """The device and versions line of ``reports`` (one GPU's), then the header of a summary table."""
+    device = " / ".join(sorted({r["device"] for r in reports.values()}))
+    # the commands that made each report head its family's table in docs/performance.md
+    return [f"**{device}**: {_versions(reports)}. Data: [`benchmarks/results/{gpu}/`]({link}/{gpu}/).",
+            "", "| workload | metric | torch's fastest | trainfuse | speedup |", "|---|---|---|---|---|"]
+
+
+def _summary_row(report: dict, workload: str, rows: list[dict]) -> str | None:
+    """One workload's first trainfuse row against its fastest torch row on the report's headline
+    metric (None without a headline metric or without either row)."""
+    metric = report.get("headline")
+    best, ours = compared(rows, metric) if metric else (None, None)
+    if best is None or ours is None:
+        return None
+    name = "" if ours["impl"] == "trainfuse" else f" ({ours['impl'].removeprefix('trainfuse ')})"
+    return (f"| {workload} | {LABELS.get(metric, metric)} | {fmt(metric, best[metric])} ({best['impl']}) | "
+            f"{fmt(metric, ours[metric])}{name} | {best[metric] / ours[metric]:.2f}x |")
+
+
 def summary(results: dict[str, dict[str, dict]], link: str) -> str:
-    """The README block: per GPU, each workload's trainfuse row against torch's fastest."""
+    """The docs' summary block: per GPU, each workload's trainfuse row against torch's fastest."""
     if not results:
         return "No committed results yet.\n"
     parts = []
     for gpu, reports in results.items():
-        device = " / ".join(sorted({r["device"] for r in reports.values()}))
-        # the commands that made each report head its family's table in docs/performance.md
-        lines = [f"**{device}**: {_versions(reports)}. Data: [`benchmarks/results/{gpu}/`]({link}/{gpu}/).",
-                 "", "| workload | metric | torch's fastest | trainfuse | speedup |", "|---|---|---|---|---|"]
+        lines = _table_head(gpu, reports, link)
         for report in reports.values():
-            metric = report.get("headline")
-            # a sweep's points (``details.summary_skip``) are for the docs' table, not the summary
+            # a sweep's points (``details.summary_skip``) are for the family's table only
             skip = set(report.get("details", {}).get("summary_skip", ()))
             for workload, rows in by_workload(report).items():
-                if workload in skip:
-                    continue
-                best, ours = compared(rows, metric) if metric else (None, None)
-                if best is None or ours is None:
-                    continue
-                name = "" if ours["impl"] == "trainfuse" else f" ({ours['impl'].removeprefix('trainfuse ')})"
-                lines.append(f"| {workload} | {LABELS.get(metric, metric)} | {fmt(metric, best[metric])} "
-                             f"({best['impl']}) | {fmt(metric, ours[metric])}{name} | "
-                             f"{best[metric] / ours[metric]:.2f}x |")
+                row = None if workload in skip else _summary_row(report, workload, rows)
+                if row is not None:
+                    lines.append(row)
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
+
+
+def headline(results: dict[str, dict[str, dict]], link: str, gpu: str | None = None,
+             picks: tuple[tuple[str, str], ...] | None = None) -> str:
+    """The README block: the summary rows of ``picks`` ((family, workload) pairs, default
+    :data:`HEADLINE`) on ``gpu`` (default :data:`HEADLINE_GPU`), with the versions of the families
+    they come from.
+
+    Raises:
+        ValueError: a pick has no summary row in the results (a workload renamed, a file removed).
+    """
+    gpu = HEADLINE_GPU if gpu is None else gpu
+    picks = HEADLINE if picks is None else picks
+    reports = results.get(gpu)
+    if not reports:
+        return "No committed results yet.\n"
+    lines = []
+    for family, workload in picks:
+        report = reports.get(family)
+        rows = by_workload(report).get(workload) if report else None
+        row = _summary_row(report, workload, rows) if rows else None
+        if row is None:
+            raise ValueError(f"headline: no summary row for {workload!r} in {gpu}/{family}.json")
+        lines.append(row)
+    used = {family: reports[family] for family in dict.fromkeys(family for family, _ in picks)}
+    return "\n".join(_table_head(gpu, used, link) + lines) + "\n"
 
 
 def family_table(report: dict) -> str:
@@ -185,10 +233,14 @@ def render_text(text: str, results: dict[str, dict[str, dict]], link: str) -> st
     """``text`` with every marked block replaced by its rendering (``link``: the results folder
     relative to the file)."""
     def block(m: re.Match) -> str:
-        family = m.group(1)[1:] or None
-        body = summary(results, link) if family is None else family_section(family, results, link)
-        tag = "results" if family is None else f"results:{family}"
-        return f"<!-- {tag}:begin -->\n{body}<!-- {tag}:end -->"
+        name = m.group(1)
+        if name == "headline":
+            body = headline(results, link)
+        elif name == "summary":
+            body = summary(results, link)
+        else:
+            body = family_section(name, results, link)
+        return f"<!-- results:{name}:begin -->\n{body}<!-- results:{name}:end -->"
 
     return MARKER.sub(block, text)
 

@@ -57,7 +57,7 @@ def test_summary_compares_trainfuse_with_torchs_fastest(tmp_path):
     results = render.load_results(tmp_path)
     table = render.summary(results, "benchmarks/results")
     assert "| AdamW, tiny (2 tensors) | wall ms | 2.000 (torch fused) | 1.000 | 2.00x |" in table
-    # the command heads the family's table in the docs; the README's summary points to the data
+    # the command heads the family's table in the docs; the summary points to the data
     assert "python -m trainfuse.bench" not in table and "[`benchmarks/results/h200/`]" in table
     section = render.family_section("optim", results, "../benchmarks/results")
     assert "`python -m trainfuse.bench optim --no-compile`" in section
@@ -111,10 +111,49 @@ def test_family_table_has_every_row_with_floor_and_ratio(tmp_path):
     assert lines[4] == "|  | **trainfuse** | 0.900 | 1.000 | 50 % | 2.00x |"
 
 
-def test_marked_blocks_are_replaced_and_check_mode_sees_stale_ones(tmp_path):
+def _two_workloads(results: Path) -> dict[str, dict[str, dict]]:
+    """An h200 optim report with two workloads and an h100 one with the first, as load_results reads them."""
+    for gpu, workloads in (("h200", ("AdamW, tiny (2 tensors)", "SGD, tiny (2 tensors)")),
+                           ("h100", ("AdamW, tiny (2 tensors)",))):
+        report = harness.new_report("NVIDIA H200" if gpu == "h200" else "NVIDIA H100", 4200.0)
+        report["_argv"] = []
+        for workload in workloads:
+            harness.add_row(report, workload, "torch fused", trainfuse=False, wall_ms=2.0)
+            harness.add_row(report, workload, "trainfuse", trainfuse=True, wall_ms=0.5)
+        harness.save_report(report, str(results / gpu), "optim")
+    return render.load_results(results)
+
+
+def test_headline_has_the_picked_workloads_of_one_gpu_in_their_order(tmp_path):
+    results = _two_workloads(tmp_path)
+    picks = (("optim", "SGD, tiny (2 tensors)"), ("optim", "AdamW, tiny (2 tensors)"))
+    lines = render.headline(results, "benchmarks/results", gpu="h200", picks=picks).splitlines()
+    assert lines[0].startswith("**NVIDIA H200**: torch ")
+    assert lines[0].endswith("Data: [`benchmarks/results/h200/`](benchmarks/results/h200/).")
+    assert lines[2:] == ["| workload | metric | torch's fastest | trainfuse | speedup |",
+                         "|---|---|---|---|---|",
+                         "| SGD, tiny (2 tensors) | wall ms | 2.000 (torch fused) | 0.500 | 4.00x |",
+                         "| AdamW, tiny (2 tensors) | wall ms | 2.000 (torch fused) | 0.500 | 4.00x |"]
+    # the summary has every workload of every GPU
+    table = render.summary(results, "benchmarks/results")
+    assert table.count("| AdamW, tiny (2 tensors) |") == 2 and table.count("| SGD, tiny (2 tensors) |") == 1
+
+
+def test_headline_names_a_pick_the_results_do_not_have(tmp_path):
+    results = _two_workloads(tmp_path)
+    with pytest.raises(ValueError, match=r"no summary row for 'Adam, tiny \(2 tensors\)' in h200/optim.json"):
+        render.headline(results, "x", gpu="h200", picks=(("optim", "Adam, tiny (2 tensors)"),))
+    with pytest.raises(ValueError, match="in h200/ema.json"):
+        render.headline(results, "x", gpu="h200", picks=(("ema", "AdamW, tiny (2 tensors)"),))
+    assert render.headline(results, "x", gpu="a100", picks=()) == "No committed results yet.\n"
+
+
+def test_marked_blocks_are_replaced_and_check_mode_sees_stale_ones(tmp_path, monkeypatch):
     _report(tmp_path / "results")
+    monkeypatch.setattr(render, "HEADLINE", (("optim", "AdamW, tiny (2 tensors)"),))
     doc = tmp_path / "doc.md"
-    doc.write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\n"
+    doc.write_text("intro\n<!-- results:headline:begin -->\nold\n<!-- results:headline:end -->\n"
+                   "<!-- results:summary:begin -->\nold\n<!-- results:summary:end -->\n"
                    "<!-- results:optim:begin -->\n<!-- results:optim:end -->\n"
                    "<!-- results:ema:begin -->\n<!-- results:ema:end -->\nend\n")
     args = ["--results", str(tmp_path / "results"), str(doc)]
@@ -122,7 +161,8 @@ def test_marked_blocks_are_replaced_and_check_mode_sees_stale_ones(tmp_path):
     render.main(args)
     text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("end\n")
-    assert "| AdamW, tiny (2 tensors) | wall ms |" in text
+    # the headline and the summary rows, the family's row
+    assert text.count("| AdamW, tiny (2 tensors) | wall ms | 2.000 (torch fused) | 1.000 | 2.00x |") == 2
     assert "| AdamW, tiny (2 tensors) | torch foreach |" in text
     assert "No committed results yet: run `python -m trainfuse.bench ema" in text
     assert "](results/h200/optim.json)" in text
@@ -138,3 +178,22 @@ def test_a_report_of_another_schema_is_refused(tmp_path):
 
 def test_committed_tables_match_committed_results():
     assert render.main(["--check"]) == 0, "run python benchmarks/render.py"
+
+
+def _rows(text: str, name: str) -> list[str]:
+    """The table rows of the ``results:<name>`` block of ``text``."""
+    block = text.split(f"<!-- results:{name}:begin -->")[1].split(f"<!-- results:{name}:end -->")[0]
+    lines = block.splitlines()
+    return [line for line in lines if line.startswith("| ") and not line.startswith("| workload |")]
+
+
+def test_readme_has_the_headline_table_and_the_docs_every_table():
+    readme, docs = (ROOT / "README.md").read_text(), (ROOT / "docs" / "performance.md").read_text()
+    headline = _rows(readme, "headline")
+    assert [row.split(" | ")[0][2:] for row in headline] == [workload for _, workload in render.HEADLINE]
+    assert set(headline) <= set(_rows(docs, "summary"))
+    # one table in the README; the summary and the families' tables in the docs only
+    assert readme.count("\n| workload | metric |") == 1 and "<!-- results:summary:begin -->" not in readme
+    assert "<!-- results:headline:begin -->" not in docs
+    for family in render.load_results()[render.HEADLINE_GPU]:
+        assert f"<!-- results:{family}:begin -->" in docs, family
