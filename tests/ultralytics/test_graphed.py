@@ -30,10 +30,10 @@ from ultralytics import YOLO  # noqa: E402
 
 from tests._helpers import cuda  # noqa: E402
 from trainfuse.ultralytics import FusedDetectionTrainer  # noqa: E402
+from trainfuse.ultralytics.changes import CALLBACKS  # noqa: E402
 from trainfuse.ultralytics.graphed import replayed_loss  # noqa: E402
 from trainfuse.ultralytics.readout import RING, LossReadout  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
-from trainfuse.ultralytics.trainer import CALLBACKS  # noqa: E402
 
 
 def test_replayed_loss_backward_reaches_no_parameter():

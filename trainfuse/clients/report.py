@@ -64,6 +64,12 @@ class Report(list):
         self.append(row)
         return row
 
+    def reason(self, kind: str, applied: str, before: str) -> str:
+        """Why the change of ``kind`` did not apply: "" where its first row's action is
+        ``applied``, else that row's detail; ``before`` where it has no row yet."""
+        row = next((r for r in self if r.kind == kind), None)
+        return before if row is None else "" if row.action == applied else row.detail
+
     def __str__(self) -> str:
         return format_rows(list(self), self.title)
 

@@ -1,25 +1,11 @@
-"""FusedDetectionTrainer: ultralytics' DetectionTrainer with trainfuse's optimizer phase and loss.
+"""FusedDetectionTrainer: ultralytics' DetectionTrainer with trainfuse's optimizer phase and loss,
+``YOLO("yolov5n.yaml").train(data="data.yaml", trainer=FusedDetectionTrainer)``.
 
-Use it like any ultralytics trainer; every argument keeps its meaning::
-
-    from ultralytics import YOLO
-    from trainfuse.ultralytics import FusedDetectionTrainer
-
-    YOLO("yolov5n.yaml").train(data="data.yaml", trainer=FusedDetectionTrainer)
-
-Once ultralytics has set up the run (model, loaders, optimizer, scaler, EMA, a resumed checkpoint)
-the trainer makes its changes (:mod:`trainfuse.ultralytics.changes`, each with a row in
-:attr:`~FusedDetectionTrainer.report`, also logged): the optimizer and its fused phase (two
-launches, the EMA folded in), trainfuse's GradScaler and FusedEMA, the fused loss, 16-bit weights
-with float32 masters, the folded stem, and CUDA graphs (under DDP, one flat all-reduce per step).
-The training batches load through :class:`~trainfuse.ultralytics.loading.BatchLoading` (GPU
-augmentation, padded labels, prefetch). The changes are undone in reverse order when training
-ends or raises, and around a checkpoint load (NaN recovery). ultralytics itself is not patched;
-docs/integrations.md has the details and where results differ on purpose.
-
-Checkpoints stay stock: the optimizer state_dict has torch's layout (no masters), the EMA is a
-plain float32 model saved as ultralytics saves it, so ``last.pt`` / ``best.pt`` load, validate,
-predict and resume with stock ultralytics, and a stock checkpoint resumes with this trainer.
+Once ultralytics has set up the run, the trainer makes its changes (:mod:`trainfuse.ultralytics.
+changes`, each with a row in its ``report``) and undoes them in reverse when training ends or
+raises, and around a checkpoint load; the training batches load through
+:class:`~trainfuse.ultralytics.loading.BatchLoading`. ultralytics itself is not patched, and its
+checkpoints stay stock (docs/integrations.md: what changes, and where results differ on purpose).
 """
 
 from __future__ import annotations
@@ -32,14 +18,14 @@ from ultralytics.models.yolo.detect import DetectionTrainer
 from ultralytics.utils import DEFAULT_CFG, LOGGER, colorstr
 from ultralytics.utils.torch_utils import unwrap_model
 
-from trainfuse.amp import GradScaler
 from trainfuse.clients import ON, SWAPPED, AppliedChanges, Report, Row
 from trainfuse.optim import FusedOptimizer
 from trainfuse.ultralytics import compat
-from trainfuse.ultralytics.changes import Options, Results, Run, changes
+from trainfuse.ultralytics.changes import CALLBACKS, Options, Results, Run, changes
 from trainfuse.ultralytics.changes.loss import takes_fused_loss
-from trainfuse.ultralytics.changes.optimizer import TorchLayoutOptimizer
+from trainfuse.ultralytics.changes.optimizer import TorchLayoutOptimizer, fused_phase
 from trainfuse.ultralytics.loading import BatchLoading
+from trainfuse.ultralytics.tasks import check_task
 
 _PREFIX = colorstr("trainfuse:")
 OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "prefetch")
@@ -107,29 +93,20 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
         LOGGER.info(f"{_PREFIX} {row.kind} {row.action}: {row.detail}")
 
     # ---- what it changed (and what the last run's graphs did) ----------------------------------------
-    def _reason(self, kind: str, on: str, before: str) -> str:
-        row = next((r for r in self.report if r.kind == kind), None)
-        return before if row is None else "" if row.action == on else row.detail
-
     @property
     def fused_reason(self) -> str:
         """Empty when the optimizer is fused, else why it stayed stock."""
-        return self._reason("optimizer", SWAPPED, "the optimizer is not built yet")
+        return self.report.reason("optimizer", SWAPPED, "the optimizer is not built yet")
 
     @property
     def graphs_reason(self) -> str:
         """Empty when the step runs from CUDA graphs, else why it runs eagerly."""
-        return self._reason("graphs", ON, "training has not started")
+        return self.report.reason("graphs", ON, "training has not started")
 
-    @property
-    def augment_reason(self) -> str:
-        """Empty when the training batches are augmented on the GPU, else why not."""
-        return self.loading.augment_reason
-
-    @property
-    def jpeg_decoder(self):
-        """The GPU JPEG decoder of the training batches, or None."""
-        return self.loading.jpeg_decoder
+    augment_reason = property(lambda self: self.loading.augment_reason,
+                              doc="Empty when the training batches are augmented on the GPU, else why not.")
+    jpeg_decoder = property(lambda self: self.loading.jpeg_decoder,
+                            doc="The GPU JPEG decoder of the training batches, or None.")
 
     @property
     def fused(self) -> bool:
@@ -142,9 +119,7 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
         there is one, ``optimizer_step`` leaves the grads for the next replay to zero."""
         return None if self._run is None else self._run.graphed
 
-    @property
-    def keeps_grads(self) -> bool:
-        return self.graphed_loss is not None
+    keeps_grads = property(lambda self: self.graphed_loss is not None)
 
     @property
     def results(self) -> Results:
@@ -222,11 +197,8 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
         else:
             if self._run is not None and self._run.phase is not None:
                 self._run.phase()  # replayed from its graph once steady
-            elif isinstance(self.scaler, GradScaler):
-                self.scaler.step_and_update(self.optimizer)
-            else:  # a scaler of another kind (NPU) keeps its own two calls
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+            else:
+                fused_phase(self.optimizer, self.scaler)
             if graphed is not None:
                 graphed.zero_grad()  # inside the next replay's graph
             else:
@@ -268,27 +240,4 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
             self.optimizer = optimizer
 
 
-def check_task(args) -> None:
-    """Refuse a run of another task (segment, pose, obb, classify): their heads and losses are not
-    fused, and a detection trainer would train them half-way."""
-    if args.task not in (None, "detect"):
-        raise ValueError(
-            f"FusedDetectionTrainer trains detection models (task='detect'); this run's task is "
-            f"{args.task!r} (model={args.model}). Its head and loss are not fused: train it with "
-            "ultralytics' own trainer (leave out trainer=), or pick a detection model")
-
-
-def _event(name: str) -> Callable:
-    def callback(trainer) -> None:
-        if isinstance(trainer, FusedDetectionTrainer):
-            trainer.notify(name)
-
-    callback.__name__ = f"trainfuse_{name}"
-    return callback
-
-
-# ultralytics' events -> the changes' moments
-CALLBACKS = {"on_train_epoch_start": _event("epoch_starts"), "on_train_epoch_end": _event("epoch_ends")}
-
-
-__all__ = ["CALLBACKS", "FusedDetectionTrainer", "check_task"]
+__all__ = ["FusedDetectionTrainer"]

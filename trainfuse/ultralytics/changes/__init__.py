@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from trainfuse.ultralytics.changes.amp import Casts, Scaler
 from trainfuse.ultralytics.changes.averaging import EMASwap
-from trainfuse.ultralytics.changes.base import Change, Options, Results, Run
+from trainfuse.ultralytics.changes.base import CALLBACKS, Change, Options, Results, Run
 from trainfuse.ultralytics.changes.ddp import FlatGradsDDP
 from trainfuse.ultralytics.changes.graphs import Graphs, Phase
 from trainfuse.ultralytics.changes.loss import Augment, LossSwap
@@ -26,5 +26,5 @@ def changes(options: Options) -> list[Change]:
     return made
 
 
-__all__ = ["Augment", "Casts", "Change", "EMASwap", "FlatGradsDDP", "FoldStem", "Graphs", "LossSwap",
-           "OptimizerSwap", "Options", "Phase", "Results", "Run", "Scaler", "changes"]
+__all__ = ["CALLBACKS", "Augment", "Casts", "Change", "EMASwap", "FlatGradsDDP", "FoldStem", "Graphs",
+           "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run", "Scaler", "changes"]

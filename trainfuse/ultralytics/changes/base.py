@@ -93,4 +93,18 @@ class Change(clients.Change[Run]):
         """A training epoch's batches are done (``on_train_epoch_end``, before validation)."""
 
 
-__all__ = ["Change", "Options", "Results", "Run"]
+def _moment(name: str):
+    def callback(trainer) -> None:
+        notify = getattr(trainer, "notify", None)  # a trainer that makes changes
+        if notify is not None:
+            notify(name)
+
+    callback.__name__ = f"trainfuse_{name}"
+    return callback
+
+
+# ultralytics' events -> the changes' moments (a trainer adds these callbacks first in line)
+CALLBACKS = {"on_train_epoch_start": _moment("epoch_starts"), "on_train_epoch_end": _moment("epoch_ends")}
+
+
+__all__ = ["CALLBACKS", "Change", "Options", "Results", "Run"]

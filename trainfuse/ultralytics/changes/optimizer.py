@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from trainfuse.amp import GradScaler
 from trainfuse.clients import SWAPPED, Row, repoint_schedulers, swap_optimizer, why_not_swappable
 from trainfuse.optim import FusedOptimizer, torch_state_dict
 from trainfuse.ultralytics.changes.base import Change, Run
@@ -92,6 +93,16 @@ class OptimizerSwap(Change):
             repoint_schedulers([scheduler], old, new)
 
 
+def fused_phase(optimizer: FusedOptimizer, scaler: Any) -> None:
+    """The fused optimizer phase, eagerly: unscale, inf check, clip, step, EMA and scale update in
+    two launches (``scaler.step_and_update``), or a scaler of another kind's (NPU) own two calls."""
+    if isinstance(scaler, GradScaler):
+        scaler.step_and_update(optimizer)
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+
+
 class TorchLayoutOptimizer:
     """What ``BaseTrainer.save_model`` reads of the optimizer, its ``state_dict()``, in
     torch.optim's layout (:func:`trainfuse.optim.torch_state_dict`), so a checkpoint loads into
@@ -104,4 +115,4 @@ class TorchLayoutOptimizer:
         return torch_state_dict(self.optimizer.state_dict())
 
 
-__all__ = ["CLIP_NORM", "OptimizerSwap", "TorchLayoutOptimizer", "fused_optimizer"]
+__all__ = ["CLIP_NORM", "OptimizerSwap", "TorchLayoutOptimizer", "fused_optimizer", "fused_phase"]
