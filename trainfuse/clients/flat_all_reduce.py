@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from typing_extensions import override
 
 from trainfuse.clients.change import Change, RunT
 from trainfuse.clients.flat_grads import FlatGrads
@@ -32,6 +33,7 @@ class FlatAllReduce(Change[RunT]):
     def __init__(self) -> None:
         self.flat: FlatGrads | None = None
 
+    @override
     def name(self, run: RunT) -> str:
         return "all-reduce"
 

@@ -39,6 +39,7 @@ import random
 
 import numpy as np
 import torch
+from typing_extensions import override
 from ultralytics.data.augment import (
     Albumentations,
     Compose,
@@ -155,6 +156,7 @@ class DeferredMosaic(Mosaic):
     """``Mosaic`` that draws its layout and moves the labels, and keeps the tiles (``mosaic_tiles``)
     for :class:`DeferredPerspective` to paint what the warp reads. The mosaic of 9 paints as stock."""
 
+    @override
     def apply_image(self, labels, params=None):
         if self.n != 4:
             return super().apply_image(labels, params)
@@ -170,6 +172,7 @@ class DeferredPerspective(RandomPerspective):
     wait for the GPU's decoder (:class:`~trainfuse.ultralytics.augment.decode.Encoded`), their tiles
     as they are. ``img`` is then a stand-in of the warped image's shape."""
 
+    @override
     def apply_image(self, labels, params=None):
         img = labels["img"]
         h, w, c = img.shape
@@ -194,6 +197,7 @@ class DeferredPerspective(RandomPerspective):
 class DeferredHSV(RandomHSV):
     """``RandomHSV`` that draws its gains and keeps the lookup tables (``hsv_lut``, 3 x 256)."""
 
+    @override
     def apply_image(self, labels, params=None):
         if labels["img"].shape[-1] != 3 or not (self.hgain or self.sgain or self.vgain):
             return labels
@@ -211,6 +215,7 @@ class DeferredFlip(RandomFlip):
     """``RandomFlip`` that draws its flip, flips the labels and keeps the flip (``flips``: vertical,
     horizontal) for the image."""
 
+    @override
     def apply_image(self, labels, params=None):
         flips = labels.setdefault("flips", [False, False])
         vertical, flipped = compat.flip_of(params)
@@ -221,6 +226,7 @@ class DeferredFlip(RandomFlip):
 class DeferredFormat(Format):
     """``Format`` of the labels, with the BGR-to-RGB choice drawn (the image is the tiles)."""
 
+    @override
     def apply_image(self, labels, params=None):
         img = labels.pop("img")
         labels["rgb"] = random.uniform(0, 1) > self.bgr and img.shape[-1] == 3  # the stock draw
