@@ -287,12 +287,17 @@ def test_triton_allocator_query_follows_set_allocator():
 
     import triton
 
+    def fresh_thread() -> None:  # Triton's allocator is per thread: this one's is the null one
+        seen.append(compat.triton_allocator_is_null())
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+        seen.append(compat.triton_allocator_is_null())
+
     seen = []
-    thread = threading.Thread(target=lambda: seen.append(compat.triton_allocator_is_null()))
-    thread.start(), thread.join()  # a fresh thread has Triton's null allocator
-    assert seen == [True]
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
-    assert compat.triton_allocator_is_null() is False
+    # in a thread of its own: a CPU allocator left on this process's main thread would hand CPU
+    # scratch to every later kernel that makes tensor descriptors here
+    thread = threading.Thread(target=fresh_thread)
+    thread.start(), thread.join()
+    assert seen == [True, False]
 
 
 @pytest.mark.parametrize("enabled", [True, False])
