@@ -69,17 +69,20 @@ def _parser():
     return parser
 
 
-def _phases(trainers: dict, rounds: int = 4, calls: int = 25) -> dict[str, tuple[float, int | None]]:
+def _phases(trainers: dict, runs: dict, rounds: int = 4,
+            calls: int = 25) -> dict[str, tuple[float, int | None]]:
     """Each trainer's optimizer phase (median ms, launches), timed after both runs in alternating
     rounds: what is still winding down after a run (its data-loader workers, for one) then slows
-    both alike instead of whichever was timed first."""
+    both alike instead of whichever was timed first. The grads reach it as in the run (``runs``'
+    ``kept_grads``)."""
     from trainfuse.bench.yolo_harness import optimizer_phase
 
     times = {kind: [] for kind in trainers}
     launches = {}
     for _ in range(rounds):
         for kind, trainer in trainers.items():
-            t, launches[kind] = optimizer_phase(trainer, calls=calls, warmup=3)
+            t, launches[kind] = optimizer_phase(trainer, calls=calls, warmup=3,
+                                                kept=runs[kind]["kept_grads"])
             times[kind] += t
     return {kind: (statistics.median(times[kind]), launches[kind]) for kind in trainers}
 
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     runs, trainers = {}, {}
     for kind in ("stock", "trainfuse"):
         runs[kind], trainers[kind] = train_run(kind, args, data, out / "yolo-runs", device=args.devices)
-    for kind, (ms, launches) in _phases(trainers).items():
+    for kind, (ms, launches) in _phases(trainers, runs).items():
         runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)
     report["_bench"] = "yolo"

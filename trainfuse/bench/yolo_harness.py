@@ -241,15 +241,17 @@ class PhaseHostTimer:
         return statistics.median(self.ms) if self.ms else None
 
 
-def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[list[float], int | None]:
+def optimizer_phase(trainer, calls: int = 50, warmup: int = 5,
+                    kept: bool | None = None) -> tuple[list[float], int | None]:
     """Time ``trainer.optimizer_step()`` (unscale, clip, step, EMA, zero_grad) on its own: the
     wall time of each call in ms, the GPU synchronized before and after, on gradients of
     realistic size re-attached between calls; and the launches of one call (CUDA only).
 
-    The grads reach each call as the trainer's backward leaves them: fresh tensors (stock, and
-    eager trainers, whose ``zero_grad`` frees them), or the same tensors refilled in place for a
-    trainer whose CUDA graphs accumulate into kept grads (``trainer.keeps_grads``: its
-    ``optimizer_step`` leaves them for the next replay to zero).
+    The grads reach each call as the trainer's backward left them in training: fresh tensors
+    (stock, and eager trainers, whose ``zero_grad`` frees them), or the same tensors refilled in
+    place for a trainer whose CUDA graphs accumulated into kept grads (``kept``; None: the
+    trainer's ``keeps_grads`` now, which is False once training ended and the graphs went: the run
+    says what it was, :func:`train_run`'s ``kept_grads``).
 
     Returns:
         ``(times, launches)``.
@@ -260,7 +262,9 @@ def optimizer_phase(trainer, calls: int = 50, warmup: int = 5) -> tuple[list[flo
     scale = trainer.scaler.scale(torch.ones((), device=device)) if trainer.scaler.is_enabled() else 1.0
     # small gradients (norm well below the clip at 10), scaled as the backward leaves them
     grads = [torch.randn_like(p) * 1e-4 * scale for p in params]
-    kept = [g.clone() for g in grads] if getattr(trainer, "keeps_grads", False) else None
+    if kept is None:
+        kept = getattr(trainer, "keeps_grads", False)
+    kept = [g.clone() for g in grads] if kept else None
 
     def attach() -> None:
         if kept is None:
@@ -378,6 +382,8 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     nb = -(-args.images // args.batch)
     ramp = round(min(3, args.epochs - 1) * nb)
     counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer).attach(model)
+    kept: dict[str, bool] = {}  # whether the graphs kept the grads, read before the trainer undoes them
+    model.add_callback("on_train_end", lambda t: kept.setdefault("grads", getattr(t, "keeps_grads", False)))
     fused = (functools.partial(FusedDetectionTrainer, **trainer_kwargs) if trainer_kwargs
              else FusedDetectionTrainer)
     extra = {"trainer": fused} if kind == "trainfuse" else {}
@@ -394,6 +400,7 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     summary["launches_per_iteration"] = counter.per_iteration
     summary["profiled_iterations"] = counter.iterations
     summary["optimizer"] = type(trainer.optimizer).__name__
+    summary["kept_grads"] = kept.get("grads", False)
     summary["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
     summary["host_launches_per_iteration"] = counter.host_per_iteration
     summary["phase_host_ms"] = phase_timer.median_ms
