@@ -57,6 +57,45 @@ def set_scaled_twin_grads(ours, theirs, sa, sb, step: int, gain: float = 1.0) ->
         q.grad = g * sb.get_scale()
 
 
+def spacing(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at each of ``values`` (float64): ``eps * 2**e`` for a
+    value in ``[2**e, 2**(e + 1))``, the subnormal step below ``dtype``'s smallest normal."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(values.detach().double().abs().nan_to_num(posinf=info.max)
+                              .clamp_min(info.smallest_normal))
+    return torch.ldexp(torch.full_like(values, info.eps, dtype=torch.float64), exponent - 1)
+
+
+def ulps_apart(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+               atol: float | torch.Tensor = 0.0) -> torch.Tensor:
+    """How far ``actual`` is from the exact ``expected`` beyond ``atol``, in units in the last place of
+    ``dtype`` at ``expected`` (float64, element for element; 0 where both are the same infinity or
+    both NaN, inf where only one is not finite)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    assert a.shape == e.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}"
+    off = (((a - e).abs() - atol) / spacing(e, dtype)).clamp_min(0)
+    same = (a == e) | (torch.isnan(a) & torch.isnan(e))
+    return torch.where(same, 0.0, off.nan_to_num(nan=math.inf))
+
+
+def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: float, dtype: torch.dtype,
+                       atol: float | torch.Tensor = 0.0) -> None:
+    """``|actual - expected| <= ulps * spacing(expected, dtype) + atol`` element for element:
+    ``actual`` within ``ulps`` units in the last place of ``dtype`` at the exact ``expected``, plus
+    ``atol`` (a number or a tensor like ``expected``) for error made before rounding to ``dtype``.
+    An infinite or NaN ``expected`` must be matched exactly."""
+    off = ulps_apart(actual, expected, dtype, atol)
+    bad = off > ulps
+    if bad.any():
+        worst = int(off.argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), off.shape))
+        raise AssertionError(
+            f"{int(bad.sum())} of {off.numel()} elements more than {ulps} {dtype} ulps (beyond atol) "
+            f"apart; worst at {index}: {actual.flatten()[worst].item()!r} for "
+            f"{expected.flatten()[worst].item()!r}, {off.flatten()[worst].item():.3g} ulps of "
+            f"{spacing(expected.flatten()[worst], dtype).item():.3g}")
+
+
 def cuda_kernel_names(fn: Callable[..., Any], *args: Any) -> list[str]:
     """The names of the CUDA kernels (and copies) that one ``fn(*args)`` runs, after a first call
     that compiles and caches (torch.profiler, synchronized at both ends)."""

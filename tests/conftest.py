@@ -40,7 +40,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.fixture(autouse=True)
 def _fresh_seed():
     """Fresh random inputs every run; the seed is printed so a failure can be replayed with
-    TRAINFUSE_TEST_SEED."""
+    TRAINFUSE_TEST_SEED (which CI, ``.ci/run``, sets to one fixed value)."""
     seed = int(os.environ.get("TRAINFUSE_TEST_SEED", random.randrange(2**31)))
     torch.manual_seed(seed)
     print(f"TRAINFUSE_TEST_SEED={seed}")

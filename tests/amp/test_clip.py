@@ -58,9 +58,8 @@ MIXES = [(torch.float32,), (torch.bfloat16,), (torch.float16,), (torch.bfloat16,
 def test_norm_dtype_is_torchs_for_mixed_grad_dtypes(dtypes, norm_type, kernels, device):
     """Grads of several dtypes in one list: the norm comes back in the dtype torch's own function
     returns for the same list (its per-tensor norms are stacked, so the dtypes promote), its value
-    within that dtype's tolerance of the float64 norm and within the coarsest grad dtype's of
-    torch's (which rounds each tensor's norm to its grad's dtype); the grads are clipped as torch
-    clips them in float64."""
+    within that dtype's tolerance of the float64 norm and within 2 ulps of the coarsest grad dtype
+    of torch's; the grads are clipped as torch clips them in float64."""
     ps = []
     for i, shape in enumerate(SHAPES):
         ps += _with_grads([shape], dtypes[i % len(dtypes)], device)
@@ -71,9 +70,13 @@ def test_norm_dtype_is_torchs_for_mixed_grad_dtypes(dtypes, norm_type, kernels, 
     theirs = torch.nn.utils.clip_grad_norm_([q for q in qs if q.numel()], 0.5, norm_type)
     norm = clip_grad_norm_(ps, 0.5, norm_type)
     assert norm.dtype == theirs.dtype and norm.dim() == 0
-    coarsest = max(NORM_TOL[d] for d in dtypes)
     torch.testing.assert_close(norm.double().cpu(), exact.cpu(), rtol=NORM_TOL[norm.dtype], atol=0)
-    torch.testing.assert_close(norm.double().cpu(), theirs.double().cpu(), rtol=coarsest, atol=0)
+    # torch rounds each tensor's norm to its grad's dtype and the total to the result's: up to 1.5
+    # ulps of the coarsest dtype from the exact norm (0.46% for bfloat16 over 3,000 seeds); ours
+    # is rounded once, half an ulp: 2 ulps apart at most, where 1e-2 is 1.3 bfloat16 ulps
+    coarsest = max(dtypes, key=lambda d: torch.finfo(d).eps)
+    rtol = NORM_TOL[torch.float32] if coarsest == torch.float32 else 2 * torch.finfo(coarsest).eps
+    torch.testing.assert_close(norm.double().cpu(), theirs.double().cpu(), rtol=rtol, atol=0)
     for p, g in zip(ps, exact_grads):
         tol = dict(rtol=2**-7, atol=1e-5) if p.grad.dtype != torch.float32 else dict(rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(p.grad.float().cpu(), g.to(p.grad.dtype).float().cpu(), **tol)
