@@ -34,6 +34,15 @@ if "YOLO_CONFIG_DIR" not in os.environ:
     _YOLO_CONFIG = tempfile.mkdtemp(prefix="trainfuse-tests-yolo-config-")
     os.environ["YOLO_CONFIG_DIR"] = _YOLO_CONFIG
 
+# fifteen test processes would each start Triton compile workers for every trainer they build; the
+# tests of that (tests/_runtime/test_precompile.py) turn it back on; the machine's manifests of
+# what tests launched stay out of the user's cache
+os.environ.setdefault("TRAINFUSE_PRECOMPILE", "0")
+_CACHE = None
+if "TRAINFUSE_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="trainfuse-tests-cache-")
+    os.environ["TRAINFUSE_CACHE_DIR"] = _CACHE
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -87,5 +96,6 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
-    if _YOLO_CONFIG is not None:
-        shutil.rmtree(_YOLO_CONFIG, ignore_errors=True)
+    for folder in (_YOLO_CONFIG, _CACHE):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)

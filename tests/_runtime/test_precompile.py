@@ -1,0 +1,131 @@
+"""Compiling kernels ahead (trainfuse._runtime.precompile): the manifest's entries stand for the
+launches they were recorded from, manifests merge and survive bad files, and on a GPU a kernel
+compiled by a worker is found in Triton's cache by a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton.language as tl
+
+from trainfuse._runtime import precompile
+from trainfuse._runtime.launch import CachedLauncher
+from trainfuse.losses import bce
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("value", [1, 0, 16, 17, -3, 2**33, 2**33 + 16, -(2**31) - 1])
+def test_int_stand_in_specializes_alike(value):
+    spec = precompile.arg_spec(value)
+    assert precompile.arg_spec(precompile.mock_arg(spec)) == spec
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+def test_tensor_stand_in_is_its_dtype(dtype):
+    t = torch.zeros(8, dtype=dtype)
+    spec = precompile.arg_spec(t)
+    assert spec == ["tensor", str(dtype).removeprefix("torch."), True]
+    assert precompile.mock_arg(spec) is dtype
+
+
+def test_unaligned_tensor_and_odd_constexpr_have_no_entry():
+    t = torch.zeros(64, dtype=torch.float32)
+    assert precompile.entry(bce._scale_kernel, (t[1:], t, 5), 4, {"CD": tl.float32, "BLOCK": 64}) is None
+    assert precompile.entry(bce._scale_kernel, (t, t, 5), 4, {"CD": object(), "BLOCK": 64}) is None
+    assert precompile.arg_spec(2.5) == ["float"]
+    with pytest.raises(TypeError, match="constexpr"):
+        precompile.arg_spec(True)
+
+
+def test_entry_names_the_kernel_and_round_trips_through_json():
+    t = torch.zeros(64, dtype=torch.float32)
+    e = precompile.entry(bce._scale_kernel, (t, t, 64), 4, {"CD": tl.float64, "BLOCK": 256})
+    e = json.loads(json.dumps(e))
+    assert e["fn"] == "trainfuse.losses.bce:_scale_kernel"
+    assert precompile.resolve(e) is bce._scale_kernel
+    tensor = ["tensor", "float32", True]
+    assert e["args"] == [tensor, tensor, ["int", False, True, False]]
+    assert precompile._unconst(e["constexprs"]["CD"]) == tl.float64
+    assert e["constexprs"]["BLOCK"] == 256 and e["num_warps"] == 4
+
+
+def test_manifests_merge_dedupe_and_ignore_bad_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(precompile, "_SHIPPED", tmp_path / "shipped")
+    a = {"fn": "m:a", "args": [], "num_warps": 4, "constexprs": {}}
+    b = {"fn": "m:b", "args": [["float"]], "num_warps": 8, "constexprs": {"X": 1}}
+    precompile.save(tmp_path / "shipped" / "demo.json", [a, b])
+    monkeypatch.setattr(precompile, "_recorded", {})
+    assert precompile.remember("demo") is None  # nothing recorded
+    precompile._recorded[json.dumps(b, sort_keys=True)] = b
+    c = {"fn": "m:c", "args": [], "num_warps": 4, "constexprs": {}}
+    precompile._recorded[json.dumps(c, sort_keys=True)] = c
+    path = precompile.remember("demo")
+    assert path is not None and path.parent == tmp_path
+    assert precompile.manifest("demo") == [a, b, c]
+    path.write_text("{ not json")
+    assert precompile.manifest("demo") == [a, b]
+    path.write_text(json.dumps({"version": precompile.VERSION + 1, "entries": [c]}))
+    assert precompile.load(path) == []
+    assert precompile.load(tmp_path / "absent.json") == []
+
+
+def test_nothing_starts_where_it_is_off_or_without_cuda(monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_PRECOMPILE", "0")
+    assert precompile.ahead("ultralytics") is None
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRAINFUSE_PRECOMPILE", "1")
+        assert precompile.ahead("ultralytics") is None
+
+
+def test_worker_counts_entries_it_could_not_compile(tmp_path):
+    path = tmp_path / "m.json"
+    precompile.save(path, [{"fn": "trainfuse.no_such_module:kernel", "args": [], "num_warps": 4,
+                            "constexprs": {}}])
+    assert precompile.main([str(path), "0", "1"]) == 1
+    assert precompile.main([str(path), "1", "2"]) == 0  # not this worker's share
+
+
+def test_shipped_manifests_name_kernels_that_exist():
+    for path in sorted(precompile._SHIPPED.glob("*.json")):
+        entries = precompile.load(path)
+        assert entries, f"{path.name} holds no entries of version {precompile.VERSION}"
+        for e in entries:
+            fn = precompile.resolve(e)
+            assert hasattr(fn, "fn"), f"{e['fn']} is not a Triton JIT function"
+            names = fn.arg_names
+            assert set(e["constexprs"]) <= set(names), e["fn"]
+            assert len(e["args"]) + len(e["constexprs"]) == len(names), e["fn"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiling ahead needs CUDA")
+def test_launcher_records_and_a_worker_compiles_for_a_fresh_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(precompile, "_recorded", {})
+    launcher = CachedLauncher()
+    g = torch.ones(1000, device="cuda")
+    go = torch.full((), 2.0, device="cuda")
+    launcher(bce._scale_kernel, (4,), g, go, g.numel(), CD=tl.float32, BLOCK=128, num_warps=4)
+    torch.testing.assert_close(g, torch.full_like(g, 2.0))
+    entries = precompile.recorded()
+    assert [e["fn"] for e in entries] == ["trainfuse.losses.bce:_scale_kernel"]
+    manifest = tmp_path / "m.json"
+    precompile.save(manifest, entries)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "trainfuse._runtime.precompile", str(manifest), "0", "1"],
+                   env=env, check=True, cwd=ROOT, timeout=300)
+    cached = sorted(p.name for p in (tmp_path / "triton").iterdir())
+    assert cached, "the worker compiled nothing into the cache"
+    launch = ("import torch, triton.language as tl; from trainfuse.losses import bce; "
+              "g = torch.ones(1000, device='cuda'); go = torch.full((), 2.0, device='cuda'); "
+              "bce._scale_kernel[(4,)](g, go, g.numel(), CD=tl.float32, BLOCK=128, num_warps=4); "
+              "torch.cuda.synchronize(); assert g.eq(2).all()")
+    subprocess.run([sys.executable, "-c", launch], env=env, check=True, cwd=ROOT, timeout=300)
+    assert sorted(p.name for p in (tmp_path / "triton").iterdir()) == cached, \
+        "the fresh process compiled again: the worker's specialization differs from the launch's"

@@ -1,0 +1,282 @@
+"""Compiling the Triton kernels a run is going to launch before it launches them, in worker
+processes, while the run sets itself up.
+
+On a machine whose Triton cache is empty, each kernel compiles the first time it launches: Python
+code generation, then ``ptxas`` and a C compiler for its launcher, one to two seconds per kernel,
+one kernel after another, inside the first training step. What a kernel compiles to depends only
+on its source, its constexprs and what Triton specializes its arguments on (element types, 16-byte
+alignment of pointers, integers equal to 1 or divisible by 16), so a list of those, a *manifest*,
+is enough to compile the same kernels elsewhere: :func:`ahead` starts ``python -m
+trainfuse._runtime.precompile`` worker processes that compile the manifest's entries into Triton's
+cache (the same ``TRITON_CACHE_DIR``), and the run's own launches then find them there.
+
+A manifest comes from two places, merged: the one shipped for a client
+(``trainfuse/_runtime/manifests/<name>.json``, the kernels its default runs launch) and the one
+this machine recorded on earlier runs (:func:`remember`, under ``TRAINFUSE_CACHE_DIR`` or
+``~/.cache/trainfuse``). :class:`~trainfuse._runtime.launch.CachedLauncher` records every
+specialization it compiles (:func:`record`). An entry the run never launches costs a worker some
+CPU time and nothing else; a kernel the manifest lacks compiles in the run, as without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VERSION = 1
+_SHIPPED = Path(__file__).with_name("manifests")
+_lock = threading.Lock()
+_recorded: dict[str, dict] = {}  # the entries this process compiled, by their JSON text
+
+
+# ---- entries: what Triton specializes a launch on, as JSON ---------------------------------------
+def arg_spec(a: Any) -> list:
+    """What Triton specializes argument ``a`` on: ``["tensor", dtype, aligned]``, ``["int", one,
+    by16, wide]`` or ``["float"]``."""
+    if isinstance(a, torch.Tensor):
+        return ["tensor", str(a.dtype).removeprefix("torch."), a.data_ptr() % 16 == 0]
+    if isinstance(a, bool):
+        raise TypeError("a bool argument is a constexpr in trainfuse's kernels")
+    if isinstance(a, int):
+        return ["int", a == 1, a % 16 == 0, not -(2**31) <= a < 2**31]
+    return ["float"]
+
+
+def mock_arg(spec: list) -> Any:
+    """An argument Triton specializes as it did the one ``spec`` describes: a dtype stands for an
+    aligned tensor (``JITFunction.warmup`` takes it), an int of the same classes, a float."""
+    kind = spec[0]
+    if kind == "tensor":
+        if not spec[2]:
+            raise ValueError("an unaligned tensor argument has no stand-in")
+        return getattr(torch, spec[1])
+    if kind == "int":
+        _, one, by16, wide = spec
+        if one:
+            return 1
+        return (2**32 if wide else 0) + (16 if by16 else 17)
+    return 1.5
+
+
+def _const(value: Any) -> Any:
+    """A constexpr as JSON: a Triton dtype as ``{"tl.dtype": name}``; None where JSON cannot hold it."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    name, kind = getattr(value, "name", None), type(value)
+    if kind.__name__ == "dtype" and kind.__module__.startswith("triton") and isinstance(name, str):
+        return {"tl.dtype": name}
+    return None
+
+
+def _unconst(value: Any) -> Any:
+    if isinstance(value, dict):
+        import triton.language as tl
+
+        return tl.dtype(value["tl.dtype"])
+    return value
+
+
+def entry(fn, args: tuple, num_warps: int, constexprs: dict) -> dict | None:
+    """The manifest entry of one launch of JIT function ``fn``, or None where it has no stand-in
+    (an unaligned tensor, a constexpr JSON cannot hold)."""
+    inner = getattr(fn, "fn", None)
+    if inner is None:
+        return None
+    try:
+        specs = [arg_spec(a) for a in args]
+    except TypeError:
+        return None
+    if any(s[0] == "tensor" and not s[2] for s in specs):
+        return None
+    consts = {k: _const(v) for k, v in constexprs.items()}
+    if any(v is None for v in consts.values()):
+        return None
+    return {"fn": f"{inner.__module__}:{inner.__qualname__}", "args": specs, "num_warps": num_warps,
+            "constexprs": consts}
+
+
+def record(fn, args: tuple, num_warps: int, constexprs: dict) -> None:
+    """Note a specialization this process compiles (for :func:`remember`)."""
+    e = entry(fn, args, num_warps, constexprs)
+    if e is not None:
+        with _lock:
+            _recorded.setdefault(json.dumps(e, sort_keys=True), e)
+
+
+def recorded() -> list[dict]:
+    """The entries this process recorded, in the order first seen."""
+    with _lock:
+        return list(_recorded.values())
+
+
+# ---- manifests on disk --------------------------------------------------------------------------
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def cache_dir() -> Path:
+    """Where this machine's manifests live: ``TRAINFUSE_CACHE_DIR``, else ``~/.cache/trainfuse``."""
+    root = os.environ.get("TRAINFUSE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "trainfuse"
+
+
+def _user_manifest(name: str) -> Path:
+    return cache_dir() / f"kernels-{name}-triton{_triton_version()}.json"
+
+
+def load(path: Path) -> list[dict]:
+    """A manifest's entries; an absent, unreadable or other-version file has none."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        return []
+    return [e for e in data.get("entries", []) if isinstance(e, dict) and "fn" in e]
+
+
+def save(path: Path, entries: list[dict]) -> None:
+    """Write ``entries`` to ``path`` whole or not at all (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def manifest(name: str) -> list[dict]:
+    """The entries to compile ahead for client ``name``: the shipped ones, then this machine's."""
+    seen: dict[str, dict] = {}
+    for e in load(_SHIPPED / f"{name}.json") + load(_user_manifest(name)):
+        seen.setdefault(json.dumps(e, sort_keys=True), e)
+    return list(seen.values())
+
+
+def remember(name: str) -> Path | None:
+    """Add what this process compiled to this machine's manifest for ``name``; returns its path,
+    or None where nothing was recorded or the cache folder cannot be written."""
+    new = recorded()
+    if not new:
+        return None
+    path = _user_manifest(name)
+    seen = {json.dumps(e, sort_keys=True): e for e in load(path)}
+    before = len(seen)
+    for e in new:
+        seen.setdefault(json.dumps(e, sort_keys=True), e)
+    if len(seen) == before and path.exists():
+        return path
+    try:
+        save(path, list(seen.values()))
+    except OSError:
+        return None
+    return path
+
+
+# ---- compiling ahead ----------------------------------------------------------------------------
+@dataclass
+class Ahead:
+    """Worker processes compiling a manifest (:func:`ahead`); :meth:`wait` for them."""
+
+    entries: int
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    seconds: float | None = None
+    failed: int = 0
+    _file: str | None = None
+
+    def wait(self, timeout: float = 120.0) -> float:
+        """Wait for the workers (killing any still running after ``timeout`` seconds: what they
+        did not compile compiles in the run); returns the seconds since they started."""
+        deadline = time.perf_counter() + timeout
+        for p in self.processes:
+            try:
+                p.wait(max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            self.failed += p.returncode != 0
+        self.processes.clear()
+        if self._file is not None:
+            Path(self._file).unlink(missing_ok=True)
+            self._file = None
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - self.started
+        return self.seconds
+
+
+def ahead(name: str, workers: int | None = None) -> Ahead | None:
+    """Start compiling client ``name``'s manifest in up to ``workers`` processes (default: half
+    the CPUs, at most 8, never more than entries); None where there is nothing to do (no CUDA, no
+    manifest, the Triton interpreter, ``TRAINFUSE_PRECOMPILE=0``)."""
+    from trainfuse._runtime.backend import interpreting
+
+    if os.environ.get("TRAINFUSE_PRECOMPILE", "1") == "0" or interpreting() or not torch.cuda.is_available():
+        return None
+    entries = manifest(name)
+    if not entries:
+        return None
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
+    workers = min(workers, len(entries))
+    fd, path = tempfile.mkstemp(prefix="trainfuse-manifest-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": VERSION, "entries": entries}, f)
+    handle = Ahead(len(entries), _file=path)
+    for i in range(workers):
+        handle.processes.append(subprocess.Popen(
+            [sys.executable, "-m", "trainfuse._runtime.precompile", path, str(i), str(workers)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        handle.pids.append(handle.processes[-1].pid)
+    return handle
+
+
+def resolve(e: dict):
+    """The JIT function an entry names."""
+    import importlib
+
+    module, _, qualname = e["fn"].partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def compile_entry(e: dict) -> None:
+    """Compile one entry into Triton's cache, its launcher too."""
+    fn = resolve(e)
+    kernel = fn.warmup(*[mock_arg(s) for s in e["args"]], grid=(1,), num_warps=e["num_warps"],
+                       **{k: _unconst(v) for k, v in e["constexprs"].items()})
+    if hasattr(kernel, "result"):
+        kernel = kernel.result()
+    kernel.run  # noqa: B018 - loads the module and builds the launcher, cached beside the kernel
+
+
+def main(argv: list[str]) -> int:
+    """``python -m trainfuse._runtime.precompile MANIFEST INDEX COUNT``: compile every COUNT-th
+    entry from INDEX; the number of entries that failed is the exit status (capped at 100)."""
+    path, index, count = argv[0], int(argv[1]), int(argv[2])
+    entries = load(Path(path))[index::count]
+    failed = 0
+    for e in entries:
+        try:
+            compile_entry(e)
+        except Exception:  # noqa: BLE001 - a stale entry must not stop the others
+            failed += 1
+    return min(failed, 100)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
