@@ -56,14 +56,21 @@ def _parser():
     parser.add_argument("--imgsz", type=int, default=640)
     parser.add_argument("--images", type=int, default=None, help="synthetic training images (512; 1,024 "
                         "with --photo)")
-    parser.add_argument("--val-images", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=30, help="epochs of each run (quality needs ~30)")
+    parser.add_argument("--val-images", type=int, default=None, help="validation images (64; 512 with "
+                        "--default-run)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs of each run (30: quality needs ~30; "
+                        "20 with --default-run)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--photo", action="store_true",
                         help="photo-like 640x480 JPEGs of COCO's size (1,024 unless --images; past 1,024, "
                         "copies of the first 1,024), cache off: "
                         "the loader alone, stock and ours in images/s (bench.yolo_photo)")
+    parser.add_argument("--default-run", action="store_true",
+                        help="a default train() end to end (validation, plots, checkpoints, cache off) on "
+                        "photo-like JPEGs (2,048 unless --images), each run a fresh process, cold and warm "
+                        "caches: wall clock and its parts (bench.yolo_default)")
+    parser.add_argument("--stock-warm", action="store_true", help="with --default-run: stock a second time")
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "trainfuse-bench-shapes"),
                         help="where the synthetic dataset is generated (reused when it matches)")
     return parser
@@ -168,8 +175,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     if started is None:
         return None
     args, report, _ = started
+    if args.default_run:
+        args.photo = True
     if args.images is None:
-        args.images = 1024 if args.photo else 512
+        args.images = 2048 if args.default_run else 1024 if args.photo else 512
+    if args.val_images is None:
+        args.val_images = 512 if args.default_run else 64
+    if args.epochs is None:
+        args.epochs = 20 if args.default_run else 30
     if args.quick:
         args.epochs, args.images, args.val_images = 1, 256, 32
     out = Path(args.out)
@@ -190,6 +203,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     data = str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
                                    seed=args.seed, photo=args.photo,
                                    distinct=1024 if args.photo and args.images > 1024 else None))
+    if args.default_run:
+        from trainfuse.bench import yolo_default
+
+        yolo_default.run(report, args, data, out, ultralytics.__version__)
+        report["_bench"] = "yolo"
+        save_report(report, args.out, "yolo-default-run")
+        return report
     if args.photo:
         from trainfuse.bench import yolo_photo
 
