@@ -33,6 +33,22 @@ def test_the_trainer_hooks_override_methods_ultralytics_calls_as_they_say():
         assert "self._load_checkpoint_state(ckpt)" in inspect.getsource(caller)
 
 
+def test_nan_recovery_and_final_eval_are_the_loops_only_checkpoint_reads():
+    """``_handle_nan_recovery(epoch)`` runs at every epoch end of the loop and reads last.pt (before
+    ``_load_checkpoint_state``); ``final_eval`` reads and rewrites last.pt and best.pt; no other
+    method of the trainer loads a checkpoint file of the run mid-training."""
+    assert list(inspect.signature(BaseTrainer._handle_nan_recovery).parameters) == ["self", "epoch"]
+    assert "if self._handle_nan_recovery(epoch):" in inspect.getsource(BaseTrainer._do_train)
+    recovery = inspect.getsource(BaseTrainer._handle_nan_recovery)
+    assert recovery.index("load_checkpoint(self.last)") < recovery.index("self._load_checkpoint_state(ckpt)")
+    final = inspect.getsource(BaseTrainer.final_eval)
+    assert "strip_optimizer(self.last)" in final and "strip_optimizer(self.best" in final
+    readers = [name for name, fn in vars(BaseTrainer).items() if callable(fn) and name != "check_resume"
+               and any(f"{call}(self.{path}" in inspect.getsource(fn) for call in ("load_checkpoint",
+                       "strip_optimizer", "torch_load") for path in ("last", "best"))]
+    assert sorted(readers) == ["_handle_nan_recovery", "final_eval"]
+
+
 def test_the_stepping_rule_is_the_loops_and_another_loop_is_told():
     assert compat.why_not_stepping_rule(BaseTrainer) is None
 

@@ -3,6 +3,7 @@ first call watched for host synchronizations (a call that syncs must never be ca
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,12 @@ from trainfuse._runtime import compat
 # what torch's sync debug mode warns on a host synchronization, and what it warns once about itself
 _SYNC_WARNING = "called a synchronizing CUDA operation"
 _PROTOTYPE_WARNING = "Synchronization debug mode is a prototype feature"
+
+# held by a thread that synchronizes with the GPU in the background (a checkpoint's copies to the
+# host) while it does, and by watching_syncs around the call it watches: torch's sync debug mode
+# and the warnings it raises are the process's, not the thread's, so a background sync during the
+# watched call would be taken for the call's own and keep its step out of CUDA graphs for good
+background_syncs = threading.Lock()
 
 # one side stream per device for first sightings and captures, shared by every captured step and
 # graphed module: graphs reuse memory best when captured on the same stream
@@ -43,6 +50,12 @@ def watching_syncs(device: torch.device, fn: Callable[..., Any], /, *args: Any,
     """``fn(*args, **kwargs)`` on the side stream under torch's sync debug mode: its result, and
     the first host synchronization it made with the Python file and line that made it (None if
     none). Other warnings are passed on."""
+    with background_syncs:
+        return _watching_syncs(device, fn, *args, **kwargs)
+
+
+def _watching_syncs(device: torch.device, fn: Callable[..., Any], /, *args: Any,
+                    **kwargs: Any) -> tuple[Any, str | None]:
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -93,4 +106,4 @@ def _end(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         raise
 
 
-__all__ = ["captured", "on_side_stream", "side_stream", "watching_syncs"]
+__all__ = ["background_syncs", "captured", "on_side_stream", "side_stream", "watching_syncs"]

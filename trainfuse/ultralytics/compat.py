@@ -42,14 +42,17 @@ def warn_if_untested() -> None:
 
 
 class TrainerHooks:
-    """Two private methods of ultralytics' ``BaseTrainer``, overridden here only, each handing over
+    """Three private methods of ultralytics' ``BaseTrainer``, overridden here only, each handing over
     to a public hook of the subclass:
 
     - ``_setup_train`` (no public hook runs after it: ``on_pretrain_routine_end`` fires inside,
       before ``resume_training`` has loaded a checkpoint's optimizer state) -> :meth:`after_setup`,
       once model, loaders, optimizer, scaler and EMA exist and a resume is loaded;
     - ``_load_checkpoint_state`` (resume and NaN recovery both load through it, mid-training for
-      the latter) -> :meth:`around_checkpoint_load`, given the load to run.
+      the latter) -> :meth:`around_checkpoint_load`, given the load to run;
+    - ``_handle_nan_recovery`` (every epoch end, after validation: on NaN/Inf it reads last.pt, on
+      every rank, before ``_load_checkpoint_state``) -> :meth:`before_checkpoint_read` first, as
+      ``final_eval`` (reads and rewrites last.pt and best.pt) does.
     """
 
     def after_setup(self) -> None:
@@ -58,6 +61,19 @@ class TrainerHooks:
     def around_checkpoint_load(self, load: Callable[[], None]) -> None:
         """Run ``load``, the stock load of a checkpoint's optimizer, scaler and EMA state."""
         load()
+
+    def before_checkpoint_read(self) -> None:
+        """ultralytics may read this run's checkpoint files next (the subclass finishes its writes)."""
+
+    @override
+    def final_eval(self) -> None:
+        self.before_checkpoint_read()
+        super().final_eval()
+
+    @override
+    def _handle_nan_recovery(self, epoch: int) -> bool:
+        self.before_checkpoint_read()
+        return super()._handle_nan_recovery(epoch)
 
     @override
     def _setup_train(self) -> None:
