@@ -28,20 +28,35 @@ def test_int_stand_in_specializes_alike(value):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
-def test_tensor_stand_in_is_its_dtype(dtype):
+@pytest.mark.parametrize("aligned", [True, False])
+def test_tensor_stand_in_specializes_alike(dtype, aligned):
     t = torch.zeros(8, dtype=dtype)
+    t = t if aligned else t[1:]
     spec = precompile.arg_spec(t)
-    assert spec == ["tensor", str(dtype).removeprefix("torch."), True]
-    assert precompile.mock_arg(spec) is dtype
+    assert spec == ["tensor", str(dtype).removeprefix("torch."), aligned]
+    mock = precompile.mock_arg(spec, device="cpu")
+    assert mock.dtype == dtype and precompile.arg_spec(mock) == spec
 
 
-def test_unaligned_tensor_and_odd_constexpr_have_no_entry():
+def test_an_odd_constexpr_has_no_entry_an_unaligned_view_has_one():
     t = torch.zeros(64, dtype=torch.float32)
-    assert precompile.entry(bce._scale_kernel, (t[1:], t, 5), 4, {"CD": tl.float32, "BLOCK": 64}) is None
+    e = precompile.entry(bce._scale_kernel, (t[1:], t, 5), 4, {"CD": tl.float32, "BLOCK": 64})
+    assert e["args"][0] == ["tensor", "float32", False]
     assert precompile.entry(bce._scale_kernel, (t, t, 5), 4, {"CD": object(), "BLOCK": 64}) is None
     assert precompile.arg_spec(2.5) == ["float"]
     with pytest.raises(TypeError, match="constexpr"):
         precompile.arg_spec(True)
+
+
+def test_a_device_function_constexpr_is_named():
+    from trainfuse._multi_tensor import kernels
+    from trainfuse.optim import adam
+
+    chunk_fn = next(v for v in vars(adam).values() if hasattr(v, "arg_names") and hasattr(v, "fn"))
+    t = torch.zeros(64)
+    e = json.loads(json.dumps(precompile.entry(kernels.update_kernel, (t,), 4, {"CHUNK_FN": chunk_fn})))
+    assert e["constexprs"]["CHUNK_FN"] == {"jit": f"{chunk_fn.fn.__module__}:{chunk_fn.fn.__qualname__}"}
+    assert precompile._unconst(e["constexprs"]["CHUNK_FN"]) is chunk_fn
 
 
 def test_entry_names_the_kernel_and_round_trips_through_json():
@@ -85,12 +100,39 @@ def test_nothing_starts_where_it_is_off_or_without_cuda(monkeypatch):
         assert precompile.ahead("ultralytics") is None
 
 
-def test_worker_counts_entries_it_could_not_compile(tmp_path):
-    path = tmp_path / "m.json"
+def test_worker_counts_entries_it_could_not_compile_and_lists_none_of_them(tmp_path):
+    path, done = tmp_path / "m.json", tmp_path / "done.txt"
     precompile.save(path, [{"fn": "trainfuse.no_such_module:kernel", "args": [], "num_warps": 4,
                             "constexprs": {}}])
-    assert precompile.main([str(path), "0", "1"]) == 1
+    assert precompile.main([str(path), "0", "1", str(done)]) == 1
+    assert not done.exists()
     assert precompile.main([str(path), "1", "2"]) == 0  # not this worker's share
+
+
+def test_a_launch_waits_for_the_worker_compiling_it_and_no_longer(tmp_path, monkeypatch):
+    done = tmp_path / "done.txt"
+    t = torch.zeros(64)
+    mine = precompile.entry(bce._scale_kernel, (t, t, 64), 4, {"CD": tl.float32, "BLOCK": 64})
+    other = precompile.entry(bce._scale_kernel, (t, t, 65), 4, {"CD": tl.float32, "BLOCK": 64})
+    text = json.dumps(mine, sort_keys=True)
+    ahead = precompile.Ahead(2, 0, [text, json.dumps(other, sort_keys=True)], done)
+    # a "worker" that lists the entry after a moment, then lingers
+    worker = ("import sys, time; time.sleep(0.3); open(sys.argv[1], 'a').write(sys.argv[2] + '\\n'); "
+              "time.sleep(30)")
+    ahead.processes.append(subprocess.Popen([sys.executable, "-c", worker, str(done), text]))
+    monkeypatch.setattr(precompile, "_active", ahead)
+    monkeypatch.setattr(precompile, "_recorded", {})
+    try:
+        precompile.launching(bce._scale_kernel, (t, t, 64), 4, {"CD": tl.float32, "BLOCK": 64})
+        assert 0.2 < ahead.waited < 20 and text not in ahead.pending
+        assert precompile.recorded() == [mine]
+        waited = ahead.waited
+        precompile.launching(bce._scale_kernel, (t, t, 64), 4, {"CD": tl.float32, "BLOCK": 64})
+        assert ahead.waited == waited  # compiled: no second wait
+    finally:
+        ahead.stop()
+    assert precompile._active is None and all(p.poll() is not None for p in ahead.processes)
+    precompile.launching(bce._scale_kernel, (t, t, 65), 4, {"CD": tl.float32, "BLOCK": 64})  # no workers
 
 
 def test_shipped_manifests_name_kernels_that_exist():
@@ -113,8 +155,11 @@ def test_launcher_records_and_a_worker_compiles_for_a_fresh_process(tmp_path, mo
     go = torch.full((), 2.0, device="cuda")
     launcher(bce._scale_kernel, (4,), g, go, g.numel(), CD=tl.float32, BLOCK=128, num_warps=4)
     torch.testing.assert_close(g, torch.full_like(g, 2.0))
+    odd = torch.ones(1001, device="cuda")[1:]  # a view off 16-byte alignment: another specialization
+    launcher(bce._scale_kernel, (4,), odd, go, odd.numel(), CD=tl.float32, BLOCK=128, num_warps=4)
     entries = precompile.recorded()
-    assert [e["fn"] for e in entries] == ["trainfuse.losses.bce:_scale_kernel"]
+    assert [e["fn"] for e in entries] == ["trainfuse.losses.bce:_scale_kernel"] * 2
+    assert [e["args"][0][2] for e in entries] == [True, False]
     manifest = tmp_path / "m.json"
     precompile.save(manifest, entries)
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": str(ROOT)}
@@ -124,8 +169,34 @@ def test_launcher_records_and_a_worker_compiles_for_a_fresh_process(tmp_path, mo
     assert cached, "the worker compiled nothing into the cache"
     launch = ("import torch, triton.language as tl; from trainfuse.losses import bce; "
               "g = torch.ones(1000, device='cuda'); go = torch.full((), 2.0, device='cuda'); "
+              "odd = torch.ones(1001, device='cuda')[1:]; "
               "bce._scale_kernel[(4,)](g, go, g.numel(), CD=tl.float32, BLOCK=128, num_warps=4); "
-              "torch.cuda.synchronize(); assert g.eq(2).all()")
+              "bce._scale_kernel[(4,)](odd, go, odd.numel(), CD=tl.float32, BLOCK=128, num_warps=4); "
+              "torch.cuda.synchronize(); assert g.eq(2).all() and odd.eq(2).all()")
     subprocess.run([sys.executable, "-c", launch], env=env, check=True, cwd=ROOT, timeout=300)
     assert sorted(p.name for p in (tmp_path / "triton").iterdir()) == cached, \
         "the fresh process compiled again: the worker's specialization differs from the launch's"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiling ahead needs CUDA")
+def test_ahead_compiles_once_per_cache_then_starts_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_PRECOMPILE", "1")
+    monkeypatch.setenv("TRAINFUSE_CACHE_DIR", str(tmp_path / "trainfuse"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setattr(precompile, "_SHIPPED", tmp_path / "shipped")
+    t = torch.zeros(64, device="cuda")
+    e = precompile.entry(bce._scale_kernel, (t, t, 48), 4, {"CD": tl.float32, "BLOCK": 64})
+    precompile.save(tmp_path / "shipped" / "t.json", [e])
+    first = precompile.ahead("t", workers=1)
+    try:
+        assert first.workers == 1 and first.compiled_before == 0
+        first.wait_for(json.dumps(e, sort_keys=True), timeout=300)
+        assert first.waited > 0
+    finally:
+        first.stop()
+    listed = [json.loads(line) for line in precompile._done_log().read_text().splitlines()]
+    assert listed == [e]
+    if precompile._triton_cache().is_dir() and any(precompile._triton_cache().iterdir()):
+        second = precompile.ahead("t", workers=1)
+        assert second.workers == 0 and second.compiled_before == 1

@@ -93,8 +93,8 @@ class CachedLauncher:
             key = (fn, device.index, key)
         kernel = self._kernels.get(key)
         if kernel is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
-            if kernel is None:
-                precompile.record(fn, args, num_warps, constexprs)  # for the next run's workers
+            if kernel is None:  # a worker may be compiling it: wait rather than compile it twice
+                precompile.launching(fn, args, num_warps, constexprs)
             if stream is not None and stream != compat.current_raw_stream(device.index):
                 with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
                     kernel = fn[grid](*args, num_warps=num_warps, **constexprs)

@@ -20,6 +20,7 @@ CPU time and nothing else; a kernel the manifest lacks compiles in the run, as w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -27,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +52,13 @@ def arg_spec(a: Any) -> list:
     return ["float"]
 
 
-def mock_arg(spec: list) -> Any:
-    """An argument Triton specializes as it did the one ``spec`` describes: a dtype stands for an
-    aligned tensor (``JITFunction.warmup`` takes it), an int of the same classes, a float."""
+def mock_arg(spec: list, device: str | torch.device = "cuda") -> Any:
+    """An argument Triton specializes as it did the one ``spec`` describes: a small tensor of the
+    dtype on ``device``, 16-byte aligned or one element off it; an int of the same classes; a float."""
     kind = spec[0]
     if kind == "tensor":
-        if not spec[2]:
-            raise ValueError("an unaligned tensor argument has no stand-in")
-        return getattr(torch, spec[1])
+        t = torch.empty(16, dtype=getattr(torch, spec[1]), device=device)
+        return t if spec[2] else t[1:]
     if kind == "int":
         _, one, by16, wide = spec
         if one:
@@ -69,9 +68,13 @@ def mock_arg(spec: list) -> Any:
 
 
 def _const(value: Any) -> Any:
-    """A constexpr as JSON: a Triton dtype as ``{"tl.dtype": name}``; None where JSON cannot hold it."""
+    """A constexpr as JSON: a Triton dtype as ``{"tl.dtype": name}``, a JIT function (a kernel's
+    device-function argument) as ``{"jit": "module:qualname"}``; None where JSON cannot hold it."""
     if isinstance(value, (bool, int, float, str)):
         return value
+    inner = getattr(value, "fn", None)
+    if inner is not None and hasattr(value, "arg_names"):
+        return {"jit": f"{inner.__module__}:{inner.__qualname__}"}
     name, kind = getattr(value, "name", None), type(value)
     if kind.__name__ == "dtype" and kind.__module__.startswith("triton") and isinstance(name, str):
         return {"tl.dtype": name}
@@ -79,6 +82,8 @@ def _const(value: Any) -> Any:
 
 
 def _unconst(value: Any) -> Any:
+    if isinstance(value, dict) and "jit" in value:
+        return resolve({"fn": value["jit"]})
     if isinstance(value, dict):
         import triton.language as tl
 
@@ -86,9 +91,10 @@ def _unconst(value: Any) -> Any:
     return value
 
 
-def entry(fn, args: tuple, num_warps: int, constexprs: dict) -> dict | None:
-    """The manifest entry of one launch of JIT function ``fn``, or None where it has no stand-in
-    (an unaligned tensor, a constexpr JSON cannot hold)."""
+def entry(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | None = None) -> dict | None:
+    """The manifest entry of one launch of JIT function ``fn`` (``options``: compile options other
+    than ``num_warps``, such as ``enable_fp_fusion``), or None where it has no stand-in (a
+    constexpr JSON cannot hold, a bool argument)."""
     inner = getattr(fn, "fn", None)
     if inner is None:
         return None
@@ -96,21 +102,29 @@ def entry(fn, args: tuple, num_warps: int, constexprs: dict) -> dict | None:
         specs = [arg_spec(a) for a in args]
     except TypeError:
         return None
-    if any(s[0] == "tensor" and not s[2] for s in specs):
-        return None
     consts = {k: _const(v) for k, v in constexprs.items()}
     if any(v is None for v in consts.values()):
         return None
-    return {"fn": f"{inner.__module__}:{inner.__qualname__}", "args": specs, "num_warps": num_warps,
-            "constexprs": consts}
+    e = {"fn": f"{inner.__module__}:{inner.__qualname__}", "args": specs, "num_warps": num_warps,
+         "constexprs": consts}
+    if options:
+        e["options"] = dict(options)
+    return e
 
 
-def record(fn, args: tuple, num_warps: int, constexprs: dict) -> None:
-    """Note a specialization this process compiles (for :func:`remember`)."""
-    e = entry(fn, args, num_warps, constexprs)
-    if e is not None:
-        with _lock:
-            _recorded.setdefault(json.dumps(e, sort_keys=True), e)
+def launching(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | None = None) -> None:
+    """Before a launch of a specialization this process may not have compiled yet: note it (for
+    :func:`remember`) and, where a worker of :func:`ahead` is compiling it, wait for the worker,
+    so that the launch finds it in Triton's cache instead of compiling it a second time."""
+    e = entry(fn, args, num_warps, constexprs, options)
+    if e is None:
+        return
+    text = json.dumps(e, sort_keys=True)
+    with _lock:
+        _recorded.setdefault(text, e)
+    workers = _active
+    if workers is not None:
+        workers.wait_for(text)
 
 
 def recorded() -> list[dict]:
@@ -186,42 +200,90 @@ def remember(name: str) -> Path | None:
 
 
 # ---- compiling ahead ----------------------------------------------------------------------------
-@dataclass
+def _triton_cache() -> Path:
+    try:
+        import triton
+
+        return Path(triton.knobs.cache.dir)
+    except (ImportError, AttributeError):
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def _done_log() -> Path:
+    """Where workers list what they compiled, for this Triton version, GPU and Triton cache: an
+    entry listed there is not compiled ahead again while that cache folder holds anything."""
+    major, minor = torch.cuda.get_device_capability()
+    tag = f"{_triton_version()}|{major}.{minor}|{_triton_cache().resolve()}"
+    return cache_dir() / f"compiled-{hashlib.sha1(tag.encode()).hexdigest()[:16]}.txt"
+
+
+def _read_done(path: Path) -> set[str]:
+    try:
+        return set(path.read_text().splitlines())
+    except OSError:
+        return set()
+
+
 class Ahead:
-    """Worker processes compiling a manifest (:func:`ahead`); :meth:`wait` for them."""
+    """Worker processes compiling a manifest (:func:`ahead`). A launch of a specialization they
+    compile waits for it (:func:`launching`); :meth:`stop` ends them.
 
-    entries: int
-    processes: list[subprocess.Popen] = field(default_factory=list)
-    pids: list[int] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
-    seconds: float | None = None
-    failed: int = 0
-    _file: str | None = None
+    Attributes:
+        entries: the manifest's entries; ``compiled_before``: those a worker compiled on an
+            earlier run into the same Triton cache (not compiled again); ``pending``: the rest,
+            given to ``workers`` processes.
+    """
 
-    def wait(self, timeout: float = 120.0) -> float:
-        """Wait for the workers (killing any still running after ``timeout`` seconds: what they
-        did not compile compiles in the run); returns the seconds since they started."""
-        deadline = time.perf_counter() + timeout
+    def __init__(self, entries: int, compiled_before: int, pending: list[str], done: Path) -> None:
+        self.entries, self.compiled_before = entries, compiled_before
+        self.pending = set(pending)
+        self.processes: list[subprocess.Popen] = []
+        self.started = time.perf_counter()
+        self.waited = 0.0  # seconds launches spent waiting for the workers
+        self._done_path, self._done, self._manifest = done, set(), None
+
+    @property
+    def workers(self) -> int:
+        return len(self.processes)
+
+    def _running(self) -> bool:
+        return any(p.poll() is None for p in self.processes)
+
+    def wait_for(self, text: str, timeout: float = 120.0) -> None:
+        """Wait until a worker has compiled entry ``text`` (or every worker has ended, or
+        ``timeout`` seconds); at once for an entry no worker is compiling."""
+        if text not in self.pending:
+            return
+        start = time.perf_counter()
+        while text not in self._done and self._running() and time.perf_counter() - start < timeout:
+            time.sleep(0.01)
+            self._done = _read_done(self._done_path)
+        self.pending.discard(text)
+        self.waited += time.perf_counter() - start
+
+    def stop(self) -> None:
+        """End the workers still running (what they had left compiles in the run, if launched)."""
+        global _active
         for p in self.processes:
-            try:
-                p.wait(max(0.0, deadline - time.perf_counter()))
-            except subprocess.TimeoutExpired:
+            if p.poll() is None:
                 p.kill()
-                p.wait()
-            self.failed += p.returncode != 0
-        self.processes.clear()
-        if self._file is not None:
-            Path(self._file).unlink(missing_ok=True)
-            self._file = None
-        if self.seconds is None:
-            self.seconds = time.perf_counter() - self.started
-        return self.seconds
+            p.wait()
+        if self._manifest is not None:
+            Path(self._manifest).unlink(missing_ok=True)
+            self._manifest = None
+        if _active is self:
+            _active = None
+
+
+_active: Ahead | None = None
 
 
 def ahead(name: str, workers: int | None = None) -> Ahead | None:
     """Start compiling client ``name``'s manifest in up to ``workers`` processes (default: half
-    the CPUs, at most 8, never more than entries); None where there is nothing to do (no CUDA, no
-    manifest, the Triton interpreter, ``TRAINFUSE_PRECOMPILE=0``)."""
+    the CPUs, at most 8), leaving out what workers compiled into the same Triton cache before;
+    None where there is nothing to do (no CUDA, no manifest, all compiled before, the Triton
+    interpreter, ``TRAINFUSE_PRECOMPILE=0``)."""
+    global _active
     from trainfuse._runtime.backend import interpreting
 
     if os.environ.get("TRAINFUSE_PRECOMPILE", "1") == "0" or interpreting() or not torch.cuda.is_available():
@@ -229,17 +291,27 @@ def ahead(name: str, workers: int | None = None) -> Ahead | None:
     entries = manifest(name)
     if not entries:
         return None
-    workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
-    workers = min(workers, len(entries))
+    done = _done_log()
+    cache = _triton_cache()
+    before = _read_done(done) if cache.is_dir() and any(cache.iterdir()) else set()
+    texts = [json.dumps(e, sort_keys=True) for e in entries]
+    todo = [(t, e) for t, e in zip(texts, entries) if t not in before]
+    handle = Ahead(len(entries), len(entries) - len(todo), [t for t, _ in todo], done)
+    if not todo:
+        return handle
+    workers = min(workers or max(1, min(8, (os.cpu_count() or 2) // 2)), len(todo))
+    done.parent.mkdir(parents=True, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix="trainfuse-manifest-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump({"version": VERSION, "entries": entries}, f)
-    handle = Ahead(len(entries), _file=path)
+        json.dump({"version": VERSION, "entries": [e for _, e in todo]}, f)
+    handle._manifest = path
     for i in range(workers):
         handle.processes.append(subprocess.Popen(
-            [sys.executable, "-m", "trainfuse._runtime.precompile", path, str(i), str(workers)],
+            [sys.executable, "-m", "trainfuse._runtime.precompile", path, str(i), str(workers), str(done)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        handle.pids.append(handle.processes[-1].pid)
+    if _active is not None:
+        _active.stop()
+    _active = handle
     return handle
 
 
@@ -258,23 +330,28 @@ def compile_entry(e: dict) -> None:
     """Compile one entry into Triton's cache, its launcher too."""
     fn = resolve(e)
     kernel = fn.warmup(*[mock_arg(s) for s in e["args"]], grid=(1,), num_warps=e["num_warps"],
-                       **{k: _unconst(v) for k, v in e["constexprs"].items()})
+                       **{k: _unconst(v) for k, v in e["constexprs"].items()}, **e.get("options", {}))
     if hasattr(kernel, "result"):
         kernel = kernel.result()
     kernel.run  # noqa: B018 - loads the module and builds the launcher, cached beside the kernel
 
 
 def main(argv: list[str]) -> int:
-    """``python -m trainfuse._runtime.precompile MANIFEST INDEX COUNT``: compile every COUNT-th
-    entry from INDEX; the number of entries that failed is the exit status (capped at 100)."""
+    """``python -m trainfuse._runtime.precompile MANIFEST INDEX COUNT [DONE]``: compile every
+    COUNT-th entry from INDEX, each appended to the file DONE once compiled (one line of JSON, in
+    one write); the number of entries that failed is the exit status (capped at 100)."""
     path, index, count = argv[0], int(argv[1]), int(argv[2])
-    entries = load(Path(path))[index::count]
+    done = Path(argv[3]) if len(argv) > 3 else None
     failed = 0
-    for e in entries:
+    for e in load(Path(path))[index::count]:
         try:
             compile_entry(e)
         except Exception:  # noqa: BLE001 - a stale entry must not stop the others
             failed += 1
+            continue
+        if done is not None:
+            with open(done, "a") as f:  # O_APPEND: lines of concurrent workers never interleave
+                f.write(json.dumps(e, sort_keys=True) + "\n")
     return min(failed, 100)
 
 

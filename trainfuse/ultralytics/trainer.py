@@ -11,6 +11,7 @@ checkpoints stay stock (docs/integrations.md: what changes, and where results di
 from __future__ import annotations
 
 from collections.abc import Callable
+from copy import copy
 
 from typing_extensions import override
 from ultralytics.cfg import get_cfg
@@ -24,8 +25,11 @@ from trainfuse.ultralytics import compat
 from trainfuse.ultralytics.changes import CALLBACKS, Options, Results, Run, changes
 from trainfuse.ultralytics.changes.loss import takes_fused_loss
 from trainfuse.ultralytics.changes.optimizer import TorchLayoutOptimizer, fused_phase
+from trainfuse.ultralytics.checkpoint import CheckpointWriter
 from trainfuse.ultralytics.loading import BatchLoading
 from trainfuse.ultralytics.tasks import check_task
+from trainfuse.ultralytics.validate.validator import FusedDetectionValidator
+from trainfuse.ultralytics.warm_start import KernelsAhead
 
 _PREFIX = colorstr("trainfuse:")
 OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "prefetch")
@@ -55,6 +59,7 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
         report: what the trainer changed and what it left stock, with why (rows of
             :class:`trainfuse.clients.Row`; each is also logged).
         loading: the training batches' loading (``augment_reason``, ``jpeg_decoder``).
+        checkpoints: writes its checkpoints in the background (a :class:`CheckpointWriter`).
     """
 
     cuda_graphs = True
@@ -75,11 +80,13 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
         compat.warn_if_untested()
         check_task(get_cfg(cfg, overrides))  # before ultralytics checks the dataset, which fails first
         super().__init__(cfg, overrides, *args, **kwargs)
+        self.kernels = KernelsAhead(self.device)  # compiling while ultralytics sets the run up
         check_task(self.args)
         for name, value in options.items():
             setattr(self, name, value)
         self.report = Report("FusedDetectionTrainer")
         self.loading = BatchLoading(self.gpu_augment, self.prefetch)
+        self.checkpoints = CheckpointWriter()
         self._run: Run | None = None
         self._applied: AppliedChanges[Run] = AppliedChanges(self.report, self._log)
         # first in line, so that every other epoch-end callback sees the exact loss means; the
@@ -153,6 +160,8 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
     def after_setup(self) -> None:
         """Make the changes (ultralytics has built everything and loaded a resumed checkpoint)."""
         self.report.clear()
+        if line := self.kernels.started():
+            LOGGER.info(f"{_PREFIX} {line}")
         self._run = Run(self, Options(self.fused_loss, self.fuse_casts, self.cuda_graphs, self.fold_stem),
                         self.loading)
         self._applied.apply(changes(self._run.options), self._run)
@@ -171,9 +180,17 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
         finally:
             self._run.reloading = False
 
+    @override
+    def before_checkpoint_read(self) -> None:
+        self.checkpoints.flush()
+
     def _end(self, *, failed: bool) -> None:
+        if line := self.kernels.finished():
+            LOGGER.info(f"{_PREFIX} {line}")
+        self.kernels.remember()
         if self._run is not None:
             self._applied.restore(self._run, failed=failed)
+        self.checkpoints.close(raise_error=not failed)  # a failed run raises its own error
 
     def notify(self, event: str) -> None:
         """A moment of the loop (``epoch_starts``, ``epoch_ends``) for the applied changes."""
@@ -223,13 +240,23 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
     def preprocess_batch(self, batch: dict) -> dict:
         return super().preprocess_batch(self.loading.prepare(batch, self.device, self._pads_labels()))
 
+    @override
+    def get_validator(self):
+        """ultralytics' validator with batched, sync-free NMS and matching
+        (:class:`~trainfuse.ultralytics.validate.validator.FusedDetectionValidator`)."""
+        return FusedDetectionValidator(self.test_loader, save_dir=self.save_dir, args=copy(self.args),
+                                       _callbacks=self.callbacks)
+
     def _pads_labels(self) -> bool:
         """Whether the training batches carry padded labels (a fused loss trains)."""
         return self.fused_loss and takes_fused_loss(unwrap_model(self.model))
 
     @override
     def save_model(self):
-        """Ultralytics' checkpoint, with the fused optimizer's state in torch.optim's layout."""
+        """Ultralytics' checkpoint, with the fused optimizer's state in torch.optim's layout, written
+        in the background (``checkpoints``), or by ultralytics where no snapshot can be taken."""
+        if self.checkpoints.save(self, torch_layout=self.fused):
+            return True
         if not self.fused:
             return super().save_model()
         optimizer = self.optimizer

@@ -1,0 +1,56 @@
+"""The run's Triton kernels compiled while ultralytics sets the run up
+(:mod:`trainfuse._runtime.precompile`), and what the run launched remembered for the next one.
+
+On a machine whose Triton cache is empty, the first training step would otherwise compile every
+kernel of the fused step one after another. The trainer starts the workers when it is built, before
+ultralytics checks the dataset, builds the model and starts the loaders' workers; a launch of a
+kernel a worker is still compiling waits for that worker.
+"""
+
+from __future__ import annotations
+
+import torch
+from ultralytics.utils import RANK
+
+from trainfuse._runtime import precompile
+
+MANIFEST = "ultralytics"
+
+
+class KernelsAhead:
+    """Workers compiling the ``ultralytics`` manifest for a trainer on ``device`` (on CUDA, in the
+    process of rank 0 or of a single-GPU run).
+
+    Args:
+        device: the trainer's device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._ahead = precompile.ahead(MANIFEST) if device.type == "cuda" and RANK in {-1, 0} else None
+
+    def started(self) -> str | None:
+        """A line for the log saying what is compiled ahead, or None where nothing is."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        before = f"{ahead.compiled_before} compiled on an earlier run"
+        if not ahead.workers:
+            return f"the {ahead.entries} kernel specializations of this machine's runs: {before}"
+        return (f"{ahead.entries} kernel specializations: {before}, {len(ahead.pending)} compiling in "
+                f"{ahead.workers} processes (a launch waits for its own)")
+
+    def finished(self) -> str | None:
+        """End the workers; a line for the log saying how long the run waited for them."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or not ahead.workers:
+            return None
+        ahead.stop()
+        return f"compiled ahead: the run's launches waited {ahead.waited:.1f} s for the workers"
+
+    def remember(self) -> None:
+        """Add the specializations this run launched to this machine's manifest."""
+        if RANK in {-1, 0}:
+            precompile.remember(MANIFEST)
+
+
+__all__ = ["MANIFEST", "KernelsAhead"]
