@@ -36,6 +36,7 @@ def test_parts_add_up_to_the_wall_clock_of_a_default_run(tmp_path, monkeypatch):
     assert len(parts["validations"]) == 3  # one per epoch, then the final evaluation of best.pt
     assert parts["validation"] == pytest.approx(sum(parts["validations"][:2]))
     assert parts["final"] >= parts["validations"][2]
+    assert len(parts["saves"]) == 2 and all(0 <= t <= parts["epoch_ends"] for t in parts["saves"])
 
 
 def test_one_run_reports_its_parts_and_maps(tmp_path, monkeypatch):

@@ -76,8 +76,10 @@ class Timeline:
 
     def parts(self) -> dict[str, float]:
         """The run's wall clock in seconds and its parts (module docstring), which add up to it,
-        plus ``epochs`` (training time of each epoch, first iteration excluded from the first) and
-        ``epoch_total`` (each epoch start to the next, validation and end included)."""
+        plus ``epochs`` (training time of each epoch, first iteration excluded from the first),
+        ``epoch_total`` (each epoch start to the next, validation and end included), ``validations``
+        (each validation, the final one last) and ``saves`` (each epoch's metrics CSV and checkpoint:
+        from its validation's end to ``on_model_save``)."""
         start = self._times("on_train_start")[0]
         first = self._times("on_train_batch_end")[0]
         epoch_starts, epoch_ends = self._times("on_train_epoch_start"), self._times("on_train_epoch_end")
@@ -97,6 +99,11 @@ class Timeline:
         parts["epochs"] = epochs
         parts["epoch_total"] = [b - a for a, b in zip(epoch_starts, epoch_starts[1:] + [last_end])]
         parts["validations"] = [e - s for s, e in zip(val_starts, val_ends)]
+        # inside the epoch ends: from each epoch's validation (or its training, without one) to its
+        # on_model_save, ultralytics' metrics CSV and save_model
+        saves = self._times("on_model_save")[:len(epoch_ends)]
+        befores = [max([t for t in val_ends + epoch_ends if t <= save], default=save) for save in saves]
+        parts["saves"] = [save - before for save, before in zip(saves, befores)]
         return parts
 
 
