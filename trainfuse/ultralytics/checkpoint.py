@@ -238,7 +238,7 @@ def snapshot(trainer: Any) -> Snapshot:
         "scaler": trainer.scaler.state_dict(),
         "train_args": dict(vars(trainer.args)),  # the run may change its args before the write
         "train_metrics": {**trainer.metrics, "fitness": trainer.fitness},
-        "train_results": trainer.read_results_csv(),
+        "train_results": _csv_bytes(trainer.csv),  # parsed in the writer thread (results_table)
         "date": datetime.now().astimezone().isoformat(),
         "version": __version__,
         "git": {"root": str(GIT.root), "branch": GIT.branch, "commit": GIT.commit, "message": GIT.message,
@@ -251,6 +251,27 @@ def snapshot(trainer: Any) -> Snapshot:
         taken.ready = torch.cuda.Event()
         taken.ready.record(torch.cuda.current_stream(trainer.device))
     return taken
+
+
+def _csv_bytes(path: Path) -> bytes | None:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return None
+
+
+def results_table(data: bytes | None) -> dict:
+    """``BaseTrainer.read_results_csv`` of a results.csv read earlier (``data``, None when it could
+    not be read): its columns as lists, or {} where polars cannot parse it. Parsed in the writer
+    thread: the first call imports polars, a second or more on the training thread otherwise."""
+    import polars as pl
+
+    if data is None:
+        return {}
+    try:
+        return pl.read_csv(data, infer_schema_length=None).to_dict(as_series=False)
+    except Exception:  # noqa: BLE001 - stock's read gives {} for any failure
+        return {}
 
 
 def serialize(taken: Snapshot, *, torch_layout: bool) -> bytes:
@@ -281,7 +302,8 @@ def _dumps(checkpoint: dict[str, Any], torch_layout: bool) -> bytes:
     optimizer = torch_state_dict(checkpoint["optimizer"]) if torch_layout else checkpoint["optimizer"]
     optimizer = convert_optimizer_state_dict_to_fp16(optimizer)
     buffer = io.BytesIO()
-    torch.save({**checkpoint, "ema": ema, "optimizer": optimizer}, buffer)
+    torch.save({**checkpoint, "ema": ema, "optimizer": optimizer,
+                "train_results": results_table(checkpoint["train_results"])}, buffer)
     return buffer.getvalue()
 
 
