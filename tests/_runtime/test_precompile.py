@@ -92,6 +92,26 @@ def test_manifests_merge_dedupe_and_ignore_bad_files(tmp_path, monkeypatch):
     assert precompile.load(tmp_path / "absent.json") == []
 
 
+def test_a_cache_folder_that_cannot_be_written_starts_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_PRECOMPILE", "1")
+    monkeypatch.setattr(precompile.torch.cuda, "is_available", lambda: True)
+    import trainfuse._runtime.backend as backend
+
+    monkeypatch.setattr(backend, "interpreting", lambda: False)
+    monkeypatch.setattr(precompile, "_SHIPPED", tmp_path / "shipped")
+    entry = {"fn": "m:k", "args": [], "num_warps": 4, "constexprs": {}}
+    precompile.save(tmp_path / "shipped" / "t.json", [entry])
+    started = []
+    monkeypatch.setattr(precompile, "_start", lambda entries, workers: started.append(entries) or "started")
+    assert precompile.ahead("t") == "started" and started == [[entry]]  # what the refusal below stands on
+
+    def unwritable(entries, workers):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "readonly"))
+
+    monkeypatch.setattr(precompile, "_start", unwritable)
+    assert precompile.ahead("t") is None
+
+
 def test_nothing_starts_where_it_is_off_or_without_cuda(monkeypatch):
     monkeypatch.setenv("TRAINFUSE_PRECOMPILE", "0")
     assert precompile.ahead("ultralytics") is None

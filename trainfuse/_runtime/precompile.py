@@ -282,15 +282,20 @@ def ahead(name: str, workers: int | None = None) -> Ahead | None:
     """Start compiling client ``name``'s manifest in up to ``workers`` processes (default: half
     the CPUs, at most 8), leaving out what workers compiled into the same Triton cache before;
     None where there is nothing to do (no CUDA, no manifest, all compiled before, the Triton
-    interpreter, ``TRAINFUSE_PRECOMPILE=0``)."""
-    global _active
+    interpreter, ``TRAINFUSE_PRECOMPILE=0``, no cache folder to write: a read-only home)."""
     from trainfuse._runtime.backend import interpreting
 
     if os.environ.get("TRAINFUSE_PRECOMPILE", "1") == "0" or interpreting() or not torch.cuda.is_available():
         return None
-    entries = manifest(name)
-    if not entries:
+    try:
+        entries = manifest(name)
+        return _start(entries, workers) if entries else None
+    except (OSError, RuntimeError):  # the kernels compile in the run, as without a manifest
         return None
+
+
+def _start(entries: list[dict], workers: int | None) -> Ahead:
+    global _active
     done = _done_log()
     cache = _triton_cache()
     before = _read_done(done) if cache.is_dir() and any(cache.iterdir()) else set()
