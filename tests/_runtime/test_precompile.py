@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,30 @@ def test_a_launch_waits_for_the_worker_compiling_it_and_no_longer(tmp_path, monk
         ahead.stop()
     assert precompile._active is None and all(p.poll() is not None for p in ahead.processes)
     precompile.launching(bce._scale_kernel, (t, t, 65), 4, {"CD": tl.float32, "BLOCK": 64})  # no workers
+
+
+def test_first_launches_are_timed_once_and_summarized(monkeypatch):
+    monkeypatch.setattr(precompile, "_recorded", {})
+    monkeypatch.setattr(precompile, "_first", [])
+    monkeypatch.setattr(precompile, "_unrecordable", set())
+    t = torch.zeros(64)
+    assert precompile.summary() is None
+    with precompile.first_launch(bce._scale_kernel, (t, t, 64), 4, {"CD": tl.float32, "BLOCK": 64}):
+        time.sleep(0.05)
+    with precompile.first_launch(bce._scale_kernel, (t, t, 64), 4, {"CD": tl.float32, "BLOCK": 64}):
+        pass  # the same specialization: not a first launch
+    (name, seconds), = precompile.first_launches()
+    assert name == "_scale_kernel" and 0.04 < seconds < 5
+    # a bool argument has no stand-in in a manifest: timed, and named as not compiled ahead
+    with precompile.first_launch(bce._scale_kernel, (t, t, True), 4, {"CD": tl.float32, "BLOCK": 64}):
+        pass
+    assert precompile.unrecordable() == ["trainfuse.losses.bce:_scale_kernel"]
+    assert len(precompile.first_launches()) == 2 and len(precompile.recorded()) == 1
+    line = precompile.summary(waited=1.25)
+    assert line.startswith("2 kernel specializations first launched in ") and "_scale_kernel" in line
+    assert "launches waited 1.2 s for the compile workers" in line
+    assert "no manifest entry): trainfuse.losses" in line
+    assert precompile.summary(since=2) is None
 
 
 def test_shipped_manifests_name_kernels_that_exist():

@@ -28,7 +28,7 @@ def test_the_log_says_what_was_compiled_before_and_what_the_workers_compile(tmp_
         assert kernels.started() == ("5 kernel specializations: 2 compiled on an earlier run, 3 compiling in "
                                      "1 processes (a launch waits for its own)")
         ahead.waited = 1.25
-        assert kernels.finished() == "compiled ahead: the run's launches waited 1.2 s for the workers"
+        assert kernels.finished() == "launches waited 1.2 s for the compile workers"
     finally:
         ahead.stop()
     assert ahead.processes[0].poll() is not None and kernels.finished() is None

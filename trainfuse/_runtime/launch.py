@@ -28,6 +28,8 @@ import torch
 from trainfuse._runtime import compat, precompile
 from trainfuse._runtime.backend import interpreting
 
+_NOTHING = contextlib.nullcontext()
+
 
 def _hooked(hook) -> bool:
     # triton >= 3.5 keeps launch hooks in a HookChain that is never None: look inside it
@@ -93,13 +95,14 @@ class CachedLauncher:
             key = (fn, device.index, key)
         kernel = self._kernels.get(key)
         if kernel is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
-            if kernel is None:  # a worker may be compiling it: wait rather than compile it twice
-                precompile.launching(fn, args, num_warps, constexprs)
-            if stream is not None and stream != compat.current_raw_stream(device.index):
-                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+            # a worker may be compiling it: wait rather than compile it twice
+            first = precompile.first_launch(fn, args, num_warps, constexprs) if kernel is None else _NOTHING
+            with first:
+                if stream is not None and stream != compat.current_raw_stream(device.index):
+                    with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+                        kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
+                else:
                     kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
-            else:
-                kernel = fn[grid](*args, num_warps=num_warps, **constexprs)
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):

@@ -20,6 +20,7 @@ CPU time and nothing else; a kernel the manifest lacks compiles in the run, as w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +38,8 @@ VERSION = 1
 _SHIPPED = Path(__file__).with_name("manifests")
 _lock = threading.Lock()
 _recorded: dict[str, dict] = {}  # the entries this process compiled, by their JSON text
+_unrecordable: set[str] = set()  # kernels launched with no stand-in for an entry
+_first: list[tuple[str, float]] = []  # (kernel, seconds) of each first launch (first_launch)
 
 
 # ---- entries: what Triton specializes a launch on, as JSON ---------------------------------------
@@ -112,19 +115,82 @@ def entry(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | Non
     return e
 
 
+def _note(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | None) -> tuple[str, bool]:
+    """Record a launch's entry (:func:`recorded`): its JSON text (the kernel's name where it has no
+    stand-in) and whether this process sees it for the first time."""
+    e = entry(fn, args, num_warps, constexprs, options)
+    if e is None:
+        inner = getattr(fn, "fn", fn)
+        text = f"{getattr(inner, '__module__', '?')}:{getattr(inner, '__qualname__', repr(fn))}"
+        with _lock:
+            new = text not in _unrecordable
+            _unrecordable.add(text)
+        return text, new
+    text = json.dumps(e, sort_keys=True)
+    with _lock:
+        new = text not in _recorded
+        _recorded.setdefault(text, e)
+    return text, new
+
+
 def launching(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | None = None) -> None:
     """Before a launch of a specialization this process may not have compiled yet: note it (for
     :func:`remember`) and, where a worker of :func:`ahead` is compiling it, wait for the worker,
     so that the launch finds it in Triton's cache instead of compiling it a second time."""
-    e = entry(fn, args, num_warps, constexprs, options)
-    if e is None:
-        return
-    text = json.dumps(e, sort_keys=True)
-    with _lock:
-        _recorded.setdefault(text, e)
+    text, _ = _note(fn, args, num_warps, constexprs, options)
     workers = _active
     if workers is not None:
         workers.wait_for(text)
+
+
+@contextlib.contextmanager
+def first_launch(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | None = None):
+    """:func:`launching`, then time the launch made inside the ``with`` block where it is this
+    process's first of its specialization (the compile, or the load from Triton's cache; a wait
+    for a worker is counted apart): :func:`first_launches` lists them."""
+    text, new = _note(fn, args, num_warps, constexprs, options)
+    workers = _active
+    if workers is not None:
+        workers.wait_for(text)
+    start = time.perf_counter()
+    yield
+    if new:
+        inner = getattr(fn, "fn", fn)
+        with _lock:
+            _first.append((getattr(inner, "__qualname__", repr(fn)), time.perf_counter() - start))
+
+
+def first_launches() -> list[tuple[str, float]]:
+    """``(kernel name, seconds)`` of each specialization's first launch in this process (through
+    :func:`first_launch`), in order: a compile where Triton's cache lacked it."""
+    with _lock:
+        return list(_first)
+
+
+def unrecordable() -> list[str]:
+    """The kernels launched with a specialization no manifest entry can describe (compiled in the
+    run on a cold cache whatever the manifest holds)."""
+    with _lock:
+        return sorted(_unrecordable)
+
+
+def summary(waited: float = 0.0, since: int = 0) -> str | None:
+    """A line for a log: how many specializations were first launched in this process (after the
+    first ``since`` of :func:`first_launches`) and how long that took, the slowest named; how long
+    launches ``waited`` for the compile workers; the kernels no manifest entry describes. None
+    where there is nothing to say."""
+    firsts = first_launches()[since:]
+    parts = []
+    if firsts:
+        total = sum(s for _, s in firsts)
+        slowest = ", ".join(f"{name} {s:.1f} s" for name, s in sorted(firsts, key=lambda f: -f[1])[:3])
+        parts.append(f"{len(firsts)} kernel specializations first launched in {total:.1f} s "
+                     f"(slowest: {slowest})")
+    if waited:
+        parts.append(f"launches waited {waited:.1f} s for the compile workers")
+    if firsts and (missing := unrecordable()):
+        parts.append(f"not compiled ahead (no manifest entry): {', '.join(missing)}")
+    return "; ".join(parts) or None
 
 
 def recorded() -> list[dict]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import time
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
@@ -67,6 +68,7 @@ class GraphLedger(Generic[Entry]):
         self._counts = StepStats()
         self._warned = False
         self._peak_before_capture: int | None = None
+        self._capture_started = 0.0
 
     @property
     def who(self) -> str:
@@ -109,7 +111,9 @@ class GraphLedger(Generic[Entry]):
 
     # ---- a capture -------------------------------------------------------------------------------
     def before_capture(self, device: torch.device) -> None:
-        """Note the peak memory on ``device`` if no capture came before."""
+        """A capture starts: note the time, and the peak memory on ``device`` if no capture came
+        before."""
+        self._capture_started = time.perf_counter()
         if self._peak_before_capture is None:
             self._peak_before_capture = torch.cuda.max_memory_allocated(device)
 
@@ -119,11 +123,13 @@ class GraphLedger(Generic[Entry]):
         self._cache.store(key, entry)
         self.pool.hold(entry)
         self._counts.captures += 1
+        self._counts.capture_s += time.perf_counter() - self._capture_started
 
     def capture_failed(self, key: Hashable, error: BaseException) -> None:
         """``key``'s capture raised ``error`` or made an entry that cannot be kept: :meth:`fail`,
         and later captures start a fresh pool (the attempt's graphs are freed, and torch cannot
         capture into a pool all of whose graphs were freed: see :class:`GraphPool`)."""
+        self._counts.capture_s += time.perf_counter() - self._capture_started
         self.pool.renew()
         self.fail(key, error)
 

@@ -16,6 +16,8 @@ class StepStats:
     captures: int = 0  # keys captured (for a GraphedModule, a key's three graphs at once)
     fallbacks: int = 0  # keys made eager by a failed capture or a host sync
     evictions: int = 0  # captured keys dropped to keep at most max_graphs
+    # seconds the captures took (warm-up calls, capture, failed attempts included): not compared
+    capture_s: float = dataclasses.field(default=0.0, compare=False)
 
 
 __all__ = ["StepStats"]

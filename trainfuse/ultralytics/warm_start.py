@@ -26,7 +26,9 @@ class KernelsAhead:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._ahead = precompile.ahead(MANIFEST) if device.type == "cuda" and RANK in {-1, 0} else None
+        self._cuda = device.type == "cuda"
+        self._since = len(precompile.first_launches())  # an earlier run's in this process are not ours
+        self._ahead = precompile.ahead(MANIFEST) if self._cuda and RANK in {-1, 0} else None
 
     def started(self) -> str | None:
         """A line for the log saying what is compiled ahead, or None where nothing is."""
@@ -40,12 +42,14 @@ class KernelsAhead:
                 f"{ahead.workers} processes (a launch waits for its own)")
 
     def finished(self) -> str | None:
-        """End the workers; a line for the log saying how long the run waited for them."""
+        """End the workers; a line for the log saying which kernels the run launched first and
+        how long that took, and how long the run waited for the workers (None off CUDA)."""
         ahead, self._ahead = self._ahead, None
-        if ahead is None or not ahead.workers:
-            return None
-        ahead.stop()
-        return f"compiled ahead: the run's launches waited {ahead.waited:.1f} s for the workers"
+        waited = 0.0
+        if ahead is not None and ahead.workers:
+            ahead.stop()
+            waited = ahead.waited
+        return precompile.summary(waited, self._since) if self._cuda else None
 
     def remember(self) -> None:
         """Add the specializations this run launched to this machine's manifest."""

@@ -360,8 +360,8 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
             luts.contiguous() if luts is not None else packed.new_zeros(1), sdiv, hdiv, out,
             h_out, w_out, w_out - w_out % vector_block if vector_block > 0 else 0)
     consts = {"TABLE": TABLE, "HSV": luts is not None, "PERSPECTIVE": bool(perspective), "BLOCK": _BLOCK}
-    precompile.launching(_augment_kernel, args, 4, consts)  # a 2-d grid: launched without CachedLauncher
-    _augment_kernel[grid](*args, num_warps=4, **consts)
+    with precompile.first_launch(_augment_kernel, args, 4, consts):  # a 2-d grid: no CachedLauncher
+        _augment_kernel[grid](*args, num_warps=4, **consts)
     return out
 
 

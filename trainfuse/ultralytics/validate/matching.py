@@ -66,8 +66,8 @@ def match_kernels(iou: torch.Tensor, nlabels: torch.Tensor, count: torch.Tensor,
     thresholds = thresholds.to(iou.device, torch.float32).contiguous()
     args = (iou.float().contiguous(), nlabels.to(torch.int32).contiguous(),
             count.to(torch.int32).contiguous(), thresholds, tp, M, D, T)
-    precompile.launching(match_kernel, args, warps, {"M_PAD": m_pad, "T_PAD": t_pad})
-    match_kernel[(B,)](*args, M_PAD=m_pad, T_PAD=t_pad, num_warps=warps)
+    with precompile.first_launch(match_kernel, args, warps, {"M_PAD": m_pad, "T_PAD": t_pad}):
+        match_kernel[(B,)](*args, M_PAD=m_pad, T_PAD=t_pad, num_warps=warps)
     return tp.view(torch.bool)
 
 

@@ -211,8 +211,8 @@ def nms_kernels(prediction: torch.Tensor, conf_thres: float, iou_thres: float, c
     args = (boxes, scores, cls, n, rows, count, k, max_det, 0.0 if agnostic else float(max_wh),
             iou_threshold(iou_thres, prediction.device))
     # torch rounds each product and sum: so must the IoU
-    precompile.launching(nms_kernel, args, 4, {"BLOCK": BLOCK}, {"enable_fp_fusion": False})
-    nms_kernel[(B,)](*args, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
+    with precompile.first_launch(nms_kernel, args, 4, {"BLOCK": BLOCK}, {"enable_fp_fusion": False}):
+        nms_kernel[(B,)](*args, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
     return BatchedDetections(rows, count)
 
 
