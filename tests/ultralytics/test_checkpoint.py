@@ -285,6 +285,30 @@ def test_the_checkpoint_is_the_state_at_the_save_not_after_later_steps(tmp_path,
     assert_same_checkpoint_files(trainer.last, expected.last)
 
 
+class _CopiedWhere:
+    """Notes the thread that deep-copies it."""
+
+    def __init__(self):
+        self.threads: list[threading.Thread] = []
+
+    def __deepcopy__(self, memo):
+        self.threads.append(threading.current_thread())
+        return _CopiedWhere()
+
+
+def test_the_ema_structure_is_copied_off_the_calling_thread_as_it_was_at_the_save(tmp_path, device):
+    trainer = _trainer_like(tmp_path / "ours", device, "SGD")
+    trainer.ema.ema.probe = probe = _CopiedWhere()
+    writer = CheckpointWriter()
+    assert writer.save(trainer)
+    writer.wait_copied()
+    assert len(probe.threads) == 1 and probe.threads[0] is not threading.current_thread()
+    trainer.ema.ema.names = {0: "changed"}  # ultralytics' update_attr at the next epoch's end
+    writer.close()
+    saved = torch.load(trainer.last, weights_only=False)["ema"]
+    assert saved.names == {0: "a", 1: "b"} and isinstance(saved.probe, _CopiedWhere)
+
+
 def test_a_device_without_a_snapshot_is_saved_by_the_caller_with_the_reason_logged(tmp_path, caplog):
     trainer = _trainer_like(tmp_path, torch.device("cpu"), "SGD")
     trainer.device = torch.device("meta")

@@ -5,16 +5,19 @@ deep-copies the EMA and the optimizer state (a Python ``__deepcopy__`` per tenso
 to half, ``torch.save``s them (device-to-host copies) and writes the bytes over last.pt, all on the
 training thread. :meth:`CheckpointWriter.save` keeps on that thread only what must see the live
 state: the NaN/Inf check and re-sync (one host sync), copies of the EMA's params and buffers and of
-the optimizer state (a few multi-tensor launches, queued on the device), the EMA module's Python
-structure around them, and the checkpoint's other entries. One background thread then waits for
-the copies (an event; its own work on a side stream), makes the EMA half, contiguous and clamped as
-stock does, ``torch.save``s the checkpoint once and writes last.pt (best.pt and epochN.pt where
-stock writes them) from those bytes, each through :func:`write_atomically`: a process killed at any
-moment leaves the previous file or the new one.
+the optimizer state (a few multi-tensor launches, queued on the device), and the checkpoint's other
+entries. One background thread then deep-copies the EMA module's Python structure around those
+copies (the live module's tensors are never read: each maps to its copy), waits for the copies (an
+event; its own work on a side stream), makes the EMA half, contiguous and clamped as stock does,
+``torch.save``s the checkpoint once and writes last.pt (best.pt and epochN.pt where stock writes
+them) from those bytes, each through :func:`write_atomically`: a process killed at any moment
+leaves the previous file or the new one.
 
 At most one checkpoint is in flight: a new save waits for the previous one, and so does every read
 of a checkpoint later in the run (:meth:`CheckpointWriter.flush`, which raises a failed write's
-error on the calling thread).
+error on the calling thread). The EMA module's structure must not change until the thread has
+copied it: :meth:`CheckpointWriter.wait_copied` waits for that (the trainer calls it at each
+epoch's end, before ultralytics updates the EMA's attributes and validates it).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,6 +98,7 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: tuple[Future, tuple[Path, ...]] | None = None
+        self._copied: threading.Event | None = None  # set once the write in flight copied the EMA's structure
         self._told: set[str] = set()
 
     def write(self, serialize: Callable[[], bytes], paths: Sequence[Path]) -> None:
@@ -104,6 +109,12 @@ class CheckpointWriter:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainfuse-checkpoint")
         paths = tuple(Path(p) for p in paths)
         self._pending = (self._executor.submit(_serialize_and_write, serialize, paths), paths)
+
+    def wait_copied(self) -> None:
+        """Wait until the checkpoint in flight no longer reads the live EMA module's structure (its
+        copy is made; a failed one raises at :meth:`flush`)."""
+        if self._copied is not None:
+            self._copied.wait()
 
     def flush(self) -> None:
         """Wait for the checkpoint in flight; raise :class:`CheckpointWriteError` if it failed."""
@@ -150,6 +161,7 @@ class CheckpointWriter:
                 LOGGER.info(f"{_PREFIX} checkpoints written by ultralytics on the training thread: {why}")
             return False
         self.write(lambda: serialize(taken, torch_layout=torch_layout), targets(trainer))
+        self._copied = taken.copied
         # ultralytics runs on_model_save once the files are written: a callback of the user's may read them
         callbacks = trainer.callbacks.get("on_model_save", ())
         if any(not getattr(c, "__module__", "").startswith("ultralytics.") for c in callbacks):
@@ -204,24 +216,29 @@ def copies_of(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
 
 @dataclasses.dataclass
 class Snapshot:
-    """A checkpoint taken on the training thread. Its EMA is a copy of the live one, not yet in
-    half precision (:func:`serialize` casts it as stock does); its tensors are copies on ``device``
-    (``copies``, kept until the write is done), complete once ``ready`` (an event on that CUDA
-    device; None where the copies are done)."""
+    """A checkpoint taken on the training thread. Its ``ema`` and ``optimizer`` entries are the live
+    EMA module and the optimizer's state dict (its containers copied) until :func:`serialize`
+    deep-copies them through ``memo`` (``id`` of each live tensor -> its copy) and sets ``copied``;
+    the copies are on ``device`` (``copies``, kept until the write is done), complete once ``ready``
+    (an event on that CUDA device; None where the copies are done)."""
 
     checkpoint: dict[str, Any]
     device: torch.device
     copies: list[torch.Tensor]
+    memo: dict[int, Any]
+    copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     ready: torch.cuda.Event | None = None
 
 
 def snapshot(trainer: Any) -> Snapshot:
     """The checkpoint ``BaseTrainer.save_model`` writes for ``trainer``, its params, buffers and
-    optimizer state copied in a few multi-tensor launches (Python's deepcopy copies the rest)."""
+    optimizer state copied in a few multi-tensor launches (:func:`serialize` deep-copies the rest)."""
     ema = trainer.ema.ema
     resync_non_finite(ema, unwrap_model(trainer.model))
     live = list(ema.parameters()) + list(ema.buffers())
     optimizer = trainer.optimizer.state_dict()
+    # the per-param state dicts may be the optimizer's own, changed by its next steps
+    optimizer = {**optimizer, "state": {k: dict(v) for k, v in optimizer["state"].items()}}
     copies = copies_of(live + [v for state in optimizer["state"].values() for v in state.values()
                                if isinstance(v, torch.Tensor)])
     memo: dict[int, Any] = dict(copies)
@@ -231,10 +248,10 @@ def snapshot(trainer: Any) -> Snapshot:
         "best_fitness": trainer.best_fitness,
         "stopper": {"best_fitness": trainer.stopper.best_fitness, "best_epoch": trainer.stopper.best_epoch},
         "model": None,
-        "ema": deepcopy(ema, memo),
+        "ema": ema,  # the live module until serialize copies it through memo
         "updates": trainer.ema.updates,
         "modelopt": None,  # a quantization-aware EMA is saved by ultralytics (why_no_snapshot)
-        "optimizer": deepcopy(optimizer, memo),
+        "optimizer": optimizer,
         "scaler": trainer.scaler.state_dict(),
         "train_args": dict(vars(trainer.args)),  # the run may change its args before the write
         "train_metrics": {**trainer.metrics, "fitness": trainer.fitness},
@@ -246,7 +263,7 @@ def snapshot(trainer: Any) -> Snapshot:
         "license": "AGPL-3.0 (https://ultralytics.com/license)",
         "docs": "https://docs.ultralytics.com",
     }
-    taken = Snapshot(checkpoint, trainer.device, list(copies.values()))
+    taken = Snapshot(checkpoint, trainer.device, list(copies.values()), memo)
     if trainer.device.type == "cuda":
         taken.ready = torch.cuda.Event()
         taken.ready.record(torch.cuda.current_stream(trainer.device))
@@ -274,10 +291,23 @@ def results_table(data: bytes | None) -> dict:
         return {}
 
 
+def copy_structure(taken: Snapshot) -> None:
+    """Replace the live EMA module and optimizer state of ``taken`` by deep copies made through its
+    memo (each live tensor by its copy), then set ``taken.copied``, whether the copy worked or not."""
+    try:
+        checkpoint, memo = taken.checkpoint, taken.memo
+        checkpoint["ema"] = deepcopy(checkpoint["ema"], memo)
+        checkpoint["optimizer"] = deepcopy(checkpoint["optimizer"], memo)
+    finally:
+        taken.copied.set()
+
+
 def serialize(taken: Snapshot, *, torch_layout: bool) -> bytes:
-    """The bytes of a :func:`snapshot` (in the writer thread; on CUDA once its copies are done, on a
-    side stream so the casts and device-to-host copies overlap the training stream's work), the EMA
-    and the optimizer state converted as stock converts them."""
+    """The bytes of a :func:`snapshot` (in the writer thread: its structure copied first, then on
+    CUDA once its copies are done, on a side stream so the casts and device-to-host copies overlap
+    the training stream's work), the EMA and the optimizer state converted as stock converts them."""
+    if not taken.copied.is_set():
+        copy_structure(taken)
     if taken.ready is None:
         return _dumps(taken.checkpoint, torch_layout)
     # its copies to the host are syncs: none while the training thread watches a call for its own
@@ -319,4 +349,5 @@ def targets(trainer: Any) -> list[Path]:
 
 
 __all__ = ["PARTIAL_SUFFIX", "CheckpointWriteError", "CheckpointWriter", "Snapshot", "copies_of",
-           "resync_non_finite", "serialize", "snapshot", "targets", "why_no_snapshot", "write_atomically"]
+           "copy_structure", "resync_non_finite", "serialize", "snapshot", "targets", "why_no_snapshot",
+           "write_atomically"]
