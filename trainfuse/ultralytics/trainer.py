@@ -190,10 +190,17 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
         self.kernels.remember()
         if self._run is not None:
             self._applied.restore(self._run, failed=failed)
+            stats = self._run.results.graph_stats
+            if stats is not None and stats.captures:
+                LOGGER.info(f"{_PREFIX} captured {stats.captures} CUDA graphs of the step in "
+                            f"{stats.capture_s:.1f} s (each shape's first batch ran eagerly: {stats.eager} "
+                            "batches)")
         self.checkpoints.close(raise_error=not failed)  # a failed run raises its own error
 
     def notify(self, event: str) -> None:
         """A moment of the loop (``epoch_starts``, ``epoch_ends``) for the applied changes."""
+        if event == "epoch_ends":  # ultralytics updates the EMA's attributes next, then validates it
+            self.checkpoints.wait_copied()
         for change in self._applied:
             getattr(change, event)(self._run)
 
@@ -242,10 +249,13 @@ class FusedDetectionTrainer(compat.TrainerHooks, DetectionTrainer):
 
     @override
     def get_validator(self):
-        """ultralytics' validator with batched, sync-free NMS and matching
-        (:class:`~trainfuse.ultralytics.validate.validator.FusedDetectionValidator`)."""
-        return FusedDetectionValidator(self.test_loader, save_dir=self.save_dir, args=copy(self.args),
-                                       _callbacks=self.callbacks)
+        """ultralytics' validator with batched, sync-free NMS and matching, the EMA's forward from
+        CUDA graphs where the step's are on (:class:`~trainfuse.ultralytics.validate.validator.
+        FusedDetectionValidator`)."""
+        validator = FusedDetectionValidator(self.test_loader, save_dir=self.save_dir, args=copy(self.args),
+                                            _callbacks=self.callbacks)
+        validator.cuda_graphs = self.cuda_graphs
+        return validator
 
     def _pads_labels(self) -> bool:
         """Whether the training batches carry padded labels (a fused loss trains)."""

@@ -15,6 +15,11 @@ own methods, on host copies.
 The labels come padded from the CPU (``batch["padded_targets"]``, put there in ``preprocess``
 while the batch is still on the CPU, as the fused loss reads them), and the per-image target
 classes from the CPU copy of the batch, so nothing is read back from the device but the results.
+On CUDA the model's forward is replayed from CUDA graphs
+(:class:`~trainfuse.ultralytics.validate.graphed.GraphedEval`): during training the EMA's, whose
+loss is then the fused one; in ``model.val`` the PyTorch model ultralytics' ``AutoBackend`` runs.
+``cuda_graphs=False`` keeps stock's eager forward and loss.
+
 Without Triton (``TRAINFUSE_BACKEND=torch``, or CPU tensors by default) NMS is ultralytics' own
 function and the matching :func:`~trainfuse.ultralytics.validate.matching.match_torch`: the
 statistics are stock's exactly. End-to-end heads (YOLOv10, YOLO26), which skip NMS, keep stock's
@@ -34,6 +39,7 @@ from ultralytics.models.yolo.detect import DetectionValidator
 from ultralytics.utils import ops
 
 from trainfuse.losses.detection.targets import PADDED_KEY, add_padded_targets, pad_targets, target_capacity
+from trainfuse.ultralytics.validate.graphed import GraphedEval, graphable
 from trainfuse.ultralytics.validate.matching import true_positives
 from trainfuse.ultralytics.validate.nms import BatchedDetections, batched_nms
 
@@ -116,16 +122,52 @@ def image_prediction(boxes: np.ndarray, conf: np.ndarray, cls: np.ndarray, n: in
 class FusedDetectionValidator(DetectionValidator):
     """``ultralytics.models.yolo.detect.DetectionValidator`` with batched, sync-free NMS and matching
     (see the module docstring): ``model.val(data=..., validator=FusedDetectionValidator)``;
-    :class:`~trainfuse.ultralytics.FusedDetectionTrainer` validates with it."""
+    :class:`~trainfuse.ultralytics.FusedDetectionTrainer` validates with it.
+
+    Attributes:
+        cuda_graphs: on CUDA, run the model's forward from CUDA graphs, and during training the
+            EMA's loss fused (default True; a class attribute, set per instance as the trainer
+            does).
+        graphed: the :class:`~trainfuse.ultralytics.validate.graphed.GraphedEval` of the trainer's
+            EMA, kept across validations while the EMA's tensors stay where they are; or None.
+    """
+
+    cuda_graphs = True
 
     def __init__(self, dataloader=None, save_dir=None, args=None, _callbacks: dict | None = None) -> None:
         super().__init__(dataloader, save_dir, args, _callbacks)
         self.queued: list[QueuedBatch] = []
         self.thresholds: torch.Tensor | None = None  # ``iouv`` on the device
+        self.graphed: GraphedEval | None = None
+
+    @override
+    def get_model(self, model, trainer=None):
+        """Stock's model; during training on CUDA, the EMA behind :class:`GraphedEval`."""
+        model = super().get_model(model, trainer)
+        if (trainer is None or not self.cuda_graphs or trainer.device.type != "cuda" or trainer.args.compile
+                or not isinstance(model, torch.nn.Module) or not graphable(model)):
+            return model
+        if self.graphed is None or not self.graphed.fits(model):
+            self.graphed = GraphedEval(model)
+        return self.graphed
 
     @override
     def init_metrics(self, model: torch.nn.Module) -> None:
+        if isinstance(model, GraphedEval):
+            model = model.model
+        elif not self.training:
+            self.graph_backend(model)
         super().init_metrics(model)
+
+    def graph_backend(self, model: Any) -> None:
+        """For ``model.val``: the PyTorch model inside ultralytics' ``AutoBackend`` (``model``, built
+        for this validation) behind :class:`GraphedEval`, on CUDA where it is graphable."""
+        backend = getattr(model, "backend", None)
+        inner = getattr(backend, "model", None)
+        if (self.cuda_graphs and self.device.type == "cuda" and getattr(model, "format", None) == "pt"
+                and not self.args.compile and isinstance(inner, torch.nn.Module)
+                and not isinstance(inner, GraphedEval) and graphable(inner)):
+            backend.model = GraphedEval(inner)
         self.queued = []
         self.thresholds = self.iouv.to(self.device)
 
