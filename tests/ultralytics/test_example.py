@@ -87,6 +87,16 @@ def test_generator_reuses_a_matching_dataset_and_replaces_another(tmp_path):
     assert len(list((tmp_path / "labels" / "train").iterdir())) == 2
 
 
+def test_photo_images_follow_their_own_seed_whatever_the_dataset_size(tmp_path):
+    # 70 training images are drawn by worker processes, 3 in this one: image i is the same
+    big = make_shapes_dataset(tmp_path / "big", n_train=70, n_val=1, imgsz=64, photo=True).parent
+    small = make_shapes_dataset(tmp_path / "small", n_train=3, n_val=1, imgsz=64, photo=True).parent
+    for name in ("images/train/00002.jpg", "labels/train/00002.txt", "images/val/00000.jpg"):
+        assert (big / name).read_bytes() == (small / name).read_bytes(), name
+    assert (big / "images/train/00000.jpg").read_bytes() != (big / "images/val/00000.jpg").read_bytes()
+    assert len(list((big / "labels" / "train").iterdir())) == 70
+
+
 @pytest.mark.parametrize("bad,match", [({"nc": 0}, "nc=0"), ({"nc": 6}, "nc=6"), ({"n_val": 0}, "n_val=0"),
                                        ({"imgsz": 16}, "imgsz=16")])
 def test_generator_rejects_bad_arguments(tmp_path, bad, match):

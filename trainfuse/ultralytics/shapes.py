@@ -1,8 +1,10 @@
 """A synthetic detection dataset: shapes of several classes on textured backgrounds, YOLO labels.
 
 Deterministic from its seed (numpy's PCG64 draws every choice, OpenCV only rasterizes) and offline:
-nothing is downloaded. The class is the shape; each class has its own hue, jittered per object, so
-that a YOLOv5n trained from scratch learns it in a few epochs. Layout::
+nothing is downloaded. Photo-like images are drawn and encoded in worker processes, each image from
+its own seed (its split, its index and the dataset's seed). The class is the shape; each class has
+its own hue, jittered per object, so that a YOLOv5n trained from scratch learns it in a few epochs.
+Layout::
 
     root/data.yaml
     root/images/{train,val}/00000.jpg ...
@@ -88,6 +90,17 @@ def _image(rng: np.random.Generator, width: int, height: int, nc: int, max_objec
     return img, lines
 
 
+def _photo_job(job: tuple) -> None:
+    """Draw and write one photo-like image and its labels, from the image's own seed."""
+    import cv2
+
+    images, labels, i, key, imgsz, nc, max_objects = job
+    img, lines = _image(np.random.default_rng(list(map(int, key))), imgsz, imgsz * 3 // 4, nc, max_objects,
+                        photo=True)
+    cv2.imwrite(str(images / f"{i:05d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 95])
+    (labels / f"{i:05d}.txt").write_text("\n".join(lines) + "\n")
+
+
 def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, imgsz: int = 640,
                         seed: int = 0, nc: int = len(CLASSES), max_objects: int = 8,
                         photo: bool = False, distinct: int | None = None) -> Path:
@@ -123,7 +136,7 @@ def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, i
     if distinct is not None and distinct < 1:
         raise ValueError(f"make_shapes_dataset: distinct={distinct}; expected at least 1 or None")
     spec = {"n_train": n_train, "n_val": n_val, "imgsz": imgsz, "seed": seed, "nc": nc,
-            "max_objects": max_objects, "version": 1, **({"photo": True} if photo else {}),
+            "max_objects": max_objects, "version": 2 if photo else 1, **({"photo": True} if photo else {}),
             **({"distinct": distinct} if distinct is not None and distinct < n_train else {})}
     marker, yaml = root / "shapes.json", root / "data.yaml"
     if marker.exists() and yaml.exists() and json.loads(marker.read_text()) == spec:
@@ -136,14 +149,26 @@ def make_shapes_dataset(root: str | Path, n_train: int = 512, n_val: int = 64, i
             for old in folder.iterdir():  # a different earlier dataset must not leave files behind
                 old.unlink()
         drawn = min(n, distinct) if split == "train" and distinct else n
-        for i in range(n):
-            if i >= drawn:  # a copy of a drawn image
-                os.link(images / f"{i % drawn:05d}.jpg", images / f"{i:05d}.jpg")
-                (labels / f"{i:05d}.txt").write_text((labels / f"{i % drawn:05d}.txt").read_text())
-                continue
-            img, lines = _image(rng, imgsz, imgsz * 3 // 4 if photo else imgsz, nc, max_objects, photo)
+        if photo:
+            jobs = [(images, labels, i, (seed, split == "val", i), imgsz, nc, max_objects)
+                    for i in range(drawn)]
+            workers = min(os.cpu_count() or 1, max(1, drawn // 32), 16)
+            if workers > 1:
+                import multiprocessing
+
+                context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+                with context.Pool(workers) as pool:
+                    pool.map(_photo_job, jobs, chunksize=8)
+            else:
+                for job in jobs:
+                    _photo_job(job)
+        for i in range(0 if photo else drawn):
+            img, lines = _image(rng, imgsz, imgsz, nc, max_objects)
             cv2.imwrite(str(images / f"{i:05d}.jpg"), img, [cv2.IMWRITE_JPEG_QUALITY, 95])
             (labels / f"{i:05d}.txt").write_text("\n".join(lines) + "\n")
+        for i in range(drawn, n):  # copies of the drawn images
+            os.link(images / f"{i % drawn:05d}.jpg", images / f"{i:05d}.jpg")
+            (labels / f"{i:05d}.txt").write_text((labels / f"{i % drawn:05d}.txt").read_text())
     for cache in root.glob("labels/*.cache"):  # ultralytics' label cache of an earlier dataset
         cache.unlink()
     names = "".join(f"  {k}: {CLASSES[k]}\n" for k in range(nc))
