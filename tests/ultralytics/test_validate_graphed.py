@@ -148,5 +148,6 @@ def test_model_val_replays_the_backend_model_and_gives_stock_metrics(tmp_path):
     stock = model.val(validator=DetectionValidator, name="stock", **kwargs).results_dict
     ours = model.val(validator=Recording, name="ours", **kwargs).results_dict
     (g,) = graphed
-    assert isinstance(g, GraphedEval) and g.stats.captures == 1 and g.stats.replays == 2  # 3 batches, one shape
+    assert isinstance(g, GraphedEval)
+    assert g.stats.captures == 1 and g.stats.replays == 2  # 3 batches of one shape
     assert ours == stock
