@@ -174,11 +174,11 @@ def unrecordable() -> list[str]:
         return sorted(_unrecordable)
 
 
-def summary(waited: float = 0.0, since: int = 0) -> str | None:
+def summary(waited: float = 0.0, since: int = 0, failures: list[tuple[str, str]] = ()) -> str | None:
     """A line for a log: how many specializations were first launched in this process (after the
     first ``since`` of :func:`first_launches`) and how long that took, the slowest named; how long
-    launches ``waited`` for the compile workers; the kernels no manifest entry describes. None
-    where there is nothing to say."""
+    launches ``waited`` for the compile workers; the kernels no manifest entry describes; the
+    ``failures`` of the workers (:attr:`Ahead.failures`). None where there is nothing to say."""
     firsts = first_launches()[since:]
     parts = []
     if firsts:
@@ -190,6 +190,10 @@ def summary(waited: float = 0.0, since: int = 0) -> str | None:
         parts.append(f"launches waited {waited:.1f} s for the compile workers")
     if firsts and (missing := unrecordable()):
         parts.append(f"not compiled ahead (no manifest entry): {', '.join(missing)}")
+    if failures:
+        kernel, error = failures[0]
+        first = error.splitlines()[0] if error else ""
+        parts.append(f"the compile workers failed on {len(failures)} (first: {kernel}: {first})")
     return "; ".join(parts) or None
 
 
@@ -306,6 +310,7 @@ class Ahead:
         self.processes: list[subprocess.Popen] = []
         self.started = time.perf_counter()
         self.waited = 0.0  # seconds launches spent waiting for the workers
+        self.failures: list[tuple[str, str]] = []  # (kernel, error) the workers failed on, once stopped
         self._done_path, self._done, self._manifest = done, set(), None
 
     @property
@@ -337,6 +342,8 @@ class Ahead:
         if self._manifest is not None:
             Path(self._manifest).unlink(missing_ok=True)
             self._manifest = None
+        self.failures = worker_failures(self._done_path)
+        _failed_log(self._done_path).unlink(missing_ok=True)
         if _active is self:
             _active = None
 
@@ -410,20 +417,45 @@ def compile_entry(e: dict) -> None:
 def main(argv: list[str]) -> int:
     """``python -m trainfuse._runtime.precompile MANIFEST INDEX COUNT [DONE]``: compile every
     COUNT-th entry from INDEX, each appended to the file DONE once compiled (one line of JSON, in
-    one write); the number of entries that failed is the exit status (capped at 100)."""
+    one write), and each that failed to ``DONE.failed`` (its JSON and the error, one line); the
+    number of entries that failed is the exit status (capped at 100)."""
     path, index, count = argv[0], int(argv[1]), int(argv[2])
     done = Path(argv[3]) if len(argv) > 3 else None
     failed = 0
     for e in load(Path(path))[index::count]:
         try:
             compile_entry(e)
-        except Exception:  # noqa: BLE001 - a stale entry must not stop the others
+        except Exception as error:  # noqa: BLE001 - a stale entry must not stop the others
             failed += 1
+            if done is not None:
+                line = json.dumps({"entry": e, "error": f"{type(error).__name__}: {error}"[:2000]})
+                with open(_failed_log(done), "a") as f:
+                    f.write(line + "\n")
             continue
         if done is not None:
             with open(done, "a") as f:  # O_APPEND: lines of concurrent workers never interleave
                 f.write(json.dumps(e, sort_keys=True) + "\n")
     return min(failed, 100)
+
+
+def _failed_log(done: Path) -> Path:
+    return done.with_name(done.name + ".failed")
+
+
+def worker_failures(done: Path) -> list[tuple[str, str]]:
+    """``(kernel, error)`` of each entry a worker failed to compile (:func:`main`'s ``DONE.failed``)."""
+    out = []
+    try:
+        lines = _failed_log(done).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+            out.append((record["entry"]["fn"], record["error"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 if __name__ == "__main__":

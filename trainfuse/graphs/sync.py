@@ -49,7 +49,10 @@ def watching_syncs(device: torch.device, fn: Callable[..., Any], /, *args: Any,
                    **kwargs: Any) -> tuple[Any, str | None]:
     """``fn(*args, **kwargs)`` on the side stream under torch's sync debug mode: its result, and
     the first host synchronization it made with the Python file and line that made it (None if
-    none). Other warnings are passed on."""
+    none). Only this thread's synchronizations count: torch's debug mode is the process's, and
+    another thread's (ultralytics plots its first batches in threads, a checkpoint thread copies
+    to the host) would otherwise keep ``fn`` out of CUDA graphs for good. Other warnings are
+    passed on."""
     with background_syncs:
         return _watching_syncs(device, fn, *args, **kwargs)
 
@@ -57,20 +60,28 @@ def watching_syncs(device: torch.device, fn: Callable[..., Any], /, *args: Any,
 def _watching_syncs(device: torch.device, fn: Callable[..., Any], /, *args: Any,
                     **kwargs: Any) -> tuple[Any, str | None]:
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
+    me = threading.get_ident()
+    caught: list[tuple[int, Any, type, str, int]] = []
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        caught.append((threading.get_ident(), message, category, filename, lineno))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record  # called in the thread that warns; put back on exit
         torch.cuda.set_sync_debug_mode("warn")
         try:
             out = on_side_stream(device, fn, *args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
     sync = None
-    for w in caught:
-        message = str(w.message)
-        if _SYNC_WARNING in message:
-            sync = sync or f"{message.strip().splitlines()[0]} (from {w.filename}:{w.lineno})"
-        elif _PROTOTYPE_WARNING not in message:  # torch's note on the debug mode itself: ours to drop
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    for thread, message, category, filename, lineno in caught:
+        text = str(message)
+        if _SYNC_WARNING in text:
+            if thread == me:
+                sync = sync or f"{text.strip().splitlines()[0]} (from {filename}:{lineno})"
+        elif _PROTOTYPE_WARNING not in text:  # torch's note on the debug mode itself: ours to drop
+            warnings.warn_explicit(message, category, filename, lineno)
     return out, sync
 
 

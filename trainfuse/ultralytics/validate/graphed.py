@@ -5,23 +5,24 @@ and ``Profile`` synchronizes the host with the GPU around it, so the GPU waits f
 :class:`GraphedEval` stands in for the EMA model the trainer's validator runs, and for the model
 ``model.val`` runs: an inference call (eval mode, no grad, CUDA input, no ``augment``) is replayed
 from a CUDA graph, one per input shape, dtype and autocast state
-(:class:`~trainfuse.graphs.CapturedStep`: a shape's first batch runs eagerly, its second is
-captured); anything else runs the model as it is. ``loss`` is the fused,
+(:class:`~trainfuse.graphs.CapturedStep`; a shape's first two batches run eagerly, the first as it
+is, the second watched for host syncs; its third is captured); anything else runs the model as it
+is. ``loss`` is the fused,
 sync-free detection loss (:func:`~trainfuse.ultralytics.changes.loss.criterion`) where the model
 takes one, ultralytics' own criterion otherwise.
 
-Detection heads cache their anchors for the last input shape in Python attributes, which a replay
-would not refresh: inside a graphed call each head is made ``dynamic`` (the anchors are computed
-inside the graph, from its own memory), and its cached shape is cleared after, so an eager call
-later recomputes them. The graphs read the EMA's weights where they are: :meth:`GraphedEval.fits`
-tells whether the model's tensors are still the ones captured (the trainer's EMA is updated in
-place; a checkpoint load makes a new one).
+Detection heads cache their anchors for the last input shape in Python attributes (computing them
+reads the head's stride back to the host: a sync no graph may hold): a shape's very first batch runs
+the model as it is, which computes them, and they are kept per input shape and set back on the
+heads before each later call of that shape, so that neither the graph's eager first call nor its
+capture recomputes them and every replay reads anchors that stay where they are. The graphs read
+the EMA's weights where they are: :meth:`GraphedEval.fits` tells whether the model's tensors are
+still the ones captured (the trainer's EMA is updated in place; a checkpoint load makes a new one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -46,19 +47,6 @@ def graphable(model: nn.Module) -> bool:
     return bool(heads) and all(getattr(h, "one2one_cv2", None) is None for h in heads)
 
 
-@contextmanager
-def _dynamic(heads: list[nn.Module]) -> Iterator[None]:
-    before = [h.dynamic for h in heads]
-    for h in heads:
-        h.dynamic = True
-    try:
-        yield
-    finally:
-        for h, d in zip(heads, before):
-            h.dynamic = d
-            h.shape = None  # the cached anchors may be a graph's: an eager call recomputes them
-
-
 class GraphedEval(nn.Module):
     """``model`` (the trainer's EMA, or the model ``AutoBackend`` runs) for ultralytics' validation
     loop: its inference forward from CUDA graphs, its loss fused (see the module docstring).
@@ -75,6 +63,7 @@ class GraphedEval(nn.Module):
         self.step = CapturedStep(self._infer, max_graphs=MAX_GRAPHS, name="validation forward")
         self.criterion: Any = None
         self._fingerprint = fingerprint(model)
+        self._anchors: dict[Hashable, list[tuple]] = {}  # input key -> each head's (anchors, strides, shape)
 
     def fits(self, model: nn.Module) -> bool:
         """Whether this stands for ``model`` with its tensors where they were captured."""
@@ -100,8 +89,18 @@ class GraphedEval(nn.Module):
         if eager:
             return self.model(img, augment=augment, **kwargs) if augment or kwargs else self.model(img)
         bucket = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        with _dynamic(self.heads):
-            return self.step(img, bucket=bucket)
+        key = (tuple(img.shape), img.stride(), img.dtype, img.device, bucket)
+        kept = self._anchors.get(key)
+        if kept is None:  # the heads compute this shape's anchors (a host sync) outside any graph
+            out = self.model(img)
+            if len(self._anchors) >= 4 * MAX_GRAPHS:  # many shapes: start over, graphs and all
+                self._anchors.clear()
+                self.step = CapturedStep(self._infer, max_graphs=MAX_GRAPHS, name="validation forward")
+            self._anchors[key] = [(h.anchors, h.strides, h.shape) for h in self.heads]
+            return out
+        for h, (anchors, strides, shape) in zip(self.heads, kept):
+            h.anchors, h.strides, h.shape = anchors, strides, shape
+        return self.step(img, bucket=bucket)
 
     def loss(self, batch: dict[str, Any], preds: Any = None) -> Any:
         """``DetectionModel.loss`` with the fused criterion where the model takes one."""
