@@ -54,10 +54,21 @@ def test_a_device_function_constexpr_is_named():
     from trainfuse.optim import adam
 
     chunk_fn = next(v for v in vars(adam).values() if hasattr(v, "arg_names") and hasattr(v, "fn"))
+    named = json.loads(json.dumps(precompile._const(chunk_fn)))
+    assert named == {"jit": f"{chunk_fn.fn.__module__}:{chunk_fn.fn.__qualname__}"}
+    assert precompile._unconst(named) is chunk_fn
+    # the update kernel that takes it has no stand-in (NO_STAND_IN): no entry, and none loaded
     t = torch.zeros(64)
-    e = json.loads(json.dumps(precompile.entry(kernels.update_kernel, (t,), 4, {"CHUNK_FN": chunk_fn})))
-    assert e["constexprs"]["CHUNK_FN"] == {"jit": f"{chunk_fn.fn.__module__}:{chunk_fn.fn.__qualname__}"}
-    assert precompile._unconst(e["constexprs"]["CHUNK_FN"]) is chunk_fn
+    assert precompile.entry(kernels.update_kernel, (t,), 4, {"CHUNK_FN": chunk_fn}) is None
+
+
+def test_kernels_without_a_stand_in_are_dropped_from_manifests(tmp_path):
+    (name,) = precompile.NO_STAND_IN
+    path = tmp_path / "m.json"
+    precompile.save(path, [{"fn": name, "args": [], "num_warps": 4, "constexprs": {}},
+                           {"fn": "trainfuse.losses.bce:_scale_kernel", "args": [], "num_warps": 4,
+                            "constexprs": {}}])
+    assert [e["fn"] for e in precompile.load(path)] == ["trainfuse.losses.bce:_scale_kernel"]
 
 
 def test_entry_names_the_kernel_and_round_trips_through_json():

@@ -365,9 +365,19 @@ def test_save_returns_before_the_write_unless_a_users_callback_reads_the_files(t
     assert not trainer.last.exists()  # in flight
     writer.flush()
     trainer.epoch = 4
+
+    def timer(t):  # reads no file, and says so
+        pass
+
+    timer.reads_checkpoint = False
+    trainer.callbacks["on_model_save"].append(timer)
+    assert writer.save(trainer)
+    assert torch.load(trainer.last, weights_only=False)["epoch"] == 3  # epoch 4's still in flight
+    writer.flush()
+    trainer.epoch = 5
     trainer.callbacks["on_model_save"].append(lambda t: None)  # ultralytics calls it once the files are saved
     assert writer.save(trainer)
-    assert torch.load(trainer.last, weights_only=False)["epoch"] == 4
+    assert torch.load(trainer.last, weights_only=False)["epoch"] == 5
     writer.close()
 
 

@@ -94,12 +94,18 @@ def _unconst(value: Any) -> Any:
     return value
 
 
+# kernels whose stand-in launch compiles to another Triton cache entry than the launch it was
+# recorded from (measured on an H200: the multi-tensor update kernel, same options, another source
+# hash): compiling them ahead only costs a worker and makes the run wait for it
+NO_STAND_IN = frozenset({"trainfuse._multi_tensor.kernels:update_kernel"})
+
+
 def entry(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | None = None) -> dict | None:
     """The manifest entry of one launch of JIT function ``fn`` (``options``: compile options other
     than ``num_warps``, such as ``enable_fp_fusion``), or None where it has no stand-in (a
     constexpr JSON cannot hold, a bool argument)."""
     inner = getattr(fn, "fn", None)
-    if inner is None:
+    if inner is None or f"{inner.__module__}:{inner.__qualname__}" in NO_STAND_IN:
         return None
     try:
         specs = [arg_spec(a) for a in args]
@@ -221,14 +227,16 @@ def _user_manifest(name: str) -> Path:
 
 
 def load(path: Path) -> list[dict]:
-    """A manifest's entries; an absent, unreadable or other-version file has none."""
+    """A manifest's entries (but those of :data:`NO_STAND_IN`); an absent, unreadable or
+    other-version file has none."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return []
     if not isinstance(data, dict) or data.get("version") != VERSION:
         return []
-    return [e for e in data.get("entries", []) if isinstance(e, dict) and "fn" in e]
+    return [e for e in data.get("entries", []) if isinstance(e, dict) and "fn" in e
+            and e["fn"] not in NO_STAND_IN]
 
 
 def save(path: Path, entries: list[dict]) -> None:

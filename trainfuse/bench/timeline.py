@@ -61,6 +61,7 @@ class Timeline:
                     return  # only the first iteration's end is a moment of its own
             # validator callbacks get the validator: its trainer is not reachable, its device is
             self.marks.append((event, getattr(owner, "epoch", -1), _now(owner)))
+        record.reads_checkpoint = False  # a fused trainer's save need not wait for its files for this
         return record
 
     def start(self) -> None:

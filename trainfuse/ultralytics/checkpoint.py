@@ -163,10 +163,18 @@ class CheckpointWriter:
         self.write(lambda: serialize(taken, torch_layout=torch_layout), targets(trainer))
         self._copied = taken.copied
         # ultralytics runs on_model_save once the files are written: a callback of the user's may read them
-        callbacks = trainer.callbacks.get("on_model_save", ())
-        if any(not getattr(c, "__module__", "").startswith("ultralytics.") for c in callbacks):
+        if any(reads_checkpoint(c) for c in trainer.callbacks.get("on_model_save", ())):
             self.flush()
         return True
+
+
+def reads_checkpoint(callback: Callable) -> bool:
+    """Whether an ``on_model_save`` callback may read the files just saved, so that the save waits
+    for them: any but ultralytics' own, and but one that says it does not (an attribute
+    ``reads_checkpoint = False`` on the callable, as a timer's)."""
+    if getattr(callback, "__module__", "").startswith("ultralytics."):
+        return False
+    return bool(getattr(callback, "reads_checkpoint", True))
 
 
 def why_no_snapshot(trainer: Any) -> str | None:
@@ -349,5 +357,5 @@ def targets(trainer: Any) -> list[Path]:
 
 
 __all__ = ["PARTIAL_SUFFIX", "CheckpointWriteError", "CheckpointWriter", "Snapshot", "copies_of",
-           "copy_structure", "resync_non_finite", "serialize", "snapshot", "targets", "why_no_snapshot",
-           "write_atomically"]
+           "copy_structure", "reads_checkpoint", "resync_non_finite", "serialize", "snapshot", "targets",
+           "why_no_snapshot", "write_atomically"]
