@@ -37,7 +37,11 @@ LABELS = {"do_bench_ms": "do_bench ms", "wall_ms": "wall ms", "host_ms": "host m
 MARKER = re.compile(r"<!-- results:([\w-]+):begin -->\n.*?<!-- results:\1:end -->", re.S)
 # the README's table: (family, workload) on one GPU, a handful of the workloads users run most
 HEADLINE_GPU = "h200"
+_DEFAULT_RUN = ("yolov5n default train(): 20 epochs, 2048 photo-like JPEGs, 512 to validate each epoch: "
+                "wall clock of train()")
 HEADLINE = (
+    ("yolo-default-run", f"{_DEFAULT_RUN}, cold caches"),
+    ("yolo-default-run", f"{_DEFAULT_RUN}, warm caches"),
     ("optim", "AdamW, GPT-2 124M (148 tensors, 124.5M params)"),
     ("optim", "AdamW, yolov5n (219 tensors, 2.7M params)"),
     ("lightning", "gpt: training step, cuda_graphs=True"),
