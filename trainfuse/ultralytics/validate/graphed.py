@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 from ultralytics.nn.modules.head import Detect
 
 from trainfuse.graphs import CapturedStep
@@ -80,6 +81,7 @@ class GraphedEval(nn.Module):
     def _infer(self, img: torch.Tensor) -> Any:
         return self.model(img)
 
+    @override
     def forward(self, img: torch.Tensor, augment: bool = False, **kwargs: Any) -> Any:
         """The model's output for ``img``: replayed where the call is an inference call on CUDA
         (other keywords, such as ``AutoBackend``'s ``embed=None``, left at None)."""
