@@ -271,7 +271,11 @@ def ema_chunk(row, start, n, ema_w, SRC: tl.constexpr, STATE_DT: tl.constexpr, E
 
 
 # ---- the launch body ---------------------------------------------------------------------------
-@triton.jit
+# not inlined: Triton's coalescing pass costs the square of a function's memory operations, and
+# one function per arm (row code, masked or not) made the H200's compile of the trainer's
+# AdamW + EMA update 10.4 s instead of about a third of it; ptxas inlines the calls again (same
+# registers, no stack frame)
+@triton.jit(noinline=True)
 def _arm_typed(chunk_fn, row, r, hp, arrivals, start, n, scale, clip, ema_w, ok,
                C: tl.constexpr, PARAM_DT: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                MASKED: tl.constexpr, ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr,
