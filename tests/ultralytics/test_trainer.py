@@ -405,11 +405,14 @@ def test_warmup_changes_lr_and_momentum_without_host_syncs_or_recompiles(data, t
     _assert_same_state(fused.ema.ema, stock.ema.ema, **CLIPPED)
 
 
-@pytest.mark.parametrize("model", ["yolov8n-seg.yaml", "yolov8n-pose.yaml", "yolov8n-obb.yaml",
-                                   "yolov8n-cls.yaml"])
-def test_other_tasks_are_refused_with_the_reason_before_training(data, tmp_path, model):
-    with pytest.raises(ValueError, match=r"FusedDetectionTrainer trains detection models \(task='detect'\); "
-                                         r"this run's task is '(segment|pose|obb|classify)'"):
+@pytest.mark.parametrize("model,right", [("yolov8n-seg.yaml", "FusedSegmentationTrainer"),
+                                         ("yolov8n-pose.yaml", "FusedPoseTrainer"),
+                                         ("yolov8n-obb.yaml", "FusedOBBTrainer"),
+                                         ("yolov8n-cls.yaml", "FusedClassificationTrainer")])
+def test_another_tasks_model_is_refused_with_its_trainer_named_before_training(data, tmp_path, model, right):
+    expected = (rf"FusedDetectionTrainer trains task 'detect'; this run's task is "
+                rf"'(segment|pose|obb|classify)' \(model={model}\): train it with {right}")
+    with pytest.raises(ValueError, match=expected):
         YOLO(model).train(trainer=FusedDetectionTrainer, data=data, epochs=1, imgsz=64, device="cpu",
                           project=str(tmp_path), plots=False)
     assert not any(tmp_path.rglob("*.pt"))  # nothing trained

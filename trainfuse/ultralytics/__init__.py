@@ -1,23 +1,28 @@
 """trainfuse for ultralytics: FusedDetectionLoss (a sync-free, fused ``v8DetectionLoss``),
 FusedE2ELoss (the same for ``E2ELoss``: YOLOv10, YOLO26) and the helpers that pad a batch's labels
-on the CPU; FusedDetectionTrainer, and FusedDetectionValidator (batched, sync-free NMS and matching).
-Importing this package does not import ultralytics."""
+on the CPU; the fused trainers of every task (FusedDetectionTrainer, FusedSegmentationTrainer,
+FusedPoseTrainer, FusedOBBTrainer, FusedClassificationTrainer; ``trainer_for(model)`` picks one),
+and FusedDetectionValidator (batched, sync-free NMS and matching). Importing this package does
+not import ultralytics."""
 
 from trainfuse.losses.detection.targets import add_padded_targets, pad_targets, target_capacity
 from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
+from trainfuse.ultralytics.tasks import TRAINERS, trainer_for
 
-__all__ = ["FusedDetectionLoss", "FusedDetectionTrainer", "FusedDetectionValidator", "FusedE2ELoss",
-           "add_padded_targets", "pad_targets", "takes_fused_e2e_loss", "target_capacity"]
+__all__ = ["FusedClassificationTrainer", "FusedDetectionLoss", "FusedDetectionTrainer",
+           "FusedDetectionValidator", "FusedE2ELoss", "FusedOBBTrainer", "FusedPoseTrainer",
+           "FusedSegmentationTrainer", "add_padded_targets", "pad_targets", "takes_fused_e2e_loss",
+           "target_capacity", "trainer_for"]
 
 
 def __getattr__(name: str):
-    # FusedDetectionTrainer and FusedDetectionValidator subclass ultralytics' trainer and validator:
-    # they (and ultralytics) load on first use
-    if name == "FusedDetectionTrainer":
-        from trainfuse.ultralytics.trainer import FusedDetectionTrainer
+    # the trainers and the validator subclass ultralytics' own: they (and ultralytics) load on first use
+    for module, trainer in TRAINERS.values():
+        if name == trainer:
+            import importlib
 
-        return FusedDetectionTrainer
+            return getattr(importlib.import_module(module), name)
     if name == "FusedDetectionValidator":
         from trainfuse.ultralytics.validate.validator import FusedDetectionValidator
 
