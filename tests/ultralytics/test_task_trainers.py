@@ -1,0 +1,175 @@
+"""The fused trainers of segmentation, pose, OBB and classification against ultralytics' own trainers
+of those tasks, on CPU (the fused optimizers take torch's path, so a run is stock's bit for bit
+where no step clips; runs scale the loss gains down so that none does, as test_trainer.py's), on
+the synthetic datasets of :mod:`trainfuse.ultralytics.task_shapes`; and the helper that picks a
+model's trainer."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainfuse.ultralytics.offline import offline_env
+
+offline_env(Path(tempfile.gettempdir()) / "trainfuse-tests-yolo-config")
+pytest.importorskip("ultralytics")
+
+from ultralytics import YOLO  # noqa: E402
+from ultralytics.utils import DEFAULT_CFG  # noqa: E402
+
+import trainfuse  # noqa: E402
+from trainfuse.ultralytics import (  # noqa: E402
+    FusedClassificationTrainer,
+    FusedDetectionTrainer,
+    FusedOBBTrainer,
+    FusedPoseTrainer,
+    FusedSegmentationTrainer,
+    trainer_for,
+)
+from trainfuse.ultralytics.task_shapes import CLASSES, FLIP_IDX, KPT_SHAPE, make_task_dataset  # noqa: E402
+
+MODELS = {"segment": "yolov8n-seg.yaml", "pose": "yolov8n-pose.yaml", "obb": "yolov8n-obb.yaml",
+          "classify": "yolov8n-cls.yaml"}
+TRAINERS = {"segment": FusedSegmentationTrainer, "pose": FusedPoseTrainer, "obb": FusedOBBTrainer,
+            "classify": FusedClassificationTrainer}
+LOSS_GAINS = ("box", "cls", "dfl", "pose", "kobj", "angle", "rle")  # ultralytics' loss gains (masks: box)
+GAIN = 0.02  # every loss gain scaled down (box, cls, dfl, angle, pose, kobj, rle)
+# The segmentation and pose models' gradient norms reach ultralytics' clip at 10 whatever the gains
+# (15.6 at the first step of the segmentation run): the fused step sums the per-tensor norms in
+# param-group order, clip_grad_norm_ in module order, so those runs match to float32 rounding
+# (test_trainer.py's CLIPPED); the others, which never clip, match bit for bit
+CLIPPED = {"rtol": 1e-5, "atol": 1e-6}
+CLIPS = {"segment", "pose"}
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tasks")
+    return {task: str(make_task_dataset(root / task, task, n_train=8, n_val=4, imgsz=64, max_objects=3))
+            for task in MODELS}
+
+
+def _train(task: str, data: str, project: Path, trainer=None):
+    model = YOLO(MODELS[task])
+    losses: list[torch.Tensor] = []
+    model.add_callback("on_train_batch_end", lambda t: losses.append(t.loss.detach().clone()))
+    gains = {} if task == "classify" else {k: getattr(DEFAULT_CFG, k) * GAIN for k in LOSS_GAINS}
+    model.train(data=data, epochs=2, imgsz=64 if task != "classify" else 32, batch=4, nbs=8, workers=0,
+                device="cpu", plots=False, val=True, seed=0, deterministic=True, verbose=False,
+                optimizer="AdamW", lr0=0.002, project=str(project), name=f"{task}-{trainer is not None}",
+                exist_ok=True, **gains, **({"trainer": trainer} if trainer else {}))
+    return model, losses
+
+
+@pytest.fixture(scope="module")
+def runs(datasets, tmp_path_factory):
+    project = tmp_path_factory.mktemp("task-runs")
+    made = {}
+
+    def get(task: str, fused: bool):
+        if (task, fused) not in made:
+            made[task, fused] = _train(task, datasets[task], project, TRAINERS[task] if fused else None)
+        return made[task, fused]
+
+    return get
+
+
+@pytest.mark.cpu_training
+@pytest.mark.parametrize("task", list(MODELS))
+def test_each_task_trains_with_the_fused_optimizer_phase_exactly_like_stock(runs, task):
+    (stock, stock_losses), (fused, fused_losses) = runs(task, False), runs(task, True)
+    trainer = fused.trainer
+    assert type(trainer) is TRAINERS[task]
+    assert isinstance(trainer.optimizer, trainfuse.FusedAdamW) and trainer.fused_reason == ""
+    assert isinstance(trainer.ema, trainfuse.FusedEMA)
+    assert len(fused_losses) == len(stock_losses) == 4
+    tol = CLIPPED if task in CLIPS else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(fused_losses, stock_losses, **tol)
+    assert fused_losses[0] == stock_losses[0]  # before any step: the same model, batch and loss
+    assert trainer.ema.updates == stock.trainer.ema.updates
+    sa, sb = trainer.ema.ema.state_dict(), stock.trainer.ema.ema.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
+    assert trainer.metrics.keys() == stock.trainer.metrics.keys()  # validated by the task's own validator
+    rows = {r.kind: r for r in trainer.report}
+    assert rows["loss"].action == "skipped" and "keeps ultralytics' own loss" in rows["loss"].detail
+
+
+@pytest.mark.cpu_training
+@pytest.mark.parametrize("task", list(MODELS))
+def test_each_tasks_checkpoint_loads_validates_and_predicts_with_stock_yolo(runs, datasets, task, tmp_path):
+    fused, _ = runs(task, True)
+    model = YOLO(str(fused.trainer.last))
+    assert model.task == task
+    imgsz = 64 if task != "classify" else 32
+    metrics = model.val(data=datasets[task], imgsz=imgsz, batch=4, device="cpu", workers=0, plots=False,
+                        verbose=False, project=str(tmp_path), name="val")
+    assert metrics.fitness is not None
+    root = Path(datasets[task]) if task == "classify" else Path(datasets[task]).parent
+    image = next(p for p in sorted(root.rglob("*.jpg")) if "val" in p.parts)
+    (result,) = model.predict(str(image), imgsz=imgsz, device="cpu", verbose=False, project=str(tmp_path))
+    what = {"segment": "masks", "pose": "keypoints", "obb": "obb", "classify": "probs"}[task]
+    assert hasattr(result, what)
+
+
+@pytest.mark.parametrize("model,expected", [
+    ("yolov5n.yaml", FusedDetectionTrainer), ("yolo11n-seg.yaml", FusedSegmentationTrainer),
+    ("yolo26n-pose.yaml", FusedPoseTrainer), ("yolo11n-obb.pt", FusedOBBTrainer),
+    ("yolov8n-cls.yaml", FusedClassificationTrainer), ("classify", FusedClassificationTrainer)])
+def test_trainer_for_picks_the_trainer_of_the_models_task(model, expected):
+    assert trainer_for(model) is expected
+
+
+def test_trainer_for_takes_a_yolo_object_and_refuses_tasks_without_a_fused_trainer():
+    assert trainer_for(YOLO("yolov8n-seg.yaml")) is FusedSegmentationTrainer
+    with pytest.raises(ValueError, match=r"trainer_for: no fused trainer trains task 'depth'"):
+        trainer_for("depth")
+
+
+@pytest.mark.parametrize("task", list(TRAINERS))
+def test_a_task_trainer_refuses_another_tasks_model_naming_the_right_trainer(datasets, task, tmp_path):
+    other = "detect" if task != "detect" else "segment"
+    model = "yolov5n.yaml" if other == "detect" else MODELS[other]
+    expected = (rf"{TRAINERS[task].__name__} trains task '{task}'; this run's task is '{other}' .*train it "
+                "with FusedDetectionTrainer")
+    with pytest.raises(ValueError, match=expected):
+        YOLO(model).train(trainer=TRAINERS[task], data=datasets["segment"], epochs=1, imgsz=64, device="cpu",
+                          project=str(tmp_path), plots=False)
+
+
+def test_the_task_datasets_hold_exact_labels_in_ultralytics_layouts(datasets):
+    seg = Path(datasets["segment"]).parent
+    for line in (seg / "labels" / "train" / "00000.txt").read_text().splitlines():
+        values = line.split()
+        assert int(values[0]) < len(CLASSES["segment"]) and len(values) % 2 == 1 and len(values) >= 7
+        assert all(0.0 <= float(v) <= 1.0 for v in values[1:])
+    pose = Path(datasets["pose"])
+    yaml = pose.read_text()
+    assert f"kpt_shape: {list(KPT_SHAPE)}" in yaml and f"flip_idx: {list(FLIP_IDX)}" in yaml
+    for line in (pose.parent / "labels" / "train" / "00000.txt").read_text().splitlines():
+        values = [float(v) for v in line.split()]
+        assert len(values) == 5 + KPT_SHAPE[0] * KPT_SHAPE[1]
+        kpts = torch.tensor(values[5:]).view(KPT_SHAPE)
+        assert set(kpts[:, 2].tolist()) <= {1.0, 2.0}
+        xc, yc, w, h = values[1:5]  # the box is the keypoints' extent
+        assert kpts[:, 0].min().item() == pytest.approx(xc - w / 2, abs=2e-6)
+        assert kpts[:, 1].max().item() == pytest.approx(yc + h / 2, abs=2e-6)
+    obb = Path(datasets["obb"]).parent
+    for line in (obb / "labels" / "train" / "00000.txt").read_text().splitlines():
+        corners = torch.tensor([float(v) for v in line.split()[1:]]).view(4, 2) * 64
+        sides = (corners - corners.roll(1, 0)).norm(dim=1)
+        torch.testing.assert_close(sides[0], sides[2], rtol=0, atol=1e-3)  # a rectangle
+    classify = Path(datasets["classify"])
+    assert sorted(p.name for p in (classify / "train").iterdir()) == sorted(CLASSES["classify"])
+    assert all(len(list(folder.glob("*.jpg"))) <= 8 for folder in (classify / "train").iterdir())
+
+
+def test_make_task_dataset_refuses_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"make_task_dataset: task='depth'; expected one of"):
+        make_task_dataset(tmp_path, "depth")
+    with pytest.raises(ValueError, match=r"make_task_dataset: nc=2 for task 'pose'; expected 1 to 1"):
+        make_task_dataset(tmp_path, "pose", nc=2)

@@ -1,0 +1,49 @@
+"""The fused trainers of ultralytics' other tasks: segmentation, pose, oriented boxes and
+classification, each ultralytics' own trainer of the task with what
+:class:`~trainfuse.ultralytics.fused_trainer.FusedTrainer` adds
+(``YOLO("yolo11n-seg.yaml").train(trainer=FusedSegmentationTrainer, ...)``;
+:func:`trainfuse.ultralytics.trainer_for` picks the one of a model).
+
+What each task takes today, the rest staying stock with its row in the trainer's ``report``:
+the fused optimizer phase with the EMA inside it, the 16-bit weights with float32 masters, the
+prefetch to the GPU and the checkpoints written beside training. The tasks' losses (masks,
+keypoints, rotated boxes) sync with the host, so their steps run eagerly; classification's loss
+does not, and its step runs from CUDA graphs. The labels of masks, keypoints and rotated boxes
+are augmented on the CPU, and each task validates with ultralytics' own validator.
+"""
+
+from __future__ import annotations
+
+from ultralytics.models.yolo.classify import ClassificationTrainer
+from ultralytics.models.yolo.obb import OBBTrainer
+from ultralytics.models.yolo.pose import PoseTrainer
+from ultralytics.models.yolo.segment import SegmentationTrainer
+
+from trainfuse.ultralytics.fused_trainer import FusedTrainer
+
+
+class FusedSegmentationTrainer(FusedTrainer, SegmentationTrainer):
+    """ultralytics' ``SegmentationTrainer``, fused as the module says."""
+
+    task = "segment"
+
+
+class FusedPoseTrainer(FusedTrainer, PoseTrainer):
+    """ultralytics' ``PoseTrainer``, fused as the module says."""
+
+    task = "pose"
+
+
+class FusedOBBTrainer(FusedTrainer, OBBTrainer):
+    """ultralytics' ``OBBTrainer``, fused as the module says."""
+
+    task = "obb"
+
+
+class FusedClassificationTrainer(FusedTrainer, ClassificationTrainer):
+    """ultralytics' ``ClassificationTrainer``, fused as the module says."""
+
+    task = "classify"
+
+
+__all__ = ["FusedClassificationTrainer", "FusedOBBTrainer", "FusedPoseTrainer", "FusedSegmentationTrainer"]
