@@ -30,7 +30,7 @@ loss in float16 under AMP); grads come back in the predictions' dtypes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,6 +38,7 @@ from trainfuse._runtime.backend import use_triton
 from trainfuse.losses.detection import (
     PADDED_KEY,
     AssignConfig,
+    Assignment,
     LossConstants,
     anchor_grid,
     apply_detection_loss,
@@ -111,11 +112,19 @@ class FusedDetectionLoss:
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of ``preds`` (``boxes (B, 4 reg_max, A)``, ``scores (B, nc, A)``, ``feats``);
         ``gt``: the padded labels :meth:`targets` gives for ``batch``, where the caller has them."""
+        out, items, _ = self.detection(preds, batch, gt)
+        return out, dict(zip(self.loss_names, items))
+
+    def detection(self, preds: dict[str, Any], batch: dict[str, torch.Tensor], gt: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, Assigned]:
+        """The three terms as :meth:`loss` weighs them: ``(out, items, assigned)``, ``out`` the
+        gain-scaled terms times the batch size (differentiable), ``items`` the gain-scaled terms
+        (detached), and what the assigner decided, for the losses built on this one."""
         boxes, scores, feats = preds["boxes"], preds["scores"], preds["feats"]
         B, _, A = scores.shape
         if boxes.shape != (B, 4 * self.reg_max, A) or scores.shape[1] != self.nc:
-            raise ValueError(f"FusedDetectionLoss: preds['boxes'] must be ({B}, {4 * self.reg_max}, {A}) and "
-                             f"preds['scores'] ({B}, {self.nc}, {A}); got {tuple(boxes.shape)}, "
+            raise ValueError(f"{type(self).__name__}: preds['boxes'] must be ({B}, {4 * self.reg_max}, {A}) "
+                             f"and preds['scores'] ({B}, {self.nc}, {A}); got {tuple(boxes.shape)}, "
                              f"{tuple(scores.shape)}")
         dev = scores.device
         sizes = tuple((int(f.shape[2]), int(f.shape[3])) for f in feats)
@@ -141,7 +150,20 @@ class FusedDetectionLoss:
                 items = items * items.new_tensor(gains)
                 out = items * B
                 items = items.detach()
-        return out, dict(zip(self.loss_names, items))
+        return out, items, Assigned(asg, gt, anchors, stride_col, imgsz)
 
 
-__all__ = ["FusedDetectionLoss"]
+class Assigned(NamedTuple):
+    """What :meth:`FusedDetectionLoss.detection` decided, for the losses built on it: the
+    assignment (``gidx``: each anchor's row of ``gt``, -1 on background), the padded labels
+    ``gt (B, M, 5)``, the anchor centres ``(A, 2)`` in grid units, their strides ``(A, 1)`` and
+    the image size ``(h, w)`` in pixels."""
+
+    assignment: Assignment
+    gt: torch.Tensor
+    anchors: torch.Tensor
+    strides: torch.Tensor
+    imgsz: tuple[float, float]
+
+
+__all__ = ["Assigned", "FusedDetectionLoss"]

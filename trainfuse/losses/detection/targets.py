@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 PADDED_KEY = "padded_targets"
+PADDED_KEYPOINTS_KEY = "padded_keypoints"  # pose batches: (B, capacity, K, 3), the rows of PADDED_KEY
 
 
 def target_capacity(batch_idx: torch.Tensor, batch_size: int, *, bucket: bool = True) -> int:
@@ -66,11 +67,28 @@ def pad_targets(batch_idx: torch.Tensor, cls: torch.Tensor, bboxes: torch.Tensor
     if cls.numel() != n or bboxes.shape != (n, 4):
         raise ValueError(f"pad_targets: batch_idx has {n} labels, so cls must have {n} values and bboxes "
                          f"shape ({n}, 4); got cls {tuple(cls.shape)}, bboxes {tuple(bboxes.shape)}")
-    device = bboxes.device
-    out = torch.zeros(batch_size * capacity, 5, dtype=torch.float32, device=device)
+    rows = torch.cat((cls.reshape(-1, 1).float(), bboxes.float()), 1)
+    return pad_rows(batch_idx, rows, batch_size, capacity)
+
+
+def pad_rows(batch_idx: torch.Tensor, rows: torch.Tensor, batch_size: int, capacity: int) -> torch.Tensor:
+    """Per-label ``rows`` (``(n, ...)``) as a ``(batch_size, capacity, ...)`` float32 tensor, each
+    image's rows first in their batch order, zeros after (:func:`pad_targets`' layout, so the
+    same label has the same slot in both). Sync-free on any device.
+
+    Example:
+        >>> pad_rows(torch.tensor([1, 1]), torch.tensor([[1.0], [2.0]]), 2, 2)[..., 0]
+        tensor([[0., 0.],
+                [1., 2.]])
+    """
+    n = batch_idx.numel()
+    if rows.shape[0] != n:
+        raise ValueError(f"pad_rows: batch_idx has {n} labels, rows {rows.shape[0]}")
+    device, tail = rows.device, tuple(rows.shape[1:])
+    out = torch.zeros(batch_size * capacity, *tail, dtype=torch.float32, device=device)
     if n == 0:
-        return out.view(batch_size, capacity, 5)
-    img = batch_idx.reshape(-1).long()
+        return out.view(batch_size, capacity, *tail)
+    img = batch_idx.reshape(-1).long().to(device)
     # rank of each label within its image: position in a stable sort by image, minus the image's start
     order = torch.sort(img, stable=True).indices
     starts = torch.zeros(batch_size + 1, dtype=torch.long, device=device)
@@ -78,12 +96,11 @@ def pad_targets(batch_idx: torch.Tensor, cls: torch.Tensor, bboxes: torch.Tensor
     starts = starts.cumsum(0)
     rank = torch.empty_like(img)
     rank[order] = torch.arange(n, device=device) - starts[img[order]]
-    rows = torch.cat((cls.reshape(-1, 1).float(), bboxes.float()), 1)
     # a label past the capacity would land in the next image: send it nowhere instead
     slot = torch.where(rank < capacity, img * capacity + rank, batch_size * capacity)
-    out = torch.cat((out, out.new_zeros(1, 5)))
-    out.index_copy_(0, slot, rows)
-    return out[:-1].view(batch_size, capacity, 5)
+    out = torch.cat((out, out.new_zeros(1, *tail)))
+    out.index_copy_(0, slot, rows.float())
+    return out[:-1].view(batch_size, capacity, *tail)
 
 
 def add_padded_targets(batch: dict, capacity: int | None = None) -> dict:
@@ -99,6 +116,8 @@ def add_padded_targets(batch: dict, capacity: int | None = None) -> dict:
     if capacity is None:
         capacity = target_capacity(batch["batch_idx"], size)
     batch[PADDED_KEY] = pad_targets(batch["batch_idx"], batch["cls"], batch["bboxes"], size, capacity)
+    if "keypoints" in batch:  # a pose batch: its keypoints in the same slots
+        batch[PADDED_KEYPOINTS_KEY] = pad_rows(batch["batch_idx"], batch["keypoints"], size, capacity)
     return batch
 
 
@@ -147,5 +166,5 @@ class PadTargets:
         return add_padded_targets(self.collate(samples))
 
 
-__all__ = ["PADDED_KEY", "PadTargets", "add_padded_targets", "anchor_grid", "label_pixels", "pad_targets",
-           "target_capacity"]
+__all__ = ["PADDED_KEY", "PADDED_KEYPOINTS_KEY", "PadTargets", "add_padded_targets", "anchor_grid",
+           "label_pixels", "pad_rows", "pad_targets", "target_capacity"]
