@@ -395,23 +395,32 @@ def assign_torch(boxes, scores, gt, imgsz, anchors, strides, cfg: AssignConfig) 
     kernels' reference."""
     with torch.no_grad():
         align, ov, cand = metric_torch(boxes, scores, gt, imgsz, anchors, strides, cfg)
-        pos = topk_mask_torch(align, cfg.topk).bool() & cand
-        count = pos.sum(1)
-        gidx = torch.where(count > 1, ov.max(1).indices, pos.byte().max(1).indices)
-        gidx = torch.where(count > 0, gidx, -1)
-        if cfg.topk2 != cfg.topk:
-            gidx = keep_topk2_torch(gidx, align, cfg.topk2)
-        fg = gidx >= 0
-        one = torch.zeros_like(pos).scatter_(1, gidx.clamp(0)[:, None], True) & fg[:, None]
-        pos_align = (align * one).amax(-1, keepdim=True)
-        pos_ov = (ov * one).amax(-1, keepdim=True)
-        t = ((align * one) * pos_ov / (pos_align + cfg.eps)).amax(1)
-        labels = gt[..., 0].long()
-        label = torch.where(fg, labels.gather(1, gidx.clamp(0)).clamp(0), -1)
-        return Assignment(gidx.int(), label.int(), t, t.sum().clamp(min=1))
+        return assignment_from_metric(align, ov, cand, gt[..., 0], cfg)
 
 
-__all__ = ["AssignConfig", "Assignment", "assign_kernels", "assign_torch", "decode", "distances",
+def assignment_from_metric(align: torch.Tensor, ov: torch.Tensor, cand: torch.Tensor, labels: torch.Tensor,
+                           cfg: AssignConfig) -> Assignment:
+    """The task-aligned assignment from its metric ``align``, overlaps ``ov`` and candidates
+    ``cand`` (``(B, M, A)``) and the labels' classes ``(B, M)``, in torch operations (ultralytics'
+    top-k, highest-overlap resolution, second k and target scores); the detection assigner's and
+    the rotated one's (:mod:`trainfuse.ultralytics.obb_loss`)."""
+    pos = topk_mask_torch(align, cfg.topk).bool() & cand
+    count = pos.sum(1)
+    gidx = torch.where(count > 1, ov.max(1).indices, pos.byte().max(1).indices)
+    gidx = torch.where(count > 0, gidx, -1)
+    if cfg.topk2 != cfg.topk:
+        gidx = keep_topk2_torch(gidx, align, cfg.topk2)
+    fg = gidx >= 0
+    one = torch.zeros_like(pos).scatter_(1, gidx.clamp(0)[:, None], True) & fg[:, None]
+    pos_align = (align * one).amax(-1, keepdim=True)
+    pos_ov = (ov * one).amax(-1, keepdim=True)
+    t = ((align * one) * pos_ov / (pos_align + cfg.eps)).amax(1)
+    label = torch.where(fg, labels.long().gather(1, gidx.clamp(0)).clamp(0), -1)
+    return Assignment(gidx.int(), label.int(), t, t.sum().clamp(min=1))
+
+
+__all__ = ["AssignConfig", "Assignment", "assign_kernels", "assign_torch", "assignment_from_metric", "decode",
+           "distances",
            "keep_topk2", "keep_topk2_torch", "metric", "metric_kernel", "metric_torch", "power_steps",
            "resolve", "resolve_kernel", "scores_kernel", "target_scores", "topk2_kernel", "topk_kernel",
            "topk_mask", "topk_mask_torch"]

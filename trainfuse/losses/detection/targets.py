@@ -46,13 +46,13 @@ def target_capacity(batch_idx: torch.Tensor, batch_size: int, *, bucket: bool = 
 def pad_targets(batch_idx: torch.Tensor, cls: torch.Tensor, bboxes: torch.Tensor, batch_size: int,
                 capacity: int) -> torch.Tensor:
     """Labels as a ``(batch_size, capacity, 5)`` float32 tensor of ``(class, x, y, w, h)`` rows
-    (boxes normalized, as in the batch), each image's labels first in their batch order, zeros
-    after. Sync-free on any device.
+    (boxes normalized, as in the batch; rotated boxes add their angle: 6 columns), each image's
+    labels first in their batch order, zeros after. Sync-free on any device.
 
     Args:
         batch_idx: image index of every label, ``(n,)`` or ``(n, 1)``.
         cls: class of every label, ``(n,)`` or ``(n, 1)``.
-        bboxes: normalized ``xywh`` boxes, ``(n, 4)``.
+        bboxes: normalized ``xywh`` boxes, ``(n, 4)``, or ``xywhr`` rotated ones, ``(n, 5)``.
         batch_size: images in the batch.
         capacity: rows per image, at least the largest count (see :func:`target_capacity`).
 
@@ -64,9 +64,10 @@ def pad_targets(batch_idx: torch.Tensor, cls: torch.Tensor, bboxes: torch.Tensor
         tensor([0., 2.])
     """
     n = batch_idx.numel()
-    if cls.numel() != n or bboxes.shape != (n, 4):
+    if cls.numel() != n or bboxes.dim() != 2 or bboxes.shape[0] != n or bboxes.shape[1] not in (4, 5):
         raise ValueError(f"pad_targets: batch_idx has {n} labels, so cls must have {n} values and bboxes "
-                         f"shape ({n}, 4); got cls {tuple(cls.shape)}, bboxes {tuple(bboxes.shape)}")
+                         f"shape ({n}, 4) (or ({n}, 5): rotated boxes); got cls {tuple(cls.shape)}, bboxes "
+                         f"{tuple(bboxes.shape)}")
     rows = torch.cat((cls.reshape(-1, 1).float(), bboxes.float()), 1)
     return pad_rows(batch_idx, rows, batch_size, capacity)
 
