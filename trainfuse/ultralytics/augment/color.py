@@ -64,9 +64,9 @@ def hsv_to_bgr(hsv: torch.Tensor, vector_block: int = 0) -> torch.Tensor:
 
 def opencv_vector_block() -> int:
     """How many columns at a time the installed OpenCV's vectorized ``COLOR_HSV2BGR`` converts,
-    rounding down (OpenCV 5.0: 32, the last ``W % 32`` columns of a row rounded half to even by its
-    scalar path), or 0 where it rounds like the scalar path: one conversion of a 127-pixel row of
-    HSV (0, 1, 1), 0.996 in blue before rounding."""
+    rounding down (OpenCV 5: 32 or 64, by the host's SIMD width; the last ``W % block`` columns of a
+    row are rounded half to even by its scalar path), or 0 where it rounds like the scalar path:
+    one conversion of a 127-pixel row of HSV (0, 1, 1), 0.996 in blue before rounding."""
     import cv2
     import numpy as np
 
