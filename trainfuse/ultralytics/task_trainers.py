@@ -6,10 +6,12 @@ classification, each ultralytics' own trainer of the task with what
 
 What each task takes today, the rest staying stock with its row in the trainer's ``report``:
 the fused optimizer phase with the EMA inside it, the 16-bit weights with float32 masters, the
-prefetch to the GPU and the checkpoints written beside training. The tasks' losses (masks,
-keypoints, rotated boxes) sync with the host, so their steps run eagerly; classification's loss
-does not, and its step runs from CUDA graphs. The labels of masks, keypoints and rotated boxes
-are augmented on the CPU, and each task validates with ultralytics' own validator.
+prefetch to the GPU and the checkpoints written beside training. ultralytics' losses of masks,
+keypoints and rotated boxes sync with the host, so those steps run eagerly; the pose and OBB
+trainers take trainfuse's sync-free ones with ``fused_loss=True`` (FusedPoseLoss, FusedOBBLoss:
+off by default until measured on a GPU; the step still runs eagerly, its graphs carrying boxes
+only). The labels of masks, keypoints and rotated boxes are augmented on the CPU, and each task
+validates with ultralytics' own validator.
 """
 
 from __future__ import annotations
@@ -29,15 +31,21 @@ class FusedSegmentationTrainer(FusedTrainer, SegmentationTrainer):
 
 
 class FusedPoseTrainer(FusedTrainer, PoseTrainer):
-    """ultralytics' ``PoseTrainer``, fused as the module says."""
+    """ultralytics' ``PoseTrainer``, fused as the module says; ``fused_loss=True`` trains a
+    ``v8PoseLoss`` model with :class:`~trainfuse.ultralytics.FusedPoseLoss` (off by default until
+    measured on a GPU)."""
 
     task = "pose"
+    fused_loss = False
 
 
 class FusedOBBTrainer(FusedTrainer, OBBTrainer):
-    """ultralytics' ``OBBTrainer``, fused as the module says."""
+    """ultralytics' ``OBBTrainer``, fused as the module says; ``fused_loss=True`` trains a
+    ``v8OBBLoss`` model with :class:`~trainfuse.ultralytics.FusedOBBLoss` (off by default until
+    measured on a GPU)."""
 
     task = "obb"
+    fused_loss = False
 
 
 class FusedClassificationTrainer(FusedTrainer, ClassificationTrainer):

@@ -18,9 +18,7 @@ def changes(options: Options) -> list[Change]:
     """A run's changes, in the order they are made: the optimizer, the scaler and the EMA (folded
     into the optimizer's step), the loss, how the batches load, the casts, the stem, then DDP's
     flat all-reduce, the graphs and the optimizer phase inside them, which need the ones before."""
-    made: list[Change] = [OptimizerSwap(), Scaler(), EMASwap()]
-    if options.fused_loss:
-        made.append(LossSwap())
+    made: list[Change] = [OptimizerSwap(), Scaler(), EMASwap(), LossSwap()]
     made += [Augment(), Casts(options.fuse_casts), FoldStem(options.fold_stem), FlatGradsDDP(), Graphs(),
              Phase()]
     return made

@@ -15,7 +15,7 @@ from trainfuse.clients import ON, Row
 from trainfuse.graphs import GraphedOptimizerStep
 from trainfuse.ultralytics import compat
 from trainfuse.ultralytics.changes.base import Change, Run
-from trainfuse.ultralytics.changes.loss import FUSED_LOSSES
+from trainfuse.ultralytics.changes.loss import FUSED_LOSSES, GRAPHED_LOSSES
 from trainfuse.ultralytics.graphed import GraphedLoss
 
 
@@ -29,8 +29,12 @@ def why_no_graphs(run: Run) -> str | None:
         return "compile is on"
     if not isinstance(run.trainer.scaler, GradScaler):
         return f"the scaler is {type(run.trainer.scaler).__name__}, not torch's GradScaler"
-    if not isinstance(getattr(run.model, "criterion", None), FUSED_LOSSES):
+    loss = getattr(run.model, "criterion", None)
+    if not isinstance(loss, FUSED_LOSSES):
         return "the model trains with ultralytics' own loss, which syncs with the host"
+    if type(loss) not in GRAPHED_LOSSES:
+        return (f"the step's graphs take the image and the padded boxes; {type(loss).__name__} reads more "
+                "labels, so the step runs eagerly (its loss without host syncs)")
     return None
 
 

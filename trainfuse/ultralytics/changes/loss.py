@@ -16,32 +16,48 @@ from typing import Any
 
 import torch
 from typing_extensions import override
-from ultralytics.nn.tasks import DetectionModel
+from ultralytics.nn.modules.head import Pose26
+from ultralytics.nn.tasks import DetectionModel, OBBModel, PoseModel
 
 from trainfuse.clients import SWAPPED, Row
 from trainfuse.ultralytics.changes.base import Change, Run
 from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
+from trainfuse.ultralytics.obb_loss import FusedOBBLoss
+from trainfuse.ultralytics.pose_loss import FusedPoseLoss
 
-FUSED_LOSSES = (FusedDetectionLoss, FusedE2ELoss)
+FUSED_LOSSES = (FusedDetectionLoss, FusedE2ELoss, FusedOBBLoss)  # (FusedPoseLoss is a FusedDetectionLoss)
+# the losses the step's CUDA graphs feed (the image and the padded labels): by exact type
+GRAPHED_LOSSES = (FusedDetectionLoss, FusedE2ELoss)
+
+
+def fused_loss_class(model: torch.nn.Module) -> type | None:
+    """The fused loss that implements ``model``'s, or None: a plain DetectionModel's
+    (:class:`FusedE2ELoss` for end-to-end heads, YOLO26 and YOLOv10, else
+    :class:`FusedDetectionLoss`), and a PoseModel's or OBBModel's of a head that is not end-to-end
+    (:class:`FusedPoseLoss` for ``v8PoseLoss``, :class:`FusedOBBLoss` for ``v8OBBLoss`` with DFL)."""
+    head = model.model[-1] if hasattr(model, "model") else None
+    e2e = getattr(head, "one2one_cv2", None) is not None
+    kind = type(model)
+    if kind is DetectionModel:
+        return FusedE2ELoss if takes_fused_e2e_loss(model) else None if e2e else FusedDetectionLoss
+    if kind is PoseModel and not e2e and not isinstance(head, Pose26):
+        return FusedPoseLoss
+    if kind is OBBModel and not e2e and getattr(head, "reg_max", 1) > 1:
+        return FusedOBBLoss
+    return None
 
 
 def takes_fused_loss(model: torch.nn.Module) -> bool:
-    """Whether a fused loss implements ``model``'s: a plain DetectionModel, end-to-end (YOLO26,
-    YOLOv10: :class:`FusedE2ELoss`) or not (:class:`FusedDetectionLoss`)."""
-    if type(model) is not DetectionModel:
-        return False
-    return takes_fused_e2e_loss(model) or getattr(model.model[-1], "one2one_cv2", None) is None
+    """Whether a fused loss implements ``model``'s (:func:`fused_loss_class`)."""
+    return fused_loss_class(model) is not None
 
 
 def criterion(model: torch.nn.Module) -> Any:
-    """The detection loss the trainer installs on ``model``: the one place to switch it.
-    :class:`~trainfuse.ultralytics.FusedE2ELoss` for end-to-end heads,
-    :class:`~trainfuse.ultralytics.FusedDetectionLoss` for the others (:func:`takes_fused_loss`),
-    else ultralytics' own ``model.init_criterion()``."""
-    if takes_fused_e2e_loss(model):
-        return FusedE2ELoss(model)
-    return FusedDetectionLoss(model) if takes_fused_loss(model) else model.init_criterion()
+    """The loss the trainer installs on ``model``: the one place to switch it. Its fused loss
+    (:func:`fused_loss_class`), else ultralytics' own ``model.init_criterion()``."""
+    made = fused_loss_class(model)
+    return made(model) if made is not None else model.init_criterion()
 
 
 class LossSwap(Change):
@@ -57,11 +73,18 @@ class LossSwap(Change):
         return type(run.model).__name__
 
     @override
+    def why_off(self, run: Run) -> str | None:
+        if run.options.fused_loss:
+            return None
+        made = fused_loss_class(run.model)
+        return "fused_loss=False" + (f" (fused_loss=True trains with {made.__name__})" if made else "")
+
+    @override
     def why_not(self, run: Run) -> str | None:
         if takes_fused_loss(run.model):
             return None
         return (f"{type(run.model).__name__} keeps ultralytics' own loss: the fused losses implement "
-                "v8DetectionLoss and E2ELoss of plain detection models")
+                "v8DetectionLoss and E2ELoss of detection models, v8PoseLoss and v8OBBLoss")
 
     @override
     def apply(self, run: Run) -> None:
@@ -98,4 +121,5 @@ class Augment(Change):
         return list(run.loading.rows)
 
 
-__all__ = ["FUSED_LOSSES", "Augment", "LossSwap", "criterion", "takes_fused_loss"]
+__all__ = ["FUSED_LOSSES", "GRAPHED_LOSSES", "Augment", "LossSwap", "criterion", "fused_loss_class",
+           "takes_fused_loss"]
