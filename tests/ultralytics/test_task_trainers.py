@@ -37,7 +37,7 @@ MODELS = {"segment": "yolov8n-seg.yaml", "pose": "yolov8n-pose.yaml", "obb": "yo
 TRAINERS = {"segment": FusedSegmentationTrainer, "pose": FusedPoseTrainer, "obb": FusedOBBTrainer,
             "classify": FusedClassificationTrainer}
 LOSS_GAINS = ("box", "cls", "dfl", "pose", "kobj", "angle", "rle")  # ultralytics' loss gains (masks: box)
-FUSED_LOSSES = {"pose": "FusedPoseLoss", "obb": "FusedOBBLoss"}
+FUSED_LOSSES = {"segment": "FusedSegmentationLoss", "pose": "FusedPoseLoss", "obb": "FusedOBBLoss"}
 GAIN = 0.02  # every loss gain scaled down (box, cls, dfl, angle, pose, kobj, rle)
 # The segmentation and pose models' gradient norms reach ultralytics' clip at 10 whatever the gains
 # (15.6 at the first step of the segmentation run): the fused step sums the per-tensor norms in
@@ -105,6 +105,10 @@ def test_each_task_trains_with_the_fused_optimizer_phase_exactly_like_stock(runs
         assert rows["loss"].action == "skipped" and "keeps ultralytics' own loss" in rows["loss"].detail
 
 
+class FusedLossSegmentationTrainer(FusedSegmentationTrainer):
+    fused_loss = True
+
+
 class FusedLossPoseTrainer(FusedPoseTrainer):
     fused_loss = True
 
@@ -115,9 +119,10 @@ class FusedLossOBBTrainer(FusedOBBTrainer):
 
 @pytest.mark.cpu_training
 @pytest.mark.parametrize("task", list(FUSED_LOSSES))
-def test_pose_and_obb_train_with_their_fused_losses_like_stock(runs, datasets, task, tmp_path):
+def test_segment_pose_and_obb_train_with_their_fused_losses_like_stock(runs, datasets, task, tmp_path):
     stock, stock_losses = runs(task, False)
-    trainer_cls = FusedLossPoseTrainer if task == "pose" else FusedLossOBBTrainer
+    trainer_cls = {"segment": FusedLossSegmentationTrainer, "pose": FusedLossPoseTrainer,
+                   "obb": FusedLossOBBTrainer}[task]
     fused, fused_losses = _train(task, datasets[task], tmp_path, trainer_cls)
     rows = {r.kind: r for r in fused.trainer.report}
     assert rows["loss"].action == "swapped" and rows["loss"].detail.startswith(FUSED_LOSSES[task])

@@ -7,11 +7,11 @@ classification, each ultralytics' own trainer of the task with what
 What each task takes today, the rest staying stock with its row in the trainer's ``report``:
 the fused optimizer phase with the EMA inside it, the 16-bit weights with float32 masters, the
 prefetch to the GPU and the checkpoints written beside training. ultralytics' losses of masks,
-keypoints and rotated boxes sync with the host, so those steps run eagerly; the pose and OBB
-trainers take trainfuse's sync-free ones with ``fused_loss=True`` (FusedPoseLoss, FusedOBBLoss:
-off by default until measured on a GPU; the step still runs eagerly, its graphs carrying boxes
-only). The labels of masks, keypoints and rotated boxes are augmented on the CPU, and each task
-validates with ultralytics' own validator.
+keypoints and rotated boxes sync with the host, so those steps run eagerly; the segmentation,
+pose and OBB trainers take trainfuse's sync-free ones with ``fused_loss=True``
+(FusedSegmentationLoss, FusedPoseLoss, FusedOBBLoss: off by default until measured on a GPU; the
+step still runs eagerly, its graphs carrying boxes only). The labels of masks, keypoints and
+rotated boxes are augmented on the CPU, and each task validates with ultralytics' own validator.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from trainfuse.ultralytics.fused_trainer import FusedTrainer
 
 
 class FusedSegmentationTrainer(FusedTrainer, SegmentationTrainer):
-    """ultralytics' ``SegmentationTrainer``, fused as the module says."""
+    """ultralytics' ``SegmentationTrainer``, fused as the module says; ``fused_loss=True`` trains a
+    ``v8SegmentationLoss`` model with :class:`~trainfuse.ultralytics.FusedSegmentationLoss` (off by
+    default until measured on a GPU)."""
 
     task = "segment"
+    fused_loss = False
 
 
 class FusedPoseTrainer(FusedTrainer, PoseTrainer):

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from typing_extensions import override
-from ultralytics.nn.modules.head import Pose26
-from ultralytics.nn.tasks import DetectionModel, OBBModel, PoseModel
+from ultralytics.nn.modules.head import Pose26, Segment26
+from ultralytics.nn.tasks import DetectionModel, OBBModel, PoseModel, SegmentationModel
 
 from trainfuse.clients import SWAPPED, Row
 from trainfuse.ultralytics.changes.base import Change, Run
@@ -25,8 +25,9 @@ from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
 from trainfuse.ultralytics.obb_loss import FusedOBBLoss
 from trainfuse.ultralytics.pose_loss import FusedPoseLoss
+from trainfuse.ultralytics.segment_loss import FusedSegmentationLoss
 
-FUSED_LOSSES = (FusedDetectionLoss, FusedE2ELoss, FusedOBBLoss)  # (FusedPoseLoss is a FusedDetectionLoss)
+FUSED_LOSSES = (FusedDetectionLoss, FusedE2ELoss, FusedOBBLoss)  # (and their subclasses: pose, segment)
 # the losses the step's CUDA graphs feed (the image and the padded labels): by exact type
 GRAPHED_LOSSES = (FusedDetectionLoss, FusedE2ELoss)
 
@@ -35,7 +36,8 @@ def fused_loss_class(model: torch.nn.Module) -> type | None:
     """The fused loss that implements ``model``'s, or None: a plain DetectionModel's
     (:class:`FusedE2ELoss` for end-to-end heads, YOLO26 and YOLOv10, else
     :class:`FusedDetectionLoss`), and a PoseModel's or OBBModel's of a head that is not end-to-end
-    (:class:`FusedPoseLoss` for ``v8PoseLoss``, :class:`FusedOBBLoss` for ``v8OBBLoss`` with DFL)."""
+    (:class:`FusedPoseLoss` for ``v8PoseLoss``, :class:`FusedOBBLoss` for ``v8OBBLoss`` with DFL), and
+    a SegmentationModel's (:class:`FusedSegmentationLoss` for ``v8SegmentationLoss``)."""
     head = model.model[-1] if hasattr(model, "model") else None
     e2e = getattr(head, "one2one_cv2", None) is not None
     kind = type(model)
@@ -45,6 +47,8 @@ def fused_loss_class(model: torch.nn.Module) -> type | None:
         return FusedPoseLoss
     if kind is OBBModel and not e2e and getattr(head, "reg_max", 1) > 1:
         return FusedOBBLoss
+    if kind is SegmentationModel and not e2e and not isinstance(head, Segment26):
+        return FusedSegmentationLoss
     return None
 
 
@@ -84,7 +88,8 @@ class LossSwap(Change):
         if takes_fused_loss(run.model):
             return None
         return (f"{type(run.model).__name__} keeps ultralytics' own loss: the fused losses implement "
-                "v8DetectionLoss and E2ELoss of detection models, v8PoseLoss and v8OBBLoss")
+                "v8DetectionLoss and E2ELoss of detection models, v8PoseLoss, v8OBBLoss and "
+                "v8SegmentationLoss")
 
     @override
     def apply(self, run: Run) -> None:
