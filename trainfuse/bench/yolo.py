@@ -46,14 +46,18 @@ def _parser():
     parser = bench_parser("yolo", __doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 epoch on 256 images")
     parser.add_argument("--model", default="yolov5n.yaml",
-                        help="any detection model ultralytics builds offline (yolov5n.yaml, yolo11n.yaml, "
-                        "yolo26n.yaml, yolov10n.yaml, ...)")
+                        help="any model ultralytics builds offline: detection (yolov5n.yaml, yolo11n.yaml, "
+                        "yolo26n.yaml, ...) or another task's (yolo11n-seg.yaml, yolo11n-pose.yaml, "
+                        "yolo11n-obb.yaml, yolo11n-cls.yaml: that task's synthetic data and fused trainer)")
+    parser.add_argument("--fused-loss", action="store_true",
+                        help="the segmentation, pose and OBB trainers' fused losses (fused_loss=True; off by "
+                        "default for those tasks)")
     parser.add_argument("--optimizer", default="auto",
                         help="ultralytics' optimizer= (auto, SGD, AdamW, MuSGD, NAdam, ...)")
-    parser.add_argument("--batch", type=int, default=16, help="images per GPU")
+    parser.add_argument("--batch", type=int, default=None, help="images per GPU (16; 64 for classification)")
     parser.add_argument("--devices", default="0",
                         help="CUDA devices; several (0,1) train with ultralytics' DDP (bench.yolo_ddp)")
-    parser.add_argument("--imgsz", type=int, default=640)
+    parser.add_argument("--imgsz", type=int, default=None, help="640; 224 for classification")
     parser.add_argument("--images", type=int, default=None, help="synthetic training images (512; 1,024 "
                         "with --photo)")
     parser.add_argument("--val-images", type=int, default=None, help="validation images (64; 512 with "
@@ -111,10 +115,12 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     workload = f"{args.model} batch {args.batch} imgsz {args.imgsz}"
     if args.optimizer != "auto":
         workload += f" optimizer={args.optimizer}"
+    if args.fused_loss:
+        workload += " fused_loss=True"
     print(f"\n{workload}, {args.epochs} epoch(s), ultralytics {version}")
     print(runs_table(runs))
     for kind, r in runs.items():
-        impl = "ultralytics DetectionTrainer" if kind == "stock" else "FusedDetectionTrainer"
+        impl = r["trainer"] if kind == "trainfuse" else f"ultralytics {r['trainer']}"
         add_row(report, f"{workload}: training-loop iteration", impl, trainfuse=kind != "stock",
                 wall_ms=r["iter_ms"])
         add_row(report, f"{workload}: optimizer phase (unscale, clip, step, EMA, zero_grad)", impl,
@@ -154,7 +160,7 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     print_table("goals", ["goal", "met"], [[k, "yes" if v else "NO"] for k, v in goals.items()])
     if args.quick:
         note(report, "--quick: 1 epoch; the quality goals need the full run")
-    png = plot_runs(runs, out / f"{family(args.model, args.optimizer)}.png",
+    png = plot_runs(runs, out / f"{family(args.model, args.optimizer, fused_loss=args.fused_loss)}.png",
                     title=f"{workload}, {args.epochs} epoch(s), {report['device']}")
     print(f"plot: {png}")
     if (args.model, args.optimizer) != ("yolov5n.yaml", "auto"):  # the README's summary: one phase row
@@ -185,6 +191,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         args.epochs = 20 if args.default_run else 30
     if args.quick:
         args.epochs, args.images, args.val_images = 1, 256, 32
+    from trainfuse.ultralytics.tasks import task_of
+
+    task = task_of(args.model)
+    args.batch = args.batch or (64 if task == "classify" else 16)
+    args.imgsz = args.imgsz or (224 if task == "classify" else 640)
+    if task != "detect" and (args.photo or args.default_run or len(args.devices.split(",")) > 1):
+        raise SystemExit(f"yolo: --photo, --default-run and several --devices measure detection models; "
+                         f"{args.model} is a {task!r} model")
     out = Path(args.out)
     from trainfuse.ultralytics.offline import offline_env
 
@@ -196,13 +210,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         report["_bench"] = "yolo"
         save_report(report, args.out, family(args.model, args.optimizer))
         return report
-    from trainfuse.ultralytics.shapes import make_shapes_dataset
-
-    kind = "photo-" if args.photo else ""
-    folder = Path(args.data_dir) / f"{kind}{args.imgsz}px-{args.images}-seed{args.seed}"
-    data = str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
-                                   seed=args.seed, photo=args.photo,
-                                   distinct=1024 if args.photo and args.images > 1024 else None))
+    data = _dataset(args, task)
     if args.default_run:
         from trainfuse.bench import yolo_default
 
@@ -227,20 +235,43 @@ def main(argv: list[str] | None = None) -> dict | None:
     from trainfuse.bench.yolo_harness import train_run
 
     runs, trainers = {}, {}
+    options = {"fused_loss": True} if args.fused_loss else {}
     for kind in ("stock", "trainfuse"):
-        runs[kind], trainers[kind] = train_run(kind, args, data, out / "yolo-runs", device=args.devices)
+        runs[kind], trainers[kind] = train_run(kind, args, data, out / "yolo-runs", device=args.devices,
+                                               **(options if kind == "trainfuse" else {}))
     for kind, (ms, launches) in _phases(trainers, runs).items():
         runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)
     report["_bench"] = "yolo"
-    save_report(report, args.out, family(args.model, args.optimizer))
+    save_report(report, args.out, family(args.model, args.optimizer, fused_loss=args.fused_loss))
     return report
 
 
-def family(model: str, optimizer: str = "auto", devices: str = "0") -> str:
+def _dataset(args, task: str) -> str:
+    """The synthetic data of ``task`` (made once per size and seed under ``--data-dir``): the
+    shapes for detection (photo-like with ``--photo``), :func:`~trainfuse.ultralytics.task_shapes.
+    make_task_dataset`'s for the other tasks."""
+    if task != "detect":
+        from trainfuse.ultralytics.task_shapes import make_task_dataset
+
+        name = f"{task}-{args.imgsz}px-{args.images}-val{args.val_images}-seed{args.seed}"
+        return str(make_task_dataset(Path(args.data_dir) / name, task, n_train=args.images,
+                                     n_val=args.val_images, imgsz=args.imgsz, seed=args.seed))
+    from trainfuse.ultralytics.shapes import make_shapes_dataset
+
+    kind = "photo-" if args.photo else ""
+    folder = Path(args.data_dir) / f"{kind}{args.imgsz}px-{args.images}-seed{args.seed}"
+    return str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
+                                   seed=args.seed, photo=args.photo,
+                                   distinct=1024 if args.photo and args.images > 1024 else None))
+
+
+def family(model: str, optimizer: str = "auto", devices: str = "0", fused_loss: bool = False) -> str:
     """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
-    ``-<optimizer>`` appended for an optimizer other than ``auto``, ``-<N>gpus`` for DDP."""
+    ``-<optimizer>`` appended for an optimizer other than ``auto``, ``-fused-loss`` with
+    ``--fused-loss``, ``-<N>gpus`` for DDP."""
     name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
     name = name if optimizer == "auto" else f"{name}-{optimizer}"
+    name = f"{name}-fused-loss" if fused_loss else name
     n = len(devices.split(","))
     return name if n == 1 else f"{name}-{n}gpus"

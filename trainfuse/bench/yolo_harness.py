@@ -307,10 +307,19 @@ def optimizer_phase(trainer, calls: int = 50, warmup: int = 5,
     return times, launches
 
 
+# each task's headline pair of ultralytics' metrics: masks, keypoints, boxes; top-1 and top-5 accuracy
+_TASK_METRICS = {"segment": "(M)", "pose": "(P)", "detect": "(B)", "obb": "(B)"}
+
+
 def final_map(trainer) -> tuple[float | None, float | None]:
-    """mAP50 and mAP50-95 of the run's final validation (ultralytics' validator, best.pt)."""
+    """mAP50 and mAP50-95 of the run's final validation (ultralytics' validator, best.pt): of the
+    masks for segmentation, of the keypoints for pose, of the boxes otherwise; for classification
+    its top-1 and top-5 accuracy."""
     metrics = trainer.metrics or {}
-    return metrics.get("metrics/mAP50(B)"), metrics.get("metrics/mAP50-95(B)")
+    if trainer.args.task == "classify":
+        return metrics.get("metrics/accuracy_top1"), metrics.get("metrics/accuracy_top5")
+    kind = _TASK_METRICS.get(trainer.args.task, "(B)")
+    return metrics.get(f"metrics/mAP50{kind}"), metrics.get(f"metrics/mAP50-95{kind}")
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -372,9 +381,10 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     more of ``model.train``'s arguments."""
     from ultralytics import YOLO
 
-    from trainfuse.ultralytics import FusedDetectionTrainer
+    from trainfuse.ultralytics import trainer_for
 
     model = YOLO(args.model)
+    trainer_cls = trainer_for(model)
     timer = LoopTimer().attach(model)
     phase_timer = PhaseHostTimer().attach(model)
     # one accumulation cycle is profiled: after ultralytics' warmup ramp of accumulate (3 epochs),
@@ -384,8 +394,7 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer).attach(model)
     kept: dict[str, bool] = {}  # whether the graphs kept the grads, read before the trainer undoes them
     model.add_callback("on_train_end", lambda t: kept.setdefault("grads", getattr(t, "keeps_grads", False)))
-    fused = (functools.partial(FusedDetectionTrainer, **trainer_kwargs) if trainer_kwargs
-             else FusedDetectionTrainer)
+    fused = functools.partial(trainer_cls, **trainer_kwargs) if trainer_kwargs else trainer_cls
     extra = {"trainer": fused} if kind == "trainfuse" else {}
     torch.cuda.reset_peak_memory_stats()
     model.train(data=data, epochs=args.epochs, batch=args.batch, imgsz=args.imgsz, seed=args.seed,
@@ -397,6 +406,7 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     summary = timer.summary(args.batch)
     summary["steady_images_per_s"] = timer.steady_images_per_s(args.batch)
     summary["map50"], summary["map50_95"] = final_map(trainer)
+    summary["trainer"] = trainer_cls.__name__ if kind == "trainfuse" else type(trainer).__name__
     summary["launches_per_iteration"] = counter.per_iteration
     summary["profiled_iterations"] = counter.iterations
     summary["optimizer"] = type(trainer.optimizer).__name__

@@ -14,7 +14,7 @@ TRAINERS = {
 }
 
 
-def _task_of(model: Any) -> str:
+def task_of(model: Any) -> str:
     """The task of ``model``: a task name, a YOLO object, an ultralytics model (its ``task``
     attribute or what its head says) or a model file (``yolo11n-seg.pt``, ``yolo26n-pose.yaml``:
     what ultralytics guesses from it)."""
@@ -42,7 +42,7 @@ def trainer_for(model: Any) -> type:
     """
     import importlib
 
-    task = _task_of(model)
+    task = task_of(model)
     if task not in TRAINERS:
         raise ValueError(f"trainer_for: no fused trainer trains task {task!r} (model={model!r}); the fused "
                          f"trainers train {', '.join(repr(t) for t in TRAINERS)}: train it with ultralytics' "
@@ -63,4 +63,4 @@ def check_task(trainer: type, args: Any) -> None:
                      f"(model={args.model}): {hint}")
 
 
-__all__ = ["TRAINERS", "check_task", "trainer_for"]
+__all__ = ["TRAINERS", "check_task", "task_of", "trainer_for"]

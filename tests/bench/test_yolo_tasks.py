@@ -1,0 +1,51 @@
+"""The yolo benchmark's pieces for other tasks, on CPU (the runs need a GPU): which synthetic data a
+model gets, the results' name, and each task's headline metrics."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from trainfuse.bench import yolo
+from trainfuse.bench.yolo_harness import final_map
+
+pytest.importorskip("ultralytics")
+
+
+@pytest.mark.parametrize("model,task,made", [("yolov5n.yaml", "detect", "data.yaml"),
+                                             ("yolo11n-seg.yaml", "segment", "data.yaml"),
+                                             ("yolo11n-pose.yaml", "pose", "data.yaml"),
+                                             ("yolo11n-obb.yaml", "obb", "data.yaml"),
+                                             ("yolo11n-cls.yaml", "classify", None)])
+def test_each_task_gets_its_own_synthetic_data(model, task, made, tmp_path):
+    from trainfuse.ultralytics.tasks import task_of
+
+    assert task_of(model) == task
+    args = types.SimpleNamespace(model=model, imgsz=64, images=4, val_images=2, seed=0,
+                                 data_dir=str(tmp_path), photo=False)
+    data = Path(yolo._dataset(args, task))
+    if made:
+        assert data.name == made and (task in data.parent.name or task == "detect")
+    else:  # classification trains from the folder of class folders
+        assert (data / "train").is_dir() and (data / "val").is_dir()
+
+
+def test_results_are_named_by_model_optimizer_fused_loss_and_gpus():
+    assert yolo.family("yolov5n.yaml") == "yolo"
+    assert yolo.family("yolo11n-seg.yaml", fused_loss=True) == "yolo-yolo11n-seg-fused-loss"
+    assert yolo.family("yolo11n.yaml", "MuSGD", "0,1") == "yolo-yolo11n-MuSGD-2gpus"
+
+
+@pytest.mark.parametrize("task,keys", [("detect", ("metrics/mAP50(B)", "metrics/mAP50-95(B)")),
+                                       ("obb", ("metrics/mAP50(B)", "metrics/mAP50-95(B)")),
+                                       ("segment", ("metrics/mAP50(M)", "metrics/mAP50-95(M)")),
+                                       ("pose", ("metrics/mAP50(P)", "metrics/mAP50-95(P)")),
+                                       ("classify", ("metrics/accuracy_top1", "metrics/accuracy_top5"))])
+def test_each_tasks_headline_metrics(task, keys):
+    metrics = {"metrics/mAP50(B)": 0.1, "metrics/mAP50-95(B)": 0.2, "metrics/mAP50(M)": 0.3,
+               "metrics/mAP50-95(M)": 0.4, "metrics/mAP50(P)": 0.5, "metrics/mAP50-95(P)": 0.6,
+               "metrics/accuracy_top1": 0.7, "metrics/accuracy_top5": 0.8}
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(task=task), metrics=metrics)
+    assert final_map(trainer) == (metrics[keys[0]], metrics[keys[1]])
