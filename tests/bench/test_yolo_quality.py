@@ -71,3 +71,20 @@ def test_an_unknown_variant_is_refused_with_the_known_ones(capsys):
     err = capsys.readouterr().err
     assert "argument --variants: unknown variant fast" in err
     assert "stock, trainfuse, no-graphs, no-casts, stock-loss" in err
+
+
+@pytest.mark.cpu_training
+def test_a_classification_model_trains_on_class_folders_with_its_tasks_trainer(tmp_path, monkeypatch):
+    monkeypatch.setenv("YOLO_CONFIG_DIR", str(tmp_path / "shared-config"))
+    args = _tiny(tmp_path, "yolov8n-cls.yaml")
+    args[args.index("--imgsz") + 1] = "32"
+    main(args)
+    runs = json.loads((tmp_path / "out" / "yolo-quality.json").read_text())["details"]["runs"]
+    for run in runs:
+        assert "error" not in run, run["error"]
+        assert 0.0 <= run["map50"] <= run["map50_95"] <= 1.0  # top-1, top-5 accuracy
+    assert (tmp_path / "shapes" / "classify-32px-8-val4-seed0" / "train").is_dir()
+    log = (tmp_path / "out" / "yolo-quality-logs" / f"{runs[1]['run']}.log").read_text()
+    assert "loss skipped: ClassificationModel keeps ultralytics' cross-entropy" in log
+    assert runs[1]["graphs_reason"] == "the device is cpu, not CUDA"
+    assert [run["optimizer_class"] for run in runs] == ["AdamW", "FusedAdamW"]

@@ -1,4 +1,4 @@
-"""FusedDetectionTrainer's CUDA-graph step: against the same trainer run eagerly (GPU), and the parts
+"""The fused trainers' CUDA-graph step: against the same trainer run eagerly (GPU), and the parts
 that are host logic (CPU).
 
 The GPU run trains YOLOv5n for 200 iterations on 40 synthetic 64-pixel images (batch 4, nbs 16:
@@ -9,7 +9,9 @@ the eager step launches, so everything is compared bit for bit: every iteration'
 GradScaler's scale after every iteration (so the skipped steps), the weights, BatchNorm's running
 statistics and ``num_batches_tracked``, the EMA, and the epoch's logged loss means. The graphed
 run keeps its grads and zeroes them inside the first replay after each optimizer step; the eager
-run frees them: 0 + g is g, so the sums agree.
+run frees them: 0 + g is g, so the sums agree. The segmentation, pose, OBB and classification
+trainers run the same comparison on their tasks' synthetic data (their fused losses; ultralytics'
+cross-entropy for classification).
 """
 
 from __future__ import annotations
@@ -27,13 +29,32 @@ offline_env(Path(tempfile.gettempdir()) / "trainfuse-tests-yolo-config")
 pytest.importorskip("ultralytics")
 
 from ultralytics import YOLO  # noqa: E402
+from ultralytics.utils import DEFAULT_CFG  # noqa: E402
 
 from tests._helpers import cuda  # noqa: E402
-from trainfuse.ultralytics import FusedDetectionTrainer  # noqa: E402
+from trainfuse.losses.detection.targets import PADDED_KEY, PADDED_KEYPOINTS_KEY  # noqa: E402
+from trainfuse.ultralytics import (  # noqa: E402
+    FusedClassificationTrainer,
+    FusedDetectionLoss,
+    FusedDetectionTrainer,
+    FusedOBBLoss,
+    FusedOBBTrainer,
+    FusedPoseLoss,
+    FusedPoseTrainer,
+    FusedSegmentationLoss,
+    FusedSegmentationTrainer,
+)
 from trainfuse.ultralytics.changes import CALLBACKS  # noqa: E402
-from trainfuse.ultralytics.graphed import replayed_loss  # noqa: E402
+from trainfuse.ultralytics.changes.graphs import graph_inputs  # noqa: E402
+from trainfuse.ultralytics.graphed import GraphedLoss, replayed_loss  # noqa: E402
 from trainfuse.ultralytics.readout import RING, LossReadout  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
+from trainfuse.ultralytics.task_shapes import make_task_dataset  # noqa: E402
+
+TASK_RUNS = {"segment": ("yolo11n-seg.yaml", FusedSegmentationTrainer),
+             "pose": ("yolo11n-pose.yaml", FusedPoseTrainer),
+             "obb": ("yolo11n-obb.yaml", FusedOBBTrainer),
+             "classify": ("yolo11n-cls.yaml", FusedClassificationTrainer)}
 
 
 def test_replayed_loss_backward_reaches_no_parameter():
@@ -47,6 +68,33 @@ def test_replayed_loss_backward_reaches_no_parameter():
     (out.sum() * 1024.0).backward()  # what the loop runs: scaler.scale(loss.sum()).backward()
     assert torch.equal(w.grad, before)
     assert anchor.grad is None
+
+
+@pytest.mark.parametrize("model,loss,keys", [
+    ("yolov5n.yaml", FusedDetectionLoss, (PADDED_KEY,)),
+    ("yolo11n-pose.yaml", FusedPoseLoss, (PADDED_KEY, PADDED_KEYPOINTS_KEY)),
+    ("yolo11n-obb.yaml", FusedOBBLoss, (PADDED_KEY,)),
+    ("yolo11n-seg.yaml", FusedSegmentationLoss, (PADDED_KEY, "masks")),
+])
+def test_graph_inputs_are_the_labels_each_fused_loss_reads(model, loss, keys):
+    made = YOLO(model).model
+    made.args = DEFAULT_CFG  # what the trainer sets before the loss is made
+    fused = loss(made)
+    assert graph_inputs(fused) == (keys, tuple(fused.loss_names))
+
+
+def test_graph_inputs_refuse_losses_that_sync_or_change_shape():
+    from ultralytics.utils.loss import v8ClassificationLoss, v8DetectionLoss
+
+    assert graph_inputs(v8ClassificationLoss()) == (("cls",), ("loss",))  # cross-entropy: no sync
+    made = YOLO("yolo11n-seg.yaml").model
+    made.args = DEFAULT_CFG
+    assert graph_inputs(v8DetectionLoss(made)) is None
+    no_overlap = FusedSegmentationLoss(made)
+    no_overlap.overlap, no_overlap.graph_keys = False, None  # as overlap_mask=False makes it
+    assert graph_inputs(no_overlap) is None
+    with pytest.raises(ValueError, match="keys must name the labels"):
+        GraphedLoss(made, torch.amp.GradScaler("cpu", enabled=False), keys=())
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +171,7 @@ class Record:
 
 
 def _gpu_run(data: str, project: Path, graphs: bool, model: str = "yolov5n.yaml",
-             optimizer: str = "auto") -> tuple[YOLO, Record, dict]:
+             optimizer: str = "auto", trainer=FusedDetectionTrainer, **options) -> tuple[YOLO, Record, dict]:
     name = f"{Path(model).stem}-{optimizer}-graphs-{graphs}"
     model = YOLO(model)
     record = Record(model)
@@ -132,8 +180,22 @@ def _gpu_run(data: str, project: Path, graphs: bool, model: str = "yolov5n.yaml"
     model.train(data=data, epochs=20, imgsz=64, batch=4, nbs=16, workers=0, device=0, plots=False, val=False,
                 seed=0, deterministic=True, verbose=False, project=str(project), name=name,
                 optimizer=optimizer, exist_ok=True,
-                trainer=functools.partial(FusedDetectionTrainer, cuda_graphs=graphs))
+                trainer=functools.partial(trainer, cuda_graphs=graphs, **options))
     return model, record, metrics
+
+
+def _same_training(eager: YOLO, graphed: YOLO, eager_rec: Record, graphed_rec: Record) -> None:
+    """Every iteration's loss and scale, the EMA's updates, weights, BatchNorm statistics and EMA
+    equal bit for bit."""
+    te, tg = eager.trainer, graphed.trainer
+    assert torch.equal(torch.stack(graphed_rec.losses), torch.stack(eager_rec.losses))
+    assert graphed_rec.scales == eager_rec.scales
+    assert tg.ema.updates == te.ema.updates
+    for name, a, b in ((("model", tg.model, te.model)), ("ema", tg.ema.ema, te.ema.ema)):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        for k in sa:  # weights, BatchNorm running statistics and num_batches_tracked
+            assert torch.equal(sa[k], sb[k]), f"{name}.{k}"
 
 
 @cuda
@@ -169,21 +231,35 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimiz
     else:  # MuSGD's phase, a stock NAdam's: eager
         assert tg.phase_stats is None
 
-    assert torch.equal(torch.stack(graphed_rec.losses), torch.stack(eager_rec.losses))
-    assert graphed_rec.scales == eager_rec.scales
+    _same_training(eager, graphed, eager_rec, graphed_rec)
     if (model, optimizer) == ("yolov5n.yaml", "auto"):
         assert min(eager_rec.scales) < eager_rec.scales[0]  # the run did skip steps
-    assert tg.ema.updates == te.ema.updates
-    for name, a, b in ((("model", tg.model, te.model)), ("ema", tg.ema.ema, te.ema.ema)):
-        sa, sb = a.state_dict(), b.state_dict()
-        assert sa.keys() == sb.keys()
-        for k in sa:  # weights, BatchNorm running statistics and num_batches_tracked
-            assert torch.equal(sa[k], sb[k]), f"{name}.{k}"
     # the epoch means logged are exact (summed on the GPU, where ultralytics keeps a running mean):
     # not the lagged values the progress bar showed
     assert graphed_metrics.keys() == eager_metrics.keys()
     for epoch, items in eager_metrics.items():
         assert graphed_metrics[epoch] == pytest.approx(items, rel=1e-4, abs=1e-5), epoch
+
+
+@cuda
+@pytest.mark.parametrize("task", list(TASK_RUNS))
+def test_each_tasks_graph_replay_trains_exactly_like_eager(tmp_path_factory, task):
+    """Segmentation, pose and OBB with their fused losses, classification with ultralytics'
+    cross-entropy: 200 iterations replayed from graphs, the optimizer phase inside them, as eager."""
+    model, trainer = TASK_RUNS[task]
+    root = tmp_path_factory.mktemp(f"{task}200")
+    data = str(make_task_dataset(root, task, n_train=40, n_val=8, imgsz=64, seed=1, max_objects=4))
+    project = tmp_path_factory.mktemp(f"{task}-runs")
+    eager, eager_rec, _ = _gpu_run(data, project, False, model, trainer=trainer, fused_loss=True)
+    graphed, graphed_rec, _ = _gpu_run(data, project, True, model, trainer=trainer, fused_loss=True)
+    tg = graphed.trainer
+    assert eager.trainer.graphs_reason == "cuda_graphs=False" and tg.graphs_reason == ""
+    stats = tg.graph_stats
+    assert stats.fallbacks == 0 and stats.captures >= 1 and stats.replays >= 150, stats
+    assert stats.eager + stats.replays == len(graphed_rec.losses) == 200
+    assert tg.phase_stats["folded"] >= 40, tg.phase_stats  # the optimizer phase inside the graphs
+    assert "loss" not in vars(tg.model) and all(p.grad is None for p in tg.model.parameters())
+    _same_training(eager, graphed, eager_rec, graphed_rec)
 
 
 @cuda

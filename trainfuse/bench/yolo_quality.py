@@ -1,4 +1,4 @@
-"""YOLO training quality: final mAP of ultralytics' DetectionTrainer against FusedDetectionTrainer.
+"""YOLO training quality: final mAP of ultralytics' trainers against the fused trainers, per task.
 
 ``python -m trainfuse.bench yolo-quality [--models a.yaml,b.yaml] [--optimizers auto,SGD]
 [--seeds 0,1] [--variants stock,trainfuse,...] [--epochs N] [--parallel N]`` (needs ultralytics;
@@ -6,18 +6,22 @@ offline). Every (model, optimizer, seed, variant) is one full training run in a 
 (``python -m trainfuse.bench.yolo_quality --child '<json>'``, its log in
 ``<out>/yolo-quality-logs/<run>.log``), ``--parallel`` of them at once on one GPU, with
 ultralytics' training defaults, ``cache="ram"``, ``deterministic=False`` and a config folder per
-run. All runs train and validate on the same synthetic shapes dataset (one data seed); ``--seeds``
-are ultralytics' training ``seed=``. The variants:
+run. All runs of a task train and validate on the same synthetic dataset (one data seed: the shapes
+for detection, :func:`~trainfuse.ultralytics.task_shapes.make_task_dataset`'s for segmentation,
+pose, OBB and classification models); ``--seeds`` are ultralytics' training ``seed=``. The variants:
 
-- ``stock``: ultralytics' DetectionTrainer;
-- ``trainfuse``: FusedDetectionTrainer;
-- ``no-graphs``, ``no-casts``, ``stock-loss``: FusedDetectionTrainer with ``cuda_graphs``,
+- ``stock``: ultralytics' trainer of the model's task (DetectionTrainer, SegmentationTrainer, ...);
+- ``trainfuse``: the fused trainer of that task (:func:`~trainfuse.ultralytics.trainer_for`), every
+  change on (``fused_loss=True`` included);
+- ``no-graphs``, ``no-casts``, ``stock-loss``: that fused trainer with ``cuda_graphs``,
   ``fuse_casts`` or ``fused_loss`` False, to tell which change moves the mAP if one does.
 
-Measures mAP50 and mAP50-95 of each run's final validation (best.pt), per seed and their mean per
-variant, and the mean's difference to stock. Goal per (model, optimizer, variant): both means within
-1 point of stock. It does not measure time: the runs share the GPU and the CPU, so their seconds
-(kept in the report's runs) compare with nothing; ``python -m trainfuse.bench yolo`` times training.
+Measures mAP50 and mAP50-95 of each run's final validation (best.pt: of the masks for segmentation,
+of the keypoints for pose; top-1 and top-5 accuracy for classification, in those columns), per seed
+and their mean per variant, and the mean's difference to stock. Goal per (model, optimizer,
+variant): both means within 1 point of stock. It does not measure time: the runs share the GPU and
+the CPU, so their seconds (kept in the report's runs) compare with nothing; ``python -m
+trainfuse.bench yolo`` times training.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ from trainfuse.bench._common import (
     save_report,
 )
 
-# variant -> the FusedDetectionTrainer class attributes it changes (None: ultralytics' own trainer)
-VARIANTS = {"stock": None, "trainfuse": {}, "no-graphs": {"cuda_graphs": False},
+# variant -> the fused trainer's class attributes it changes (None: ultralytics' own trainer)
+VARIANTS = {"stock": None, "trainfuse": {"fused_loss": True}, "no-graphs": {"cuda_graphs": False},
             "no-casts": {"fuse_casts": False}, "stock-loss": {"fused_loss": False}}
 DATA_SEED = 0  # every run trains and validates on the same images; --seeds only vary training
 MAP_DELTA_GOAL = 0.01  # 1 point of mAP
@@ -86,15 +90,17 @@ def _positive(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = bench_parser("yolo-quality", __doc__)
     parser.add_argument("--models", type=_names, default="yolov5n.yaml,yolo11n.yaml,yolo26n.yaml",
-                        help="comma list of detection models ultralytics builds offline")
+                        help="comma list of models ultralytics builds offline, of any task "
+                        "(yolo11n-seg.yaml, yolo11n-pose.yaml, yolo11n-obb.yaml, yolo11n-cls.yaml: that "
+                        "task's data)")
     parser.add_argument("--optimizers", type=_names, default="auto",
                         help="comma list of ultralytics' optimizer= (auto, SGD, AdamW, MuSGD, ...)")
     parser.add_argument("--seeds", type=_seeds, default="0,1", help="comma list of ultralytics' seed=")
     parser.add_argument("--variants", type=_variants, default="stock,trainfuse",
                         help=f"comma list of trainers: {', '.join(VARIANTS)}")
     parser.add_argument("--epochs", type=_positive, default=30, help="epochs of each run (quality needs ~30)")
-    parser.add_argument("--batch", type=_positive, default=16)
-    parser.add_argument("--imgsz", type=_positive, default=640)
+    parser.add_argument("--batch", type=_positive, default=None, help="16; 64 for classification")
+    parser.add_argument("--imgsz", type=_positive, default=None, help="640; 224 for classification")
     parser.add_argument("--images", type=_positive, default=512, help="synthetic training images")
     parser.add_argument("--val-images", type=_positive, default=256,
                         help="synthetic validation images (mAP on a few is noisy)")
@@ -108,14 +114,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _trainer(variant: str):
-    """The ``trainer=`` of ``variant``: FusedDetectionTrainer or a subclass of it."""
-    from trainfuse.ultralytics import FusedDetectionTrainer
+def _task(model: str) -> str:
+    """``model``'s task (detection where the file cannot be read: its run then fails with the error)."""
+    from trainfuse.ultralytics.tasks import task_of
 
+    try:
+        return task_of(model)
+    except Exception:
+        return "detect"
+
+
+def _trainer(variant: str, model: str):
+    """The ``trainer=`` of ``variant``: the fused trainer of ``model``'s task or a subclass of it."""
+    from trainfuse.ultralytics import trainer_for
+
+    base = trainer_for(_task(model))
     changes = VARIANTS[variant]
     if not changes:
-        return FusedDetectionTrainer
-    return type(f"FusedDetectionTrainer_{variant.replace('-', '_')}", (FusedDetectionTrainer,), changes)
+        return base
+    return type(f"{base.__name__}_{variant.replace('-', '_')}", (base,), changes)
 
 
 def _child(spec: dict) -> None:
@@ -134,7 +151,7 @@ def _child(spec: dict) -> None:
 
     start = time.perf_counter()
     model = YOLO(spec["model"])
-    extra = {} if VARIANTS[spec["variant"]] is None else {"trainer": _trainer(spec["variant"])}
+    extra = {} if VARIANTS[spec["variant"]] is None else {"trainer": _trainer(spec["variant"], spec["model"])}
     model.train(data=spec["data"], epochs=spec["epochs"], batch=spec["batch"], imgsz=spec["imgsz"],
                 seed=spec["seed"], workers=spec["workers"], cache="ram", deterministic=False, val=False,
                 plots=False, device=spec["device"], project=str(Path(spec["out"]) / "yolo-quality-runs"),
@@ -151,13 +168,38 @@ def _child(spec: dict) -> None:
     print(RESULT + json.dumps(result), flush=True)
 
 
-def _specs(args, data: str) -> list[dict]:
+def _sizes(args, task: str) -> tuple[int, int]:
+    """``(batch, imgsz)`` of a ``task``'s runs: as given, else ultralytics' defaults (classification
+    at 224 pixels, batch 64 as ``python -m trainfuse.bench yolo`` times it)."""
+    classify = task == "classify"
+    return args.batch or (64 if classify else 16), args.imgsz or (224 if classify else 640)
+
+
+def _data(args, task: str) -> str:
+    """The synthetic dataset of ``task`` (made once per size under ``--data-dir``)."""
+    _, imgsz = _sizes(args, task)
+    if task == "detect":
+        from trainfuse.ultralytics.shapes import make_shapes_dataset
+
+        folder = Path(args.data_dir) / f"{imgsz}px-{args.images}-val{args.val_images}-seed{DATA_SEED}"
+        return str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=imgsz,
+                                       seed=DATA_SEED))
+    from trainfuse.ultralytics.task_shapes import make_task_dataset
+
+    folder = Path(args.data_dir) / f"{task}-{imgsz}px-{args.images}-val{args.val_images}-seed{DATA_SEED}"
+    return str(make_task_dataset(folder, task, n_train=args.images, n_val=args.val_images, imgsz=imgsz,
+                                 seed=DATA_SEED))
+
+
+def _specs(args) -> list[dict]:
     """One child's spec per (model, optimizer, seed, variant); a seed's variants start together."""
-    common = {"data": data, "epochs": args.epochs, "batch": args.batch, "imgsz": args.imgsz,
-              "workers": args.workers, "device": "cpu" if args.device == "cpu" else 0,
+    common = {"epochs": args.epochs, "workers": args.workers, "device": "cpu" if args.device == "cpu" else 0,
               "out": str(Path(args.out).resolve())}
+    tasks = {model: _task(model) for model in args.models}
+    data = {task: _data(args, task) for task in dict.fromkeys(tasks.values())}
     return [{"run": f"{Path(model).stem}-{opt}-seed{seed}-{variant}", "model": model, "optimizer": opt,
-             "seed": seed, "variant": variant, **common}
+             "seed": seed, "variant": variant, "data": data[tasks[model]],
+             **dict(zip(("batch", "imgsz"), _sizes(args, tasks[model]))), **common}
             for model in args.models for opt in args.optimizers for seed in args.seeds
             for variant in args.variants]
 
@@ -260,14 +302,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         note(report, "ultralytics is not installed (pip install ultralytics): nothing measured")
         save_report(report, args.out, "yolo-quality")
         return report
-    from trainfuse.ultralytics.shapes import make_shapes_dataset
-
-    folder = Path(args.data_dir) / f"{args.imgsz}px-{args.images}-val{args.val_images}-seed{DATA_SEED}"
-    data = str(make_shapes_dataset(folder, n_train=args.images, n_val=args.val_images, imgsz=args.imgsz,
-                                   seed=DATA_SEED))
     logs = Path(args.out) / "yolo-quality-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    specs = _specs(args, data)
+    specs = _specs(args)
     print(f"{len(specs)} runs, {args.parallel} at once; logs in {logs}")
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
         runs = list(pool.map(lambda spec: _launch(spec, logs), specs))

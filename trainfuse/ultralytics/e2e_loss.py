@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from trainfuse.losses.detection import PADDED_KEY
 from trainfuse.ultralytics.loss import FusedDetectionLoss
 
 
@@ -59,12 +60,15 @@ class FusedE2ELoss:
         updates: :meth:`update` calls so far; ``o2m_copy``, ``final_o2m``, ``total``: the
             schedule's start, end and sum, as in ``E2ELoss``.
         loss_names: the items' names, the one-to-one branch's.
+        graph_keys: the batch keys besides ``"img"`` a training step reads (the padded labels).
 
     Example:
         >>> model.criterion = FusedE2ELoss(model)                                # doctest: +SKIP
         >>> loss, items = model.loss(batch)                                      # doctest: +SKIP
         >>> model.criterion.update()  # at each epoch's end, as ultralytics' trainer does  # doctest: +SKIP
     """
+
+    graph_keys: tuple[str, ...] | None = (PADDED_KEY,)
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.one2many = FusedDetectionLoss(model, tal_topk=10)

@@ -1,4 +1,4 @@
-"""The detection model's forward, loss and backward replayed from CUDA graphs inside ultralytics' loop.
+"""A YOLO model's forward, loss and backward replayed from CUDA graphs inside ultralytics' loop.
 
 Ultralytics' training loop calls ``loss, loss_items = model(batch)`` under autocast, then
 ``scaler.scale(loss.sum()).backward()``, and every ``accumulate`` iterations ``optimizer_step()``.
@@ -7,11 +7,14 @@ attribute of the trainer's model instance, set by the trainer's graphs change an
 training ends; ultralytics' classes are not touched). Each call runs, through
 :class:`~trainfuse.graphs.CapturedStep`:
 
-    forward (autocast as the loop set it, weight cache off) -> FusedDetectionLoss
+    forward (autocast as the loop set it, weight cache off) -> the model's criterion
     -> scaler.scale(loss.sum()).backward(), accumulating into the params' grads
 
-eagerly on an input shape's first sighting, captured on its second, replayed after that. The key
-is the image batch's shape and the padded labels' capacity bucket, with the autocast state,
+eagerly on an input shape's first sighting, captured on its second, replayed after that. The
+graphs' inputs are the image batch and the labels the criterion reads (its ``keys``: the padded
+boxes, with the keypoints or the masks' index maps of pose and segmentation models; the classes of
+a classification model), each of a shape that repeats. The key is those inputs' shapes (the labels'
+capacity bucket), with the autocast state,
 whether the call zeroes the grads first and whether it ends with the optimizer phase as its
 bucket. What it returns to the loop is the graph's loss as the output of an op whose backward
 does nothing, so the loop's own ``backward()`` (four small launches) finds the grads already there.
@@ -146,8 +149,8 @@ class GraphedLoss:
     """The model's training ``loss(batch)`` with forward, loss and backward run by a CapturedStep.
 
     Args:
-        model: the trainer's DetectionModel, its criterion a fused loss (FusedDetectionLoss,
-            FusedE2ELoss).
+        model: the trainer's model, its criterion a loss without host syncs (a fused loss, or
+            ultralytics' classification loss).
         scaler: the trainer's GradScaler (its scale tensor is read by the graphs, updated in place).
         max_graphs: graphs kept at once (one per image shape, label capacity, zeroing the grads
             first or not, and ending with the optimizer phase or not).
@@ -157,17 +160,27 @@ class GraphedLoss:
         loss_factor: what the backward's loss is multiplied by: ultralytics multiplies it by the
             world size under DDP (for DDP's average), and GradScaler's overflows depend on it.
         paced: each call waits until the previous call's graphs have run (:class:`Pacer`).
+        keys: the batch keys besides ``"img"`` the criterion reads in a training step, each a CUDA
+            tensor of a shape that repeats (the graphs' inputs); a batch without one of them runs
+            the model's own ``loss``.
+        names: the loss items' names, in the order of the criterion's items dict (None: its
+            ``loss_names``).
     """
 
     def __init__(self, model: torch.nn.Module, scaler: torch.amp.GradScaler, *, max_graphs: int = 8,
-                 grads: list[torch.Tensor] | None = None, loss_factor: int = 1, paced: bool = False) -> None:
+                 grads: list[torch.Tensor] | None = None, loss_factor: int = 1, paced: bool = False,
+                 keys: tuple[str, ...] = (PADDED_KEY,), names: tuple[str, ...] | None = None) -> None:
+        if not keys or "img" in keys:
+            raise ValueError(f"GraphedLoss: keys must name the labels the criterion reads besides 'img', got "
+                             f"{keys!r}")
         self.model = model
+        self.keys = tuple(keys)
         self.scaler = scaler
         self._max_graphs = max_graphs
         self.step = CapturedStep(self._forward_backward, max_graphs=max_graphs, name="yolo forward+backward")
         self.device = next(model.parameters()).device
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self.readout = LossReadout(model.criterion.loss_names, self.device)
+        self.readout = LossReadout(model.criterion.loss_names if names is None else names, self.device)
         self.kept = KeptGrads([p for p in model.parameters() if p.requires_grad], grads)
         self.pacer = Pacer(paced)
         self.fold: PhaseFold | None = None  # the optimizer phase inside the graphs (fold_phase)
@@ -179,9 +192,10 @@ class GraphedLoss:
     def __call__(self, batch: dict, preds=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss * batch_size, loss items)`` as the model's ``loss`` returns them; the backward
         has already run (see the module docstring). Outside training (preds given, eval mode, grad
-        off, labels not padded) it is the model's own ``loss``."""
+        off, a label key missing: not padded) it is the model's own ``loss``."""
         model = self.model
-        if preds is not None or not model.training or not torch.is_grad_enabled() or PADDED_KEY not in batch:
+        if (preds is not None or not model.training or not torch.is_grad_enabled()
+                or any(k not in batch for k in self.keys)):
             return type(model).loss(model, batch, preds)
         self.kept.restore()
         fold = self._folding = self.fold is not None and self.fold.begin(self._renew_step)
@@ -189,7 +203,7 @@ class GraphedLoss:
                   self.kept.zero_first, fold)
         self.pacer.wait()
         try:
-            loss, items = self.step(batch["img"], batch[PADDED_KEY], bucket=bucket)
+            loss, items = self.step(batch["img"], *(batch[k] for k in self.keys), bucket=bucket)
         except BaseException:
             if self.fold is not None:
                 self.fold.failed()
@@ -201,7 +215,8 @@ class GraphedLoss:
         self._items = items
         return replayed_loss(loss, self._anchor), self.readout.push(items)
 
-    def _forward_backward(self, img: torch.Tensor, padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_backward(self, img: torch.Tensor, *labels: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kept.zero_first:
             self.kept.zero_inside()
         dtype = torch.get_autocast_dtype(self.device.type)
@@ -209,7 +224,7 @@ class GraphedLoss:
         # the weight-cast cache off: a cast cached during a capture would live in the graphs' pool
         with torch.autocast(self.device.type, dtype=dtype, enabled=enabled, cache_enabled=False):
             preds = self.model(img)
-            loss, items = self.model.criterion(preds, {"img": img, PADDED_KEY: padded})
+            loss, items = self.model.criterion(preds, {"img": img, **dict(zip(self.keys, labels))})
         total = loss.sum() if self._loss_factor == 1 else loss.sum() * self._loss_factor
         self.scaler.scale(total).backward()
         if self._folding:  # the optimizer phase, then the grads zeroed for the next micro-batches

@@ -61,11 +61,17 @@ class FusedDetectionLoss:
         tal_topk2: its second k (None: ``tal_topk``): of the anchors each ground truth keeps,
             only its ``tal_topk2`` best stay positive (one more assigner launch).
 
+    Attributes:
+        graph_keys: the batch keys besides ``"img"`` a training step reads (the padded labels):
+            the inputs of the step's CUDA graphs.
+
     Example:
         >>> from ultralytics.nn.tasks import DetectionModel                      # doctest: +SKIP
         >>> model.criterion = FusedDetectionLoss(model)                          # doctest: +SKIP
         >>> loss, items = model.loss(batch)                                      # doctest: +SKIP
     """
+
+    graph_keys: tuple[str, ...] | None = (PADDED_KEY,)
 
     def __init__(self, model: torch.nn.Module, tal_topk: int = 10, tal_topk2: int | None = None) -> None:
         device = next(model.parameters()).device

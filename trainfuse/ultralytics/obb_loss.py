@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from trainfuse.losses.detection import PADDED_KEY, AssignConfig, anchor_grid, pad_targets, target_capacity
 from trainfuse.losses.detection.assigner import assignment_from_metric, distances
+from trainfuse.losses.detection.targets import device_values
 
 
 def in_rotated_boxes(centres: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor, stride_val: float
@@ -63,7 +64,12 @@ class FusedOBBLoss:
             ``model.class_weights`` if set.
         tal_topk: the assigner's k.
         tal_topk2: its second k (None: ``tal_topk``).
+
+    Attributes:
+        graph_keys: the batch keys besides ``"img"`` a training step reads (the padded labels).
     """
+
+    graph_keys: tuple[str, ...] | None = (PADDED_KEY,)
 
     def __init__(self, model: torch.nn.Module, tal_topk: int = 10, tal_topk2: int | None = None) -> None:
         head = model.model[-1]
@@ -119,8 +125,7 @@ class FusedOBBLoss:
         h, w = sizes[0][0] * self._strides[0], sizes[0][1] * self._strides[0]
         gt = self.targets(batch, B, dev)
         with torch.autocast(dev.type, enabled=False):
-            scale = gt.new_empty(4)  # on the device: no copy from the host
-            scale[0], scale[1], scale[2], scale[3] = w, h, w, h
+            scale = device_values(gt, (w, h, w, h))
             px = gt[..., 1:5] * scale
             kept = (px[..., 2] >= 2) & (px[..., 3] >= 2)  # ultralytics drops labels under 2 pixels
             gtb = torch.where(kept[..., None], torch.cat((px, gt[..., 5:6]), -1), 0.0)  # (B, M, 5) pixels
@@ -165,9 +170,8 @@ class FusedOBBLoss:
             wrapped = delta - torch.round(delta / math.pi) * math.pi
             ang = torch.exp(-(log_ar**2) / 9) * torch.sin(2 * wrapped) ** 2
             ang = (ang * weight).sum() / tss
-            gains = scale.new_empty(4)
-            gains[0], gains[1], gains[2], gains[3] = (float(self.hyp.box), float(self.hyp.cls),
-                                                      float(self.hyp.dfl), float(self.hyp.angle))
+            gains = device_values(scale, (float(self.hyp.box), float(self.hyp.cls), float(self.hyp.dfl),
+                                          float(self.hyp.angle)))
             items = torch.stack((box, cls, dfl, ang)) * gains
         return items * B, dict(zip(self.loss_names, items.detach()))
 

@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from trainfuse.losses.detection.targets import PADDED_KEYPOINTS_KEY, label_pixels, pad_rows
+from trainfuse.losses.detection.targets import (
+    PADDED_KEY,
+    PADDED_KEYPOINTS_KEY,
+    device_values,
+    label_pixels,
+    pad_rows,
+)
 from trainfuse.ultralytics.loss import Assigned, FusedDetectionLoss
 
 
@@ -59,7 +65,13 @@ class FusedPoseLoss(FusedDetectionLoss):
             gains and ``model.kpt_oks_sigmas`` if set.
         tal_topk: the assigner's k.
         tal_topk2: its second k (None: ``tal_topk``).
+
+    Attributes:
+        graph_keys: the batch keys besides ``"img"`` a training step reads: the padded labels and
+            their keypoints.
     """
+
+    graph_keys: tuple[str, ...] | None = (PADDED_KEY, PADDED_KEYPOINTS_KEY)
 
     def __init__(self, model: torch.nn.Module, tal_topk: int = 10, tal_topk2: int | None = None) -> None:
         super().__init__(model, tal_topk, tal_topk2)
@@ -117,8 +129,7 @@ class FusedPoseLoss(FusedDetectionLoss):
             rows = gidx.clamp(min=0)
             gt_k = torch.gather(kpts, 1, rows.view(B, A, 1, 1).expand(B, A, K, 3))  # (B, A, K, 3)
             h, w = done.imgsz
-            scale = kpts.new_empty(2)  # on the device: no copy from the host
-            scale[0], scale[1] = w, h
+            scale = device_values(kpts, (w, h))
             gt_xy = gt_k[..., :2] * scale / strides.view(1, A, 1, 1)
             boxes = torch.gather(label_pixels(done.gt, done.imgsz), 1, rows.unsqueeze(-1).expand(B, A, 4))
             boxes = boxes / strides.view(1, A, 1)

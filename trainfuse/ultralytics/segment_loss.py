@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from trainfuse.losses.detection.targets import label_pixels, pad_rows
+from trainfuse.losses.detection.targets import PADDED_KEY, device_values, label_pixels, pad_rows
 from trainfuse.ultralytics.loss import Assigned, FusedDetectionLoss
 
 PADDED_MASKS_KEY = "padded_masks"  # overlap_mask=False: (B, capacity, H, W), the rows of padded_targets
@@ -42,12 +42,19 @@ class FusedSegmentationLoss(FusedDetectionLoss):
             :class:`~trainfuse.ultralytics.FusedDetectionLoss` reads and ``model.args.overlap_mask``.
         tal_topk: the assigner's k.
         tal_topk2: its second k (None: ``tal_topk``).
+
+    Attributes:
+        graph_keys: the batch keys besides ``"img"`` a training step reads: the padded labels and
+            ``"masks"``, the images' index maps of ``overlap_mask=True``; None with
+            ``overlap_mask=False``, whose masks come one per label, their count changing from batch
+            to batch (no fixed shape for a CUDA graph).
     """
 
     def __init__(self, model: torch.nn.Module, tal_topk: int = 10, tal_topk2: int | None = None) -> None:
         super().__init__(model, tal_topk, tal_topk2)
         self.loss_names = ("box_loss", "seg_loss", *self.loss_names[1:], "sem_loss")
         self.overlap = bool(model.args.overlap_mask)
+        self.graph_keys = (PADDED_KEY, "masks") if self.overlap else None
 
     @override
     def loss(self, preds: dict[str, Any], batch: dict[str, torch.Tensor], gt: torch.Tensor | None = None
@@ -108,12 +115,10 @@ class FusedSegmentationLoss(FusedDetectionLoss):
             bce = F.binary_cross_entropy_with_logits(pred, gt_mask, reduction="none")
             h, w = done.imgsz
             box = torch.gather(label_pixels(done.gt, done.imgsz), 1, rows[..., None].expand(B, C, 4))
-            scale = box.new_empty(4)  # on the device: no copy from the host
-            scale[0], scale[1], scale[2], scale[3] = w, h, w, h
+            scale = device_values(box, (w, h, w, h))
             norm = box / scale
             area = (norm[..., 2] - norm[..., 0]) * (norm[..., 3] - norm[..., 1])
-            mscale = box.new_empty(4)
-            mscale[0], mscale[1], mscale[2], mscale[3] = mw, mh, mw, mh
+            mscale = device_values(box, (mw, mh, mw, mh))
             x1, y1, x2, y2 = (norm * mscale).unbind(-1)  # (B, C) each, in mask pixels
             cols = torch.arange(mw, device=box.device, dtype=box.dtype)
             lines = torch.arange(mh, device=box.device, dtype=box.dtype)

@@ -7,11 +7,12 @@ classification, each ultralytics' own trainer of the task with what
 What each task takes today, the rest staying stock with its row in the trainer's ``report``:
 the fused optimizer phase with the EMA inside it, the 16-bit weights with float32 masters, the
 prefetch to the GPU and the checkpoints written beside training. ultralytics' losses of masks,
-keypoints and rotated boxes sync with the host, so those steps run eagerly; the segmentation,
-pose and OBB trainers take trainfuse's sync-free ones with ``fused_loss=True``
-(FusedSegmentationLoss, FusedPoseLoss, FusedOBBLoss: off by default until measured on a GPU; the
-step still runs eagerly, its graphs carrying boxes only). The labels of masks, keypoints and
-rotated boxes are augmented on the CPU, and each task validates with ultralytics' own validator.
+keypoints and rotated boxes sync with the host; the segmentation, pose and OBB trainers take
+trainfuse's sync-free ones with ``fused_loss=True`` (FusedSegmentationLoss, FusedPoseLoss,
+FusedOBBLoss), and then the step replays from CUDA graphs fed the padded labels with their
+keypoints or masks. Classification's cross-entropy needs no fused loss: its step replays from
+graphs fed the classes. The labels of masks, keypoints and rotated boxes are augmented on the CPU,
+and each task validates with ultralytics' own validator.
 """
 
 from __future__ import annotations

@@ -122,12 +122,21 @@ def add_padded_targets(batch: dict, capacity: int | None = None) -> dict:
     return batch
 
 
+def device_values(like: torch.Tensor, values: tuple[float, ...]) -> torch.Tensor:
+    """``values`` as a 1-D tensor of ``like``'s dtype on its device, written by fill launches: a
+    Python number stored by indexing (``t[0] = w``) reaches a CUDA tensor as a copy from the host,
+    which syncs (and has no place in a CUDA graph)."""
+    out = like.new_empty(len(values))
+    for i, v in enumerate(values):
+        out[i:i + 1].fill_(v)
+    return out
+
+
 def label_pixels(padded: torch.Tensor, imgsz: tuple[float, float]) -> torch.Tensor:
     """The ``(B, M, 4)`` pixel ``xyxy`` boxes of padded labels (ultralytics' ``preprocess``
     scaling and ``xywh2xyxy``, op for op) for an image of ``imgsz = (h, w)`` pixels."""
     h, w = imgsz
-    scale = padded.new_empty(2)  # filled on the device: no copy from the host, so no sync
-    scale[0], scale[1] = w, h
+    scale = device_values(padded, (w, h))
     xy = padded[..., 1:3] * scale
     half = padded[..., 3:5] * scale / 2
     return torch.cat((xy - half, xy + half), -1)
@@ -168,4 +177,4 @@ class PadTargets:
 
 
 __all__ = ["PADDED_KEY", "PADDED_KEYPOINTS_KEY", "PadTargets", "add_padded_targets", "anchor_grid",
-           "label_pixels", "pad_rows", "pad_targets", "target_capacity"]
+           "device_values", "label_pixels", "pad_rows", "pad_targets", "target_capacity"]

@@ -16,7 +16,7 @@ from trainfuse.losses.detection.assigner import Assignment, decode, distances
 from trainfuse.losses.detection.box_loss import CIOU_EPS, box_loss_bwd_kernel, box_loss_fwd_kernel
 from trainfuse.losses.detection.cls_loss import cls_loss_bwd_kernel, cls_loss_fwd_kernel, cls_tiles
 from trainfuse.losses.detection.sums import blocks, launcher, persistent_grid, scratch
-from trainfuse.losses.detection.targets import label_pixels
+from trainfuse.losses.detection.targets import device_values, label_pixels
 from trainfuse.losses.iou import bbox_iou_reference
 
 
@@ -106,8 +106,7 @@ def loss_terms_torch(boxes, scores, asg: Assignment, gt, imgsz, anchors, strides
     y = torch.cat((anchors - target[..., :2], target[..., 2:] - anchors), -1)
     if R == 1:
         # ultralytics' L1: the ltrb distances in pixels over the image's (w, h, w, h)
-        size = strides.new_empty(4)
-        size[0::2], size[1::2] = imgsz[1], imgsz[0]
+        size = device_values(strides, (imgsz[1], imgsz[0], imgsz[1], imgsz[0]))
         s = strides[:, None]
         l1 = (distances(boxes) * s / size - y * s / size).abs().mean(-1)
         third = torch.where(fg, l1 * asg.t, 0.0).sum() / asg.tss

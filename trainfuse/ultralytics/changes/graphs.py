@@ -1,22 +1,47 @@
 """CUDA graphs (``cuda_graphs=True``, the default where it is safe): forward, loss and backward
-replayed per image shape and label capacity (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`),
+replayed per image shape and label capacity (:class:`~trainfuse.ultralytics.graphed.GraphedLoss`;
+its inputs the labels the loss reads, :func:`graph_inputs`),
 the grads kept and zeroed inside the next replay; and the fused optimizer phase of a capturable
 optimizer under AMP, once steady, inside the graph of each iteration the loop steps after (under
 DDP, a graph of its own: :class:`~trainfuse.graphs.GraphedOptimizerStep`). Off on CPU, with
-``compile``, with a scaler other than torch's, or without a fused loss.
+``compile``, with a scaler other than torch's, or with a loss that syncs with the host (ultralytics'
+own, but for classification's cross-entropy, which needs no fused counterpart).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from typing_extensions import override
+from ultralytics.utils.loss import v8ClassificationLoss
 
 from trainfuse.amp import GradScaler
 from trainfuse.clients import ON, Row
 from trainfuse.graphs import GraphedOptimizerStep
 from trainfuse.ultralytics import compat
 from trainfuse.ultralytics.changes.base import Change, Run
-from trainfuse.ultralytics.changes.loss import FUSED_LOSSES, GRAPHED_LOSSES
+from trainfuse.ultralytics.changes.loss import FUSED_LOSSES
 from trainfuse.ultralytics.graphed import GraphedLoss
+
+
+def graph_inputs(loss: Any) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """What the step's graphs feed ``loss`` besides the image, and what its items are called:
+    ``(keys, names)``, or None where no graph can run it. A fused loss names its keys
+    (``graph_keys``); ultralytics' classification loss (exactly it: a subclass may sync) reads the
+    classes; any other loss of ultralytics' syncs with the host."""
+    if type(loss) is v8ClassificationLoss:
+        return ("cls",), ("loss",)
+    if isinstance(loss, FUSED_LOSSES) and loss.graph_keys is not None:
+        return tuple(loss.graph_keys), tuple(loss.loss_names)
+    return None
+
+
+def criterion_of(model: torch.nn.Module) -> Any:
+    """``model``'s criterion; ultralytics makes it at the first ``loss`` call, so one made now where
+    there is none yet (the same ``init_criterion()``)."""
+    loss = getattr(model, "criterion", None)
+    return loss if loss is not None else model.init_criterion()
 
 
 def why_no_graphs(run: Run) -> str | None:
@@ -29,13 +54,13 @@ def why_no_graphs(run: Run) -> str | None:
         return "compile is on"
     if not isinstance(run.trainer.scaler, GradScaler):
         return f"the scaler is {type(run.trainer.scaler).__name__}, not torch's GradScaler"
-    loss = getattr(run.model, "criterion", None)
-    if not isinstance(loss, FUSED_LOSSES):
-        return "the model trains with ultralytics' own loss, which syncs with the host"
-    if type(loss) not in GRAPHED_LOSSES:
-        return (f"the step's graphs take the image and the padded boxes; {type(loss).__name__} reads more "
-                "labels, so the step runs eagerly (its loss without host syncs)")
-    return None
+    loss = criterion_of(run.model)
+    if graph_inputs(loss) is not None:
+        return None
+    if isinstance(loss, FUSED_LOSSES):
+        return (f"{type(loss).__name__} reads labels whose shape changes from batch to batch (overlap_mask="
+                "False: one mask per label), so the step runs eagerly (its loss without host syncs)")
+    return f"the model trains with ultralytics' own {type(loss).__name__}, which syncs with the host"
 
 
 class Graphs(Change):
@@ -61,9 +86,13 @@ class Graphs(Change):
     @override
     def apply(self, run: Run) -> None:
         ddp = run.flat is not None  # ultralytics' loss * world_size, averaged: DDP's arithmetic
+        model = run.model
+        model.criterion = criterion_of(model)
+        keys, names = graph_inputs(model.criterion)
         self.graphed = run.graphed = GraphedLoss(
-            run.model, run.trainer.scaler, grads=run.flat.grads if ddp else None,
-            loss_factor=run.trainer.world_size if ddp else 1, paced=self.paced(run)).attach()
+            model, run.trainer.scaler, grads=run.flat.grads if ddp else None,
+            loss_factor=run.trainer.world_size if ddp else 1, paced=self.paced(run), keys=keys,
+            names=names).attach()
 
     @staticmethod
     def paced(run: Run) -> bool:
@@ -151,4 +180,4 @@ class Phase(Change):
         self.phase = run.phase = None
 
 
-__all__ = ["Graphs", "Phase", "why_no_graphs"]
+__all__ = ["Graphs", "Phase", "criterion_of", "graph_inputs", "why_no_graphs"]

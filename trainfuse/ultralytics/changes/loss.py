@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 from ultralytics.nn.modules.head import Pose26, Segment26
-from ultralytics.nn.tasks import DetectionModel, OBBModel, PoseModel, SegmentationModel
+from ultralytics.nn.tasks import ClassificationModel, DetectionModel, OBBModel, PoseModel, SegmentationModel
 
 from trainfuse.clients import SWAPPED, Row
 from trainfuse.ultralytics.changes.base import Change, Run
@@ -28,8 +28,6 @@ from trainfuse.ultralytics.pose_loss import FusedPoseLoss
 from trainfuse.ultralytics.segment_loss import FusedSegmentationLoss
 
 FUSED_LOSSES = (FusedDetectionLoss, FusedE2ELoss, FusedOBBLoss)  # (and their subclasses: pose, segment)
-# the losses the step's CUDA graphs feed (the image and the padded labels): by exact type
-GRAPHED_LOSSES = (FusedDetectionLoss, FusedE2ELoss)
 
 
 def fused_loss_class(model: torch.nn.Module) -> type | None:
@@ -87,6 +85,9 @@ class LossSwap(Change):
     def why_not(self, run: Run) -> str | None:
         if takes_fused_loss(run.model):
             return None
+        if isinstance(run.model, ClassificationModel):
+            return ("ClassificationModel keeps ultralytics' cross-entropy, which needs no fused counterpart "
+                    "(no host sync: its step replays from CUDA graphs as it is)")
         return (f"{type(run.model).__name__} keeps ultralytics' own loss: the fused losses implement "
                 "v8DetectionLoss and E2ELoss of detection models, v8PoseLoss, v8OBBLoss and "
                 "v8SegmentationLoss")
@@ -126,5 +127,5 @@ class Augment(Change):
         return list(run.loading.rows)
 
 
-__all__ = ["FUSED_LOSSES", "GRAPHED_LOSSES", "Augment", "LossSwap", "criterion", "fused_loss_class",
+__all__ = ["FUSED_LOSSES", "Augment", "LossSwap", "criterion", "fused_loss_class",
            "takes_fused_loss"]
