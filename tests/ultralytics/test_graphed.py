@@ -188,7 +188,10 @@ def _same_training(eager: YOLO, graphed: YOLO, eager_rec: Record, graphed_rec: R
     """Every iteration's loss and scale, the EMA's updates, weights, BatchNorm statistics and EMA
     equal bit for bit."""
     te, tg = eager.trainer, graphed.trainer
-    assert torch.equal(torch.stack(graphed_rec.losses), torch.stack(eager_rec.losses))
+    got, want = torch.stack(graphed_rec.losses), torch.stack(eager_rec.losses)
+    differ = (got != want).nonzero().flatten().tolist()
+    assert not differ, (f"iterations {differ[:5]} of {len(want)} differ, the first: {got[differ[0]]} != "
+                        f"{want[differ[0]]}")
     assert graphed_rec.scales == eager_rec.scales
     assert tg.ema.updates == te.ema.updates
     for name, a, b in ((("model", tg.model, te.model)), ("ema", tg.ema.ema, te.ema.ema)):

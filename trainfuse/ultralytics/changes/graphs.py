@@ -39,9 +39,11 @@ def graph_inputs(loss: Any) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
 
 def criterion_of(model: torch.nn.Module) -> Any:
     """``model``'s criterion; ultralytics makes it at the first ``loss`` call, so one made now where
-    there is none yet (the same ``init_criterion()``)."""
+    there is none yet (the same ``init_criterion()``); None for a model without one."""
     loss = getattr(model, "criterion", None)
-    return loss if loss is not None else model.init_criterion()
+    if loss is None and callable(getattr(model, "init_criterion", None)):
+        loss = model.init_criterion()
+    return loss
 
 
 def why_no_graphs(run: Run) -> str | None:
@@ -57,6 +59,8 @@ def why_no_graphs(run: Run) -> str | None:
     loss = criterion_of(run.model)
     if graph_inputs(loss) is not None:
         return None
+    if loss is None:
+        return f"{type(run.model).__name__} has no criterion (no init_criterion) for the graphs to replay"
     if isinstance(loss, FUSED_LOSSES):
         return (f"{type(loss).__name__} reads labels whose shape changes from batch to batch (overlap_mask="
                 "False: one mask per label), so the step runs eagerly (its loss without host syncs)")
