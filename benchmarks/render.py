@@ -47,6 +47,11 @@ HEADLINE = (
     ("lightning", "gpt: training step, cuda_graphs=True"),
     ("yolo", "yolov5n.yaml batch 16 imgsz 640: training-loop iteration"),
     ("yolo-yolo26n", "yolo26n.yaml batch 16 imgsz 640: training-loop iteration"),
+    ("yolo-yolo11n-pose-fused-loss",
+     "yolo11n-pose.yaml batch 16 imgsz 640 fused_loss=True: training-loop iteration"),
+    ("yolo-yolo11n-obb-fused-loss",
+     "yolo11n-obb.yaml batch 16 imgsz 640 fused_loss=True: training-loop iteration"),
+    ("yolo-yolo11n-cls", "yolo11n-cls.yaml batch 64 imgsz 224: training-loop iteration"),
     ("yolo-loss", "loss forward + backward, yolov5n batch 16, 640 px, nc 80, AMP fp16 predictions"),
 )
 

@@ -66,6 +66,12 @@ def _train(task: str, data: str, project: Path, trainer=None):
     return model, losses
 
 
+# the fused trainers with ultralytics' own losses (pose and OBB take theirs by default): the runs
+# that match stock exactly
+STOCK_LOSS = {**TRAINERS, **{task: type(f"StockLoss{TRAINERS[task].__name__}", (TRAINERS[task],),
+                                        {"fused_loss": False}) for task in ("pose", "obb")}}
+
+
 @pytest.fixture(scope="module")
 def runs(datasets, tmp_path_factory):
     project = tmp_path_factory.mktemp("task-runs")
@@ -73,7 +79,7 @@ def runs(datasets, tmp_path_factory):
 
     def get(task: str, fused: bool):
         if (task, fused) not in made:
-            made[task, fused] = _train(task, datasets[task], project, TRAINERS[task] if fused else None)
+            made[task, fused] = _train(task, datasets[task], project, STOCK_LOSS[task] if fused else None)
         return made[task, fused]
 
     return get
@@ -84,7 +90,7 @@ def runs(datasets, tmp_path_factory):
 def test_each_task_trains_with_the_fused_optimizer_phase_exactly_like_stock(runs, task):
     (stock, stock_losses), (fused, fused_losses) = runs(task, False), runs(task, True)
     trainer = fused.trainer
-    assert type(trainer) is TRAINERS[task]
+    assert isinstance(trainer, TRAINERS[task])
     assert isinstance(trainer.optimizer, trainfuse.FusedAdamW) and trainer.fused_reason == ""
     assert isinstance(trainer.ema, trainfuse.FusedEMA)
     assert len(fused_losses) == len(stock_losses) == 4
@@ -98,7 +104,7 @@ def test_each_task_trains_with_the_fused_optimizer_phase_exactly_like_stock(runs
         torch.testing.assert_close(sa[k], sb[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
     assert trainer.metrics.keys() == stock.trainer.metrics.keys()  # validated by the task's own validator
     rows = {r.kind: r for r in trainer.report}
-    if task in FUSED_LOSSES:  # off by default until measured on a GPU
+    if task in FUSED_LOSSES:
         assert rows["loss"].action == "off"
         assert rows["loss"].detail == f"fused_loss=False (fused_loss=True trains with {FUSED_LOSSES[task]})"
     else:
@@ -110,20 +116,17 @@ class FusedLossSegmentationTrainer(FusedSegmentationTrainer):
     fused_loss = True
 
 
-class FusedLossPoseTrainer(FusedPoseTrainer):
-    fused_loss = True
-
-
-class FusedLossOBBTrainer(FusedOBBTrainer):
-    fused_loss = True
+def test_pose_and_obb_train_with_their_fused_losses_by_default_segmentation_on_request():
+    assert FusedPoseTrainer.fused_loss is True and FusedOBBTrainer.fused_loss is True
+    assert FusedSegmentationTrainer.fused_loss is False
 
 
 @pytest.mark.cpu_training
 @pytest.mark.parametrize("task", list(FUSED_LOSSES))
 def test_segment_pose_and_obb_train_with_their_fused_losses_like_stock(runs, datasets, task, tmp_path):
     stock, stock_losses = runs(task, False)
-    trainer_cls = {"segment": FusedLossSegmentationTrainer, "pose": FusedLossPoseTrainer,
-                   "obb": FusedLossOBBTrainer}[task]
+    trainer_cls = {"segment": FusedLossSegmentationTrainer, "pose": FusedPoseTrainer,
+                   "obb": FusedOBBTrainer}[task]
     fused, fused_losses = _train(task, datasets[task], tmp_path, trainer_cls)
     rows = {r.kind: r for r in fused.trainer.report}
     assert rows["loss"].action == "swapped" and rows["loss"].detail.startswith(FUSED_LOSSES[task])

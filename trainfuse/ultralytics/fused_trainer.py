@@ -52,8 +52,8 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         gpu_augment: augment the training batches on the GPU: True, False, or None (the default:
             on for CUDA where the images are read from disk; :class:`~trainfuse.ultralytics.loading.
             BatchLoading`).
-        fused_loss: train with the fused, sync-free loss where the task has one (default True;
-            False keeps ultralytics' loss and fuses the optimizer phase only).
+        fused_loss: train with the fused, sync-free loss where the task has one (default True, but
+            for segmentation; False keeps ultralytics' loss and fuses the optimizer phase only).
         fuse_casts: under AMP on CUDA, 16-bit weights with float32 masters (default True).
         fold_stem: on CUDA, the first convolution on the space-to-depth image (default True).
         prefetch: on CUDA, the training batches copied to the GPU one ahead (default True).

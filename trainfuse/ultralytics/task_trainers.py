@@ -7,10 +7,10 @@ classification, each ultralytics' own trainer of the task with what
 What each task takes today, the rest staying stock with its row in the trainer's ``report``:
 the fused optimizer phase with the EMA inside it, the 16-bit weights with float32 masters, the
 prefetch to the GPU and the checkpoints written beside training. ultralytics' losses of masks,
-keypoints and rotated boxes sync with the host; the segmentation, pose and OBB trainers take
-trainfuse's sync-free ones with ``fused_loss=True`` (FusedSegmentationLoss, FusedPoseLoss,
-FusedOBBLoss), and then the step replays from CUDA graphs fed the padded labels with their
-keypoints or masks. Classification's cross-entropy needs no fused loss: its step replays from
+keypoints and rotated boxes sync with the host; the pose and OBB trainers train with trainfuse's
+sync-free ones (FusedPoseLoss, FusedOBBLoss), the segmentation trainer with ``fused_loss=True``
+(FusedSegmentationLoss), and then the step replays from CUDA graphs fed the padded labels with
+their keypoints or masks. Classification's cross-entropy needs no fused loss: its step replays from
 graphs fed the classes. The labels of masks, keypoints and rotated boxes are augmented on the CPU,
 and each task validates with ultralytics' own validator.
 """
@@ -27,29 +27,28 @@ from trainfuse.ultralytics.fused_trainer import FusedTrainer
 
 class FusedSegmentationTrainer(FusedTrainer, SegmentationTrainer):
     """ultralytics' ``SegmentationTrainer``, fused as the module says; ``fused_loss=True`` trains a
-    ``v8SegmentationLoss`` model with :class:`~trainfuse.ultralytics.FusedSegmentationLoss` (off by
-    default until measured on a GPU)."""
+    ``v8SegmentationLoss`` model with :class:`~trainfuse.ultralytics.FusedSegmentationLoss` and
+    replays its step from CUDA graphs (off by default: on a GPU the graphed run does not yet follow
+    the eager one bit for bit; docs/integrations.md)."""
 
     task = "segment"
     fused_loss = False
 
 
 class FusedPoseTrainer(FusedTrainer, PoseTrainer):
-    """ultralytics' ``PoseTrainer``, fused as the module says; ``fused_loss=True`` trains a
-    ``v8PoseLoss`` model with :class:`~trainfuse.ultralytics.FusedPoseLoss` (off by default until
-    measured on a GPU)."""
+    """ultralytics' ``PoseTrainer``, fused as the module says: a ``v8PoseLoss`` model trains with
+    :class:`~trainfuse.ultralytics.FusedPoseLoss`, its step replayed from CUDA graphs
+    (``fused_loss=False``: ultralytics' loss, the step eager)."""
 
     task = "pose"
-    fused_loss = False
 
 
 class FusedOBBTrainer(FusedTrainer, OBBTrainer):
-    """ultralytics' ``OBBTrainer``, fused as the module says; ``fused_loss=True`` trains a
-    ``v8OBBLoss`` model with :class:`~trainfuse.ultralytics.FusedOBBLoss` (off by default until
-    measured on a GPU)."""
+    """ultralytics' ``OBBTrainer``, fused as the module says: a ``v8OBBLoss`` model (a DFL head)
+    trains with :class:`~trainfuse.ultralytics.FusedOBBLoss`, its step replayed from CUDA graphs
+    (``fused_loss=False``: ultralytics' loss, the step eager)."""
 
     task = "obb"
-    fused_loss = False
 
 
 class FusedClassificationTrainer(FusedTrainer, ClassificationTrainer):
