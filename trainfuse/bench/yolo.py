@@ -22,9 +22,9 @@ on the synthetic shapes dataset, same seed and data for both trainers
 
 Goals (batch 16, imgsz 640): iteration >= 3x faster than stock for yolov5n, >= 2x for yolov5s, >= 4x
 for yolo11n/yolo26n segmentation and pose, >= 3.5x for yolo11n-obb, >= 3x for yolo11n-cls (224
-pixels, batch 64) (``ITERATION_GOALS``), optimizer phase >= 10x faster and at most 0.05 ms of host time in the run,
-peak memory within 1.3x of stock, stock mAP50 >= 0.5 with ours within +-1 point. ``--quick`` is a
-smoke run (1 epoch, 256 images).
+pixels, batch 64) (``ITERATION_GOALS``), optimizer phase >= 10x faster and at most 0.05 ms of host
+time in the run, peak memory within 1.3x of stock, stock mAP50 >= 0.5 with ours within +-1 point.
+``--quick`` is a smoke run (1 epoch, 256 images).
 
 ``--devices 0,1`` trains with ultralytics' DDP instead, ``--batch`` images per GPU: stock against
 ours on those GPUs, and ours on one GPU for the scaling (:mod:`trainfuse.bench.yolo_ddp`).
