@@ -16,8 +16,10 @@ shape depends on the batch, the anchors, the label capacity and the mask size on
 can be captured in a CUDA graph. The masks are ultralytics' own: with ``overlap_mask`` (its
 default) one map per image whose value ``j + 1`` marks the image's ``j``-th label, else one mask
 per label, padded on the CPU into the labels' slots (``batch["padded_masks"]``; without them the
-loss pads them itself). Heads of YOLOv8 and YOLO11 (``Segment``, no semantic branch: ``sem_loss``
-is 0, as ultralytics reports it).
+loss pads them itself). The slots' cropped BCE sums come from
+:func:`~trainfuse.losses.mask_bce.cropped_mask_bce` (on CUDA three Triton launches that never make
+the slots' full-size logit, target or crop tensors). Heads of YOLOv8 and YOLO11 (``Segment``, no
+semantic branch: ``sem_loss`` is 0, as ultralytics reports it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from trainfuse.losses.detection.targets import PADDED_KEY, device_values, label_pixels, pad_rows
+from trainfuse.losses.mask_bce import cropped_mask_bce
 from trainfuse.ultralytics.loss import Assigned, FusedDetectionLoss
 
 PADDED_MASKS_KEY = "padded_masks"  # overlap_mask=False: (B, capacity, H, W), the rows of padded_targets
@@ -107,25 +110,14 @@ class FusedSegmentationLoss(FusedDetectionLoss):
             used = fg.gather(1, slots)  # (B, C)
             rows = gidx.gather(1, slots).clamp(min=0)
             coef = coefficients.to(ct).gather(2, slots[:, None].expand(B, nm, C))  # (B, nm, C)
-            pred = torch.einsum("bnc,bnhw->bchw", coef, proto)
-            if self.overlap:
-                gt_mask = (masks[:, None] == (rows + 1).view(B, C, 1, 1).to(masks.dtype)).to(ct)
-            else:
-                gt_mask = masks.to(ct).gather(1, rows.view(B, C, 1, 1).expand(B, C, mh, mw))
-            bce = F.binary_cross_entropy_with_logits(pred, gt_mask, reduction="none")
             h, w = done.imgsz
             box = torch.gather(label_pixels(done.gt, done.imgsz), 1, rows[..., None].expand(B, C, 4))
-            scale = device_values(box, (w, h, w, h))
-            norm = box / scale
+            norm = box / device_values(box, (w, h, w, h))
             area = (norm[..., 2] - norm[..., 0]) * (norm[..., 3] - norm[..., 1])
-            mscale = device_values(box, (mw, mh, mw, mh))
-            x1, y1, x2, y2 = (norm * mscale).unbind(-1)  # (B, C) each, in mask pixels
-            cols = torch.arange(mw, device=box.device, dtype=box.dtype)
-            lines = torch.arange(mh, device=box.device, dtype=box.dtype)
-            inside_x = (cols >= x1[..., None]) & (cols < x2[..., None])  # (B, C, mw)
-            inside_y = (lines >= y1[..., None]) & (lines < y2[..., None])  # (B, C, mh)
-            cropped = bce * inside_x[:, :, None, :] * inside_y[:, :, :, None]
-            per = cropped.mean(dim=(2, 3)) / torch.where(used, area, 1.0)
+            crop = norm * device_values(box, (mw, mh, mw, mh))  # (B, C, 4) in mask pixels
+            index = rows + 1 if self.overlap else rows  # the slot's number in the index map, or its row
+            sums = cropped_mask_bce(coef, proto, masks, index, crop, overlap=self.overlap)
+            per = sums / (mh * mw) / torch.where(used, area, 1.0)
             count = fg.sum().clamp(min=1).to(ct)
             return torch.where(used, per, 0.0).sum() / count
 
