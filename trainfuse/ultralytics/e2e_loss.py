@@ -1,4 +1,5 @@
-"""FusedE2ELoss: ultralytics' ``E2ELoss`` (YOLOv10, YOLO26) on two FusedDetectionLoss branches.
+"""FusedE2ELoss: ultralytics' ``E2ELoss`` (YOLOv10, YOLO26) on two fused branch losses
+(FusedDetectionLoss; FusedPose26Loss for YOLO26's pose head, ``E2ELoss(model, PoseLoss26)``).
 
 An end-to-end head trains two heads on the same features: one-to-many (the assigner's ``k = 10``)
 and one-to-one (``k = 7``, then each ground truth keeps only its best anchor: ``k2 = 1``). The
@@ -26,7 +27,6 @@ from typing import Any
 
 import torch
 
-from trainfuse.losses.detection import PADDED_KEY
 from trainfuse.ultralytics.loss import FusedDetectionLoss
 
 
@@ -51,6 +51,8 @@ class FusedE2ELoss:
         model: the de-paralleled ``DetectionModel`` with an end-to-end head
             (:func:`takes_fused_e2e_loss`); read as :class:`FusedDetectionLoss` reads it, and
             ``model.args.epochs`` for the schedule.
+        branch: the loss of each branch (``E2ELoss``'s ``loss_fn``): FusedDetectionLoss, or
+            :class:`~trainfuse.ultralytics.pose26_loss.FusedPose26Loss` for YOLO26's pose head.
 
     Attributes:
         one2many, one2one: the branches, FusedDetectionLoss with ``tal_topk=10`` and with
@@ -60,7 +62,7 @@ class FusedE2ELoss:
         updates: :meth:`update` calls so far; ``o2m_copy``, ``final_o2m``, ``total``: the
             schedule's start, end and sum, as in ``E2ELoss``.
         loss_names: the items' names, the one-to-one branch's.
-        graph_keys: the batch keys besides ``"img"`` a training step reads (the padded labels).
+        graph_keys: the batch keys besides ``"img"`` a training step reads (the branch's).
 
     Example:
         >>> model.criterion = FusedE2ELoss(model)                                # doctest: +SKIP
@@ -68,11 +70,10 @@ class FusedE2ELoss:
         >>> model.criterion.update()  # at each epoch's end, as ultralytics' trainer does  # doctest: +SKIP
     """
 
-    graph_keys: tuple[str, ...] | None = (PADDED_KEY,)
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.one2many = FusedDetectionLoss(model, tal_topk=10)
-        self.one2one = FusedDetectionLoss(model, tal_topk=7, tal_topk2=1)
+    def __init__(self, model: torch.nn.Module, branch: type = FusedDetectionLoss) -> None:
+        self.one2many = branch(model, tal_topk=10)
+        self.one2one = branch(model, tal_topk=7, tal_topk2=1)
+        self.graph_keys = self.one2one.graph_keys
         self.loss_names = self.one2one.loss_names
         self.weights = torch.empty(2, dtype=torch.float32, device=self.one2one.device)
         self.updates = 0

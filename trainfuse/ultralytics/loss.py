@@ -145,8 +145,8 @@ class FusedDetectionLoss:
         fused = (use_triton(dev) and boxes.dtype != torch.float64 and scores.dtype != torch.float64
                  and self.reg_max & (self.reg_max - 1) == 0)
         with torch.autocast(dev.type, enabled=False):
-            assign = assign_kernels if fused else assign_torch
-            asg = assign(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, self.assign_config)
+            asg = self.assign(boxes.detach(), scores.detach(), gt, imgsz, anchors, strides, preds, batch,
+                              fused=fused)
             if fused:
                 k = LossConstants(float(imgsz[0]), float(imgsz[1]), gains, float(B), self.reg_max - 1 - 0.01)
                 out, items = apply_detection_loss(boxes, scores, asg, gt, anchors, strides,
@@ -157,6 +157,15 @@ class FusedDetectionLoss:
                 out = items * B
                 items = items.detach()
         return out, items, Assigned(asg, gt, anchors, stride_col, imgsz)
+
+    def assign(self, boxes: torch.Tensor, scores: torch.Tensor, gt: torch.Tensor, imgsz: tuple[float, float],
+               anchors: torch.Tensor, strides: torch.Tensor, preds: dict[str, Any],
+               batch: dict[str, torch.Tensor], *, fused: bool) -> Assignment:
+        """The task-aligned assignment of the (detached) predictions to the padded labels ``gt``:
+        the detection kernels' (``fused``) or the dense torch path's. Losses whose assigner reads
+        more of the predictions or labels (``preds``, ``batch``) override it."""
+        assign = assign_kernels if fused else assign_torch
+        return assign(boxes, scores, gt, imgsz, anchors, strides, self.assign_config)
 
 
 class Assigned(NamedTuple):

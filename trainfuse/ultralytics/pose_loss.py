@@ -110,9 +110,19 @@ class FusedPoseLoss(FusedDetectionLoss):
         gains = (float(self.hyp.pose), float(self.hyp.kobj))
         B = done.gt.shape[0]
         terms = torch.stack((pose * gains[0], kobj * gains[1]))
-        out = torch.cat((det[:1], terms * B, det[1:]))
-        shown = torch.cat((items[:1], terms.detach(), items[1:]))
+        extra = self.extra_terms(preds, done, kpts)
+        out = torch.cat((det[:1], terms * B, det[1:], extra * B))
+        shown = torch.cat((items[:1], terms.detach(), items[1:], extra.detach()))
         return out, dict(zip(self.loss_names, shown))
+
+    def extra_terms(self, preds: dict[str, Any], done: Assigned, kpts: torch.Tensor) -> torch.Tensor:
+        """Terms after the detection ones, gain-scaled, ``(E,)``: none for v8's pose loss."""
+        return done.gt.new_zeros(0)
+
+    @staticmethod
+    def decode_keypoints(xy: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The predicted keypoints ``(B, A, K, 2)`` in grid units, as ``v8PoseLoss.kpts_decode``."""
+        return xy * 2.0 + (anchors - 0.5).view(1, -1, 1, 2)
 
     def keypoint_terms(self, pred: torch.Tensor, done: Assigned, kpts: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +133,7 @@ class FusedPoseLoss(FusedDetectionLoss):
         with torch.autocast(pred.device.type, enabled=False):
             p = pred.float().permute(0, 2, 1).reshape(B, A, K, D)
             anchors, strides = done.anchors, done.strides  # (A, 2) grid units, (A, 1)
-            xy = p[..., :2] * 2.0 + (anchors - 0.5).view(1, A, 1, 2)  # kpts_decode, grid units
+            xy = self.decode_keypoints(p[..., :2], anchors)  # grid units
             gidx = done.assignment.gidx.long()
             fg = gidx >= 0  # (B, A)
             rows = gidx.clamp(min=0)
