@@ -54,14 +54,15 @@ def datasets(tmp_path_factory):
             for task in MODELS}
 
 
-def _train(task: str, data: str, project: Path, trainer=None):
-    model = YOLO(MODELS[task])
+def _train(task: str, data: str, project: Path, trainer=None, model_file: str | None = None):
+    model = YOLO(model_file or MODELS[task])
     losses: list[torch.Tensor] = []
     model.add_callback("on_train_batch_end", lambda t: losses.append(t.loss.detach().clone()))
     gains = {} if task == "classify" else {k: getattr(DEFAULT_CFG, k) * GAIN for k in LOSS_GAINS}
     model.train(data=data, epochs=2, imgsz=64 if task != "classify" else 32, batch=4, nbs=8, workers=0,
                 device="cpu", plots=False, val=True, seed=0, deterministic=True, verbose=False,
-                optimizer="AdamW", lr0=0.002, project=str(project), name=f"{task}-{trainer is not None}",
+                optimizer="AdamW", lr0=0.002, project=str(project),
+                name=f"{Path(model_file or MODELS[task]).stem}-{trainer is not None}",
                 exist_ok=True, **gains, **({"trainer": trainer} if trainer else {}))
     return model, losses
 
@@ -133,6 +134,20 @@ def test_segment_pose_and_obb_train_with_their_fused_losses_like_stock(runs, dat
     assert isinstance(fused.trainer.train_loader.collate_fn, PadTargets)  # labels padded by the loader
     assert type(fused.trainer.model.criterion).__name__ != FUSED_LOSSES[task]  # ultralytics' own again
     # the fused losses round differently (float32 throughout, the DFL expectation a sum): close, not equal
+    torch.testing.assert_close(fused_losses, stock_losses, rtol=1e-3, atol=1e-5)
+    assert fused.trainer.ema.updates == stock.trainer.ema.updates
+
+
+@pytest.mark.cpu_training
+def test_yolo26_segmentation_trains_with_its_fused_e2e_loss_like_stock(datasets, tmp_path):
+    """YOLO26's end-to-end segmentation head (no DFL, a semantic branch): E2ELoss(SegmentLoss26)
+    against FusedE2ESegment26Loss, the labels padded by the loader."""
+    stock, stock_losses = _train("segment", datasets["segment"], tmp_path, model_file="yolo26n-seg.yaml")
+    fused, fused_losses = _train("segment", datasets["segment"], tmp_path, FusedLossSegmentationTrainer,
+                                 model_file="yolo26n-seg.yaml")
+    rows = {r.kind: r for r in fused.trainer.report}
+    assert rows["loss"].action == "swapped" and rows["loss"].detail.startswith("FusedE2ESegment26Loss")
+    assert isinstance(fused.trainer.train_loader.collate_fn, PadTargets)
     torch.testing.assert_close(fused_losses, stock_losses, rtol=1e-3, atol=1e-5)
     assert fused.trainer.ema.updates == stock.trainer.ema.updates
 

@@ -64,19 +64,28 @@ class FusedSegmentationLoss(FusedDetectionLoss):
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of ``preds`` (the detection outputs, ``mask_coefficient (B, nm, A)`` and
         ``proto (B, nm, h, w)``)."""
-        proto = preds["proto"]
-        if isinstance(proto, tuple):
-            raise ValueError("FusedSegmentationLoss: the head has a semantic branch (Segment26); train it "
-                             "with ultralytics' own loss")
+        proto, semantic = self.split_proto(preds["proto"])
         if gt is None:  # (without batch["padded_targets"], one host sync on a GPU for the capacity)
             gt = self.targets(batch, preds["scores"].shape[0], preds["scores"].device)
         det, items, done = self.detection(preds, batch, gt)
         seg = self.mask_term(preds["mask_coefficient"], proto, batch, done) * float(self.hyp.box)
+        sem = self.semantic_term(semantic, batch, done).view(1)  # (gain-scaled)
         B = gt.shape[0]
-        zero = seg.new_zeros(1)
-        out = torch.cat((det[:1], (seg * B).view(1), det[1:], zero))
-        shown = torch.cat((items[:1], seg.detach().view(1), items[1:], zero))
+        out = torch.cat((det[:1], (seg * B).view(1), det[1:], sem * B))
+        shown = torch.cat((items[:1], seg.detach().view(1), items[1:], sem.detach()))
         return out, dict(zip(self.loss_names, shown))
+
+    def split_proto(self, proto: torch.Tensor | tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(prototypes, semantic logits or None)`` of the head's ``proto`` output."""
+        if isinstance(proto, tuple):
+            raise ValueError("FusedSegmentationLoss: the head has a semantic branch (Segment26); train it "
+                             "with FusedSegment26Loss (inside FusedE2ELoss) or ultralytics' own loss")
+        return proto, None
+
+    def semantic_term(self, semantic: torch.Tensor | None, batch: dict[str, torch.Tensor], done: Assigned
+                      ) -> torch.Tensor:
+        """``sem_loss`` times its gain: 0 for heads without a semantic branch."""
+        return done.gt.new_zeros(())
 
     def masks(self, batch: dict[str, torch.Tensor], capacity: int, device: torch.device) -> torch.Tensor:
         """The labels' masks: ``(B, h, w)`` index maps with ``overlap_mask``, else ``(B, capacity,

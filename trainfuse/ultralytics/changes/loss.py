@@ -25,6 +25,7 @@ from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
 from trainfuse.ultralytics.obb_loss import FusedOBBLoss
 from trainfuse.ultralytics.pose_loss import FusedPoseLoss
+from trainfuse.ultralytics.segment26_loss import FusedE2ESegment26Loss, FusedSegment26Loss
 from trainfuse.ultralytics.segment_loss import FusedSegmentationLoss
 
 FUSED_LOSSES = (FusedDetectionLoss, FusedE2ELoss, FusedOBBLoss)  # (and their subclasses: pose, segment)
@@ -35,7 +36,9 @@ def fused_loss_class(model: torch.nn.Module) -> type | None:
     (:class:`FusedE2ELoss` for end-to-end heads, YOLO26 and YOLOv10, else
     :class:`FusedDetectionLoss`), and a PoseModel's or OBBModel's of a head that is not end-to-end
     (:class:`FusedPoseLoss` for ``v8PoseLoss``, :class:`FusedOBBLoss` for ``v8OBBLoss`` with DFL), and
-    a SegmentationModel's (:class:`FusedSegmentationLoss` for ``v8SegmentationLoss``)."""
+    a SegmentationModel's (:class:`FusedSegmentationLoss` for ``v8SegmentationLoss``; for YOLO26's
+    ``Segment26`` head :class:`FusedE2ESegment26Loss`, or FusedSegment26Loss without its
+    one-to-one branch). YOLO26's pose head (FusedPose26Loss) is not installed yet."""
     head = model.model[-1] if hasattr(model, "model") else None
     e2e = getattr(head, "one2one_cv2", None) is not None
     kind = type(model)
@@ -45,8 +48,10 @@ def fused_loss_class(model: torch.nn.Module) -> type | None:
         return FusedPoseLoss
     if kind is OBBModel and not e2e and getattr(head, "reg_max", 1) > 1:
         return FusedOBBLoss
-    if kind is SegmentationModel and not e2e and not isinstance(head, Segment26):
-        return FusedSegmentationLoss
+    if kind is SegmentationModel:
+        if isinstance(head, Segment26):
+            return FusedE2ESegment26Loss if e2e else FusedSegment26Loss
+        return None if e2e else FusedSegmentationLoss
     return None
 
 
@@ -89,8 +94,8 @@ class LossSwap(Change):
             return ("ClassificationModel keeps ultralytics' cross-entropy, which needs no fused counterpart "
                     "(no host sync: its step replays from CUDA graphs as it is)")
         return (f"{type(run.model).__name__} keeps ultralytics' own loss: the fused losses implement "
-                "v8DetectionLoss and E2ELoss of detection models, v8PoseLoss, v8OBBLoss and "
-                "v8SegmentationLoss")
+                "v8DetectionLoss and E2ELoss of detection models, v8PoseLoss, v8OBBLoss, "
+                "v8SegmentationLoss and SegmentLoss26")
 
     @override
     def apply(self, run: Run) -> None:
