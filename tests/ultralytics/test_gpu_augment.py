@@ -326,6 +326,42 @@ def test_the_mosaic_painted_where_the_warp_reads_equals_the_stock_canvas(data):
             assert np.array_equal(painted, canvas[y0_:y1_, x0_:x1_])
 
 
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory):
+    from trainfuse.ultralytics.task_shapes import make_task_dataset
+
+    root = tmp_path_factory.mktemp("gpu-augment-tasks")
+    return {task: check_det_dataset(str(make_task_dataset(root / task, task, n_train=8, n_val=2, imgsz=96)))
+            for task in ("segment", "pose", "obb")}
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"degrees": 20.0, "shear": 5.0, "perspective": 0.0005, "flipud": 0.5, "translate": 0.3},
+    {"mosaic": 0.0, "fliplr": 1.0, "scale": 0.9},
+], ids=["defaults", "warp-all", "no-mosaic"])
+@pytest.mark.parametrize("task", ["segment", "pose", "obb"])
+def test_segment_pose_and_obb_batches_equal_stock_batches_when_asked_for(task_data, task, overrides, kernels,
+                                                                          device):
+    """Their labels (polygons, masks, semantic masks, keypoints flipped by flip_idx, rotated boxes)
+    are stock's bit for bit, the keypoints padded beside the boxes; the pixels as detection's."""
+    data = task_data[task]
+    cfg = get_cfg(overrides={"imgsz": 96, "task": task, **overrides})
+    stock = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
+    ours = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
+    assert deferred.unsupported(ours, cfg) == deferred.TASKS_OPT_IN  # gpu_augment=None keeps the CPU
+    assert deferred.unsupported(ours, cfg, tasks=True) == ""
+    deferred.install(ours, copy.copy(cfg), pad=True)
+    for seed in range(2):
+        out = _finish_on(_batch(ours, seed), device)
+        want = add_padded_targets(_batch(stock, seed))
+        labels = [k for k in want if torch.is_tensor(want[k]) and k != "img"]
+        assert {"masks", "keypoints", "padded_keypoints"} & set(labels) or task == "obb"
+        for key in labels:
+            assert torch.equal(out[key], want[key]), key
+        _assert_like_stock(want, out)
+
+
 def test_polygon_labels_keep_the_cpu_path(data):
     cfg = get_cfg(overrides={"imgsz": 96})
     dataset = build_yolo_dataset(copy.copy(cfg), data["train"], 4, data, mode="train")
@@ -368,6 +404,27 @@ def test_training_with_gpu_augmentation_tracks_the_cpu_path(tmp_path):
     for key in ("box_loss", "cls_loss", "dfl_loss"):  # the same images within a level, the same labels
         torch.testing.assert_close(gpu.tloss[key], cpu.tloss[key], rtol=0.1, atol=1e-3)
     assert (tmp_path / "gpu" / "train_batch0.jpg").exists()
+
+
+@pytest.mark.cpu_training
+def test_a_pose_run_augments_on_the_gpu_path_when_asked_and_tracks_the_cpu_path(task_data, tmp_path):
+    from ultralytics import YOLO
+
+    from trainfuse.ultralytics import FusedPoseTrainer
+
+    runs = {}
+    for name, options in (("cpu", {}), ("gpu", {"gpu_augment": True})):
+        model = YOLO("yolov8n-pose.yaml")
+        model.train(data=task_data["pose"]["yaml_file"], epochs=2, imgsz=64, batch=4, workers=0, device="cpu",
+                    seed=0, deterministic=True, plots=False, val=False, close_mosaic=1, project=str(tmp_path),
+                    name=name, exist_ok=True, verbose=False,
+                    trainer=functools.partial(FusedPoseTrainer, **options))
+        runs[name] = model.trainer
+    cpu, gpu = runs["cpu"], runs["gpu"]
+    assert cpu.augment_reason == CPU_DEFAULT_REASON and gpu.augment_reason == ""
+    assert [r.action for r in gpu.report if r.kind == "augment"] == ["on"]
+    for key in ("box_loss", "pose_loss", "kobj_loss", "cls_loss", "dfl_loss"):
+        torch.testing.assert_close(gpu.tloss[key], cpu.tloss[key], rtol=0.1, atol=1e-3)
 
 
 @pytest.mark.gpu_augment_default

@@ -84,7 +84,7 @@ class BatchLoading:
             return why
         from trainfuse.ultralytics.augment import deferred
 
-        return deferred.unsupported(dataset, hyp)
+        return deferred.unsupported(dataset, hyp, tasks=self.gpu_augment is True)
 
     def training_dataset(self, dataset, hyp, device: torch.device, batch: int | None, pad: bool):
         """Ultralytics' training ``dataset``, its augmentation deferred to the GPU where it can be,

@@ -11,8 +11,10 @@ keypoints and rotated boxes sync with the host; the pose and OBB trainers train 
 sync-free ones (FusedPoseLoss, FusedOBBLoss), the segmentation trainer with ``fused_loss=True``
 (FusedSegmentationLoss), and then the step replays from CUDA graphs fed the padded labels with
 their keypoints or masks. Classification's cross-entropy needs no fused loss: its step replays from
-graphs fed the classes. The labels of masks, keypoints and rotated boxes are augmented on the CPU,
-and each task validates with ultralytics' own validator.
+graphs fed the classes. Segment, pose and OBB images augment on the CPU unless ``gpu_augment=True``
+(then their pixels on the GPU, their labels moved by ultralytics' own code as detection's are;
+measured on the CPU only so far); classification's transforms stay on the CPU; and each task
+validates with ultralytics' own validator.
 """
 
 from __future__ import annotations

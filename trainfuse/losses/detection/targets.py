@@ -104,7 +104,7 @@ def pad_rows(batch_idx: torch.Tensor, rows: torch.Tensor, batch_size: int, capac
     return out[:-1].view(batch_size, capacity, *tail)
 
 
-def add_padded_targets(batch: dict, capacity: int | None = None) -> dict:
+def add_padded_targets(batch: dict, capacity: int | None = None, batch_size: int | None = None) -> dict:
     """Put the padded labels in ``batch[PADDED_KEY]`` while the batch is still on the CPU, so
     that the loss takes its capacity without a host sync: what a trainer calls before moving the
     batch to the GPU. Returns ``batch`` (changed in place).
@@ -112,8 +112,10 @@ def add_padded_targets(batch: dict, capacity: int | None = None) -> dict:
     Args:
         batch: an ultralytics batch with ``img``, ``batch_idx``, ``cls`` and ``bboxes``.
         capacity: rows per image; default :func:`target_capacity` of the batch.
+        batch_size: images in the batch; default ``len(batch["img"])`` (a batch whose images come
+            later, as the GPU augmentation's, says it here).
     """
-    size = batch["img"].shape[0]
+    size = batch["img"].shape[0] if batch_size is None else batch_size
     if capacity is None:
         capacity = target_capacity(batch["batch_idx"], size)
     batch[PADDED_KEY] = pad_targets(batch["batch_idx"], batch["cls"], batch["bboxes"], size, capacity)

@@ -28,8 +28,10 @@ HSV lookup tables.
 
 :func:`unsupported` says why a dataset or its hyperparameters keep the CPU path: ``mixup`` and
 ``cutmix`` (they blend two warped images), ``copy_paste``, the Albumentations transforms
-(installed, they filter the warped image), polygon labels (ultralytics computes the
-warped boxes from the polygons), segment, pose and OBB datasets, ``rect`` batches.
+(installed, they filter the warped image), polygon labels of detection datasets (ultralytics
+computes the warped boxes from the polygons), ``rect`` batches; and segment, pose and OBB datasets
+unless asked for (``tasks``: their labels, polygons, masks and keypoints move as stock's, by
+ultralytics' own code, and only the pixels wait for the GPU).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from ultralytics.data.augment import (
 )
 from ultralytics.data.dataset import YOLODataset
 
-from trainfuse.losses.detection import PADDED_KEY, pad_targets, target_capacity
+from trainfuse.losses.detection.targets import add_padded_targets
 from trainfuse.ultralytics import compat
 from trainfuse.ultralytics.augment import decode as decoding
 from trainfuse.ultralytics.augment.color import opencv_vector_block
@@ -62,15 +64,22 @@ KEYS = ("aug_packed", "aug_sources", "aug_raw", "aug_jpeg", "aug_table", "aug_lu
         "aug_perspective", "aug_vector_block")
 
 
-def unsupported(dataset, hyp) -> str:
+TASKS_OPT_IN = ("the masks, keypoints and oriented boxes of segment, pose and OBB datasets augment on the "
+                "CPU unless gpu_augment=True")
+
+
+def unsupported(dataset, hyp, *, tasks: bool = False) -> str:
     """Why ``dataset`` (a training ``YOLODataset``) with ``hyp`` keeps ultralytics' CPU
-    augmentation ("" when the GPU path covers it)."""
+    augmentation ("" when the GPU path covers it). ``tasks``: segment, pose and OBB datasets too
+    (their labels move by ultralytics' own code as detection's do, masks rasterized from the moved
+    polygons; asked for with ``gpu_augment=True``)."""
     if type(dataset) is not YOLODataset:
         return f"the dataset is a {type(dataset).__name__}, not a plain YOLODataset"
     if not dataset.augment or dataset.rect:
         return "rect batches" if dataset.rect else "the dataset does not augment"
-    if dataset.use_segments or dataset.use_keypoints or dataset.use_obb:
-        return "masks, keypoints and oriented boxes stay on the CPU"
+    task_labels = dataset.use_segments or dataset.use_keypoints or dataset.use_obb
+    if task_labels and not tasks:
+        return TASKS_OPT_IN
     for name in ("mixup", "cutmix", "copy_paste"):
         if getattr(hyp, name, 0.0):
             return f"{name}={getattr(hyp, name)} blends or pastes images after the warp, on the CPU"
@@ -78,8 +87,9 @@ def unsupported(dataset, hyp) -> str:
         return "custom Albumentations transforms"
     if any(isinstance(t, Albumentations) and t.transform is not None for t in _walk(dataset.transforms)):
         return "the Albumentations transforms (albumentations is installed) filter the warped image"
-    if any(len(label.get("segments", ())) for label in dataset.labels):
-        return "polygon labels (ultralytics derives the warped boxes from the polygons)"
+    if not (dataset.use_segments or dataset.use_obb) and any(len(label.get("segments", ()))
+                                                             for label in dataset.labels):
+        return "polygon labels of a detection dataset (ultralytics derives the warped boxes from them)"
     if getattr(dataset, "channels", 3) != 3:
         return f"{dataset.channels}-channel images"
     return ""
@@ -334,9 +344,8 @@ class DeferredCollate:
         batch["aug_size"] = warps[0]["size"] if n else (0, 0)
         batch["aug_perspective"] = bool(n and warps[0]["perspective"])
         batch["aug_vector_block"] = _vector_block()
-        if self.pad:  # the labels are final: padded as PadTargets pads them
-            batch[PADDED_KEY] = pad_targets(batch["batch_idx"], batch["cls"], batch["bboxes"], n,
-                                            target_capacity(batch["batch_idx"], n))
+        if self.pad:  # the labels are final: padded as PadTargets pads them (keypoints included)
+            add_padded_targets(batch, batch_size=n)
         return batch
 
 
