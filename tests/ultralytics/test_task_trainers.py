@@ -105,6 +105,10 @@ def test_each_task_trains_with_the_fused_optimizer_phase_exactly_like_stock(runs
         torch.testing.assert_close(sa[k], sb[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
     assert trainer.metrics.keys() == stock.trainer.metrics.keys()  # validated by the task's own validator
     rows = {r.kind: r for r in trainer.report}
+    validator = {"segment": "SegmentationValidator", "pose": "PoseValidator", "obb": "OBBValidator",
+                 "classify": "ClassificationValidator"}[task]
+    assert rows["validator"].action == "skipped"
+    assert rows["validator"].detail.startswith(f"ultralytics' own {validator} validates the {task!r} run")
     if task in FUSED_LOSSES:
         assert rows["loss"].action == "off"
         assert rows["loss"].detail == f"fused_loss=False (fused_loss=True trains with {FUSED_LOSSES[task]})"

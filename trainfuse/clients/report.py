@@ -14,7 +14,7 @@ class Row:
     Attributes:
         kind: what the row is about: ``optimizer``, ``mlp``, ``loss``, ``clipping``, ``casts``,
             ``ema``, ``scaler``, ``graphs``, ``phase`` (the optimizer phase's CUDA graph),
-            ``ddp``, ``stem``, ``augment``, ``precision``, ``strategy`` or ``backend``.
+            ``ddp``, ``stem``, ``augment``, ``validator``, ``precision``, ``strategy`` or ``backend``.
         name: which one (``optimizer 0 (AdamW)``, ``body``, ``crit``...).
         action: ``swapped``, ``skipped``, ``on`` or ``off``.
         detail: the reason, or what runs there now.

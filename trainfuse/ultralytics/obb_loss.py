@@ -20,7 +20,10 @@ step can be captured in a CUDA graph. Labels under 2 pixels wide or high are dro
 ultralytics drops them (zeroed: a padding row). The rotated geometry is ultralytics' own
 (``probiou``, ``dist2rbox``, ``rbox2dist``, the in-box test); the DFL expectation is
 :func:`~trainfuse.losses.detection.assigner.distances`' (a sum where ultralytics multiplies by a
-matrix: the last float32 bit may differ). Heads with DFL (``reg_max > 1``: YOLOv8 and YOLO11 OBB).
+matrix: the last float32 bit may differ). Heads with DFL (``reg_max > 1``: YOLOv8 and YOLO11 OBB)
+and without (YOLO26: ``l1_loss``, the L1 of the ltrb distances as fractions of the image, in
+ultralytics' place of DFL); YOLO26's end-to-end head trains with ``FusedE2ELoss(model,
+FusedOBBLoss)``, as ultralytics' ``E2ELoss(model, v8OBBLoss)``.
 """
 
 from __future__ import annotations
@@ -73,13 +76,10 @@ class FusedOBBLoss:
 
     def __init__(self, model: torch.nn.Module, tal_topk: int = 10, tal_topk2: int | None = None) -> None:
         head = model.model[-1]
-        if head.reg_max <= 1:
-            raise ValueError("FusedOBBLoss: the head has no DFL (reg_max=1); train it with ultralytics' own "
-                             "loss")
         self.hyp = model.args
         self.nc, self.reg_max = head.nc, head.reg_max
         self.device = next(model.parameters()).device
-        self.loss_names = "box_loss", "cls_loss", "dfl_loss", "angle_loss"
+        self.loss_names = "box_loss", "cls_loss", "dfl_loss" if self.reg_max > 1 else "l1_loss", "angle_loss"
         cw = getattr(model, "class_weights", None)
         self.class_weights = (None if cw is None
                               else cw.to(device=self.device, dtype=torch.float32).reshape(-1))
@@ -91,7 +91,11 @@ class FusedOBBLoss:
     def __call__(self, preds: dict | tuple, batch: dict[str, torch.Tensor]
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss * batch_size, {name: detached term})``, as ``v8OBBLoss``."""
-        return self.loss(preds[1] if isinstance(preds, tuple) else preds, batch)
+        return self.loss(self.parse_output(preds), batch)
+
+    def parse_output(self, preds: dict | tuple) -> dict[str, Any]:
+        """The training outputs dict (the second element of an ``(inference, dict)`` tuple)."""
+        return preds[1] if isinstance(preds, tuple) else preds
 
     def targets(self, batch: dict[str, torch.Tensor], batch_size: int, device: torch.device) -> torch.Tensor:
         """The padded labels ``(B, M, 6)``: class and normalized ``xywhr``, zero rows as padding
@@ -106,7 +110,7 @@ class FusedOBBLoss:
                              f"6), got {tuple(padded.shape)}")
         return padded.to(device=device, dtype=torch.float32, non_blocking=True)
 
-    def loss(self, preds: dict[str, Any], batch: dict[str, torch.Tensor]
+    def loss(self, preds: dict[str, Any], batch: dict[str, torch.Tensor], gt: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of ``preds`` (``boxes (B, 4 reg_max, A)``, ``scores (B, nc, A)``,
         ``angle (B, 1, A)``, ``feats``)."""
@@ -123,7 +127,8 @@ class FusedOBBLoss:
         sizes = tuple((int(f.shape[2]), int(f.shape[3])) for f in feats)
         anchors, stride_col = anchor_grid(sizes, self._strides, dev)
         h, w = sizes[0][0] * self._strides[0], sizes[0][1] * self._strides[0]
-        gt = self.targets(batch, B, dev)
+        if gt is None:  # (FusedE2ELoss gives both branches the labels it padded once)
+            gt = self.targets(batch, B, dev)
         with torch.autocast(dev.type, enabled=False):
             scale = device_values(gt, (w, h, w, h))
             px = gt[..., 1:5] * scale
@@ -162,8 +167,12 @@ class FusedOBBLoss:
             weight = torch.where(fg, t, 0.0)
             iou = probiou(pred.reshape(-1, 5), target.reshape(-1, 5), floor=0.01).view(B, A)
             box = ((1.0 - iou) * weight).sum() / tss
-            ltrb = rbox2dist(target[..., :4], anchors, target[..., 4:5], reg_max=self.reg_max - 1)
-            dfl = self._dfl(boxes.to(ct), ltrb)  # (B, A)
+            if self.reg_max > 1:
+                ltrb = rbox2dist(target[..., :4], anchors, target[..., 4:5], reg_max=self.reg_max - 1)
+                dfl = self._dfl(boxes.to(ct), ltrb)  # (B, A)
+            else:  # ultralytics' L1 of the distances as fractions of the image (scale: w, h, w, h)
+                ltrb = rbox2dist(target[..., :4], anchors, target[..., 4:5]) * stride_col / scale
+                dfl = (distances(boxes) * stride_col / scale - ltrb).abs().mean(-1)
             dfl = (dfl * weight).sum() / tss
             log_ar = torch.log((target[..., 2] + 1e-9) / (target[..., 3] + 1e-9))
             delta = pred[..., 4] - target[..., 4]

@@ -12,17 +12,20 @@ from trainfuse.ultralytics.changes.graphs import Graphs, Phase
 from trainfuse.ultralytics.changes.loss import Augment, LossSwap
 from trainfuse.ultralytics.changes.optimizer import OptimizerSwap
 from trainfuse.ultralytics.changes.stem import FoldStem
+from trainfuse.ultralytics.changes.validator import Validation
 
 
 def changes(options: Options) -> list[Change]:
     """A run's changes, in the order they are made: the optimizer, the scaler and the EMA (folded
     into the optimizer's step), the loss, how the batches load, the casts, the stem, then DDP's
-    flat all-reduce, the graphs and the optimizer phase inside them, which need the ones before."""
+    flat all-reduce, the graphs and the optimizer phase inside them, which need the ones before; and
+    the validator's row."""
     made: list[Change] = [OptimizerSwap(), Scaler(), EMASwap(), LossSwap()]
     made += [Augment(), Casts(options.fuse_casts), FoldStem(options.fold_stem), FlatGradsDDP(), Graphs(),
-             Phase()]
+             Phase(), Validation()]
     return made
 
 
 __all__ = ["CALLBACKS", "Augment", "Casts", "Change", "EMASwap", "FlatGradsDDP", "FoldStem", "Graphs",
-           "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run", "Scaler", "changes"]
+           "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run", "Scaler", "Validation",
+           "changes"]
