@@ -249,8 +249,8 @@ def test_norm_over_more_partials_than_one_reduction_block_is_deterministic(kerne
     p = torch.nn.Parameter(torch.zeros(1100 * kernels.chunk + 5, device=device))
     g = torch.randn_like(p)
     norms = []
-    for _ in range(3):
+    for _ in range(2):
         p.grad = g.clone()
         norms.append(clip_grad_norm_([p], 1e9))
-    assert all(torch.equal(n, norms[0]) for n in norms)
+    assert torch.equal(norms[1], norms[0])
     torch.testing.assert_close(norms[0].double().cpu(), g.double().norm().cpu(), rtol=1e-6, atol=0)

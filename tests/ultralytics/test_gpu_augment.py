@@ -212,13 +212,18 @@ def _assert_like_stock(stock, ours):
     assert same > 0.99 and close > 0.9999, (diff.max(), same, close)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},  # ultralytics' defaults: mosaic, scale 0.5, translate 0.1, HSV, fliplr 0.5
-    {"degrees": 20.0, "shear": 5.0, "perspective": 0.0005, "flipud": 0.5, "translate": 0.3},
-    {"mosaic": 0.0, "fliplr": 1.0, "scale": 0.9},  # close_mosaic's epochs: one letterboxed image
-    {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0, "bgr": 0.5},
-], ids=["defaults", "warp-all", "no-mosaic", "no-hsv-bgr"])
-@pytest.mark.parametrize("decode", [False, True], ids=["workers-decode", "decoder"])
+DEFAULTS = {}  # ultralytics' defaults: mosaic, scale 0.5, translate 0.1, HSV, fliplr 0.5
+WARPS = {"degrees": 20.0, "shear": 5.0, "perspective": 0.0005, "flipud": 0.5, "translate": 0.3}
+NO_MOSAIC = {"mosaic": 0.0, "fliplr": 1.0, "scale": 0.9}  # close_mosaic's epochs: one letterboxed image
+NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0, "bgr": 0.5}
+
+
+# every setting with the workers decoding; the GPU decoder (the same pixels from other bytes) with
+# ultralytics' defaults and the full warp
+@pytest.mark.parametrize("overrides,decode", [
+    (DEFAULTS, False), (WARPS, False), (NO_MOSAIC, False), (NO_HSV, False), (DEFAULTS, True), (WARPS, True),
+], ids=["workers-decode-defaults", "workers-decode-warp-all", "workers-decode-no-mosaic",
+        "workers-decode-no-hsv-bgr", "decoder-defaults", "decoder-warp-all"])
 def test_deferred_batches_equal_stock_batches_on_the_same_seeds(data, overrides, decode, kernels, device,
                                                                 stock_decodes_as_the_gpu):
     stock_decodes_as_the_gpu(decode and device.type == "cuda")
@@ -335,12 +340,9 @@ def task_data(tmp_path_factory):
             for task in ("segment", "pose", "obb")}
 
 
-WARP_ALL = {"degrees": 20.0, "shear": 5.0, "perspective": 0.0005, "flipud": 0.5, "translate": 0.3}
-
-
 @pytest.mark.parametrize("task,overrides", [
-    ("segment", WARP_ALL), ("pose", WARP_ALL), ("obb", WARP_ALL),  # rotations, shear, both flips
-    ("segment", {"mosaic": 0.0, "fliplr": 1.0, "scale": 0.9}),  # close_mosaic's letterboxed image
+    ("segment", WARPS), ("pose", WARPS), ("obb", WARPS),  # rotations, shear, both flips
+    ("segment", NO_MOSAIC),  # close_mosaic's letterboxed image
 ], ids=["segment-warp-all", "pose-warp-all", "obb-warp-all", "segment-no-mosaic"])
 def test_segment_pose_and_obb_batches_equal_stock_batches_when_asked_for(task_data, task, overrides, kernels,
                                                                           device):
