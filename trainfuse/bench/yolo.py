@@ -56,6 +56,9 @@ def _parser():
     parser.add_argument("--fused-loss", action="store_true",
                         help="fused_loss=True: the segmentation trainer's fused loss, off by default (the "
                         "pose and OBB trainers train with theirs by default)")
+    parser.add_argument("--gpu-augment", action="store_true",
+                        help="gpu_augment=True: the training pixels augmented on the GPU even with the "
+                        "bench's cache='ram' (segment, pose and OBB data too, which ask for it)")
     parser.add_argument("--optimizer", default="auto",
                         help="ultralytics' optimizer= (auto, SGD, AdamW, MuSGD, NAdam, ...)")
     parser.add_argument("--batch", type=int, default=None, help="images per GPU (16; 64 for classification)")
@@ -121,6 +124,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
         workload += f" optimizer={args.optimizer}"
     if args.fused_loss:
         workload += " fused_loss=True"
+    if args.gpu_augment:
+        workload += " gpu_augment=True"
     print(f"\n{workload}, {args.epochs} epoch(s), ultralytics {version}")
     print(runs_table(runs))
     for kind, r in runs.items():
@@ -164,7 +169,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     print_table("goals", ["goal", "met"], [[k, "yes" if v else "NO"] for k, v in goals.items()])
     if args.quick:
         note(report, "--quick: 1 epoch; the quality goals need the full run")
-    png = plot_runs(runs, out / f"{family(args.model, args.optimizer, fused_loss=args.fused_loss)}.png",
+    name = family(args.model, args.optimizer, fused_loss=args.fused_loss, gpu_augment=args.gpu_augment)
+    png = plot_runs(runs, out / f"{name}.png",
                     title=f"{workload}, {args.epochs} epoch(s), {report['device']}")
     print(f"plot: {png}")
     if (args.model, args.optimizer) != ("yolov5n.yaml", "auto"):  # the README's summary: one phase row
@@ -240,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     runs, trainers = {}, {}
     options = {"fused_loss": True} if args.fused_loss else {}
+    if args.gpu_augment:
+        options["gpu_augment"] = True
     for kind in ("stock", "trainfuse"):
         runs[kind], trainers[kind] = train_run(kind, args, data, out / "yolo-runs", device=args.devices,
                                                **(options if kind == "trainfuse" else {}))
@@ -247,7 +255,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)
     report["_bench"] = "yolo"
-    save_report(report, args.out, family(args.model, args.optimizer, fused_loss=args.fused_loss))
+    save_report(report, args.out, family(args.model, args.optimizer, fused_loss=args.fused_loss,
+                                         gpu_augment=args.gpu_augment))
     return report
 
 
@@ -270,12 +279,14 @@ def _dataset(args, task: str) -> str:
                                    distinct=1024 if args.photo and args.images > 1024 else None))
 
 
-def family(model: str, optimizer: str = "auto", devices: str = "0", fused_loss: bool = False) -> str:
+def family(model: str, optimizer: str = "auto", devices: str = "0", fused_loss: bool = False,
+           gpu_augment: bool = False) -> str:
     """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
     ``-<optimizer>`` appended for an optimizer other than ``auto``, ``-fused-loss`` with
-    ``--fused-loss``, ``-<N>gpus`` for DDP."""
+    ``--fused-loss``, ``-gpu-augment`` with ``--gpu-augment``, ``-<N>gpus`` for DDP."""
     name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
     name = name if optimizer == "auto" else f"{name}-{optimizer}"
     name = f"{name}-fused-loss" if fused_loss else name
+    name = f"{name}-gpu-augment" if gpu_augment else name
     n = len(devices.split(","))
     return name if n == 1 else f"{name}-{n}gpus"
