@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("ultralytics")
 
-from trainfuse.bench.yolo_quality import main  # noqa: E402
+from trainfuse.bench._common import new_report  # noqa: E402
+from trainfuse.bench.yolo_quality import _compare, _parser, main  # noqa: E402
 
 VARIANTS = ("stock", "trainfuse")
 
@@ -83,8 +84,25 @@ def test_a_classification_model_trains_on_class_folders_with_its_tasks_trainer(t
     for run in runs:
         assert "error" not in run, run["error"]
         assert 0.0 <= run["map50"] <= run["map50_95"] <= 1.0  # top-1, top-5 accuracy
+        assert run["box_map50_95"] is None
     assert (tmp_path / "shapes" / "classify-32px-8-val4-seed0" / "train").is_dir()
     log = (tmp_path / "out" / "yolo-quality-logs" / f"{runs[1]['run']}.log").read_text()
     assert "loss skipped: ClassificationModel keeps ultralytics' cross-entropy" in log
     assert runs[1]["graphs_reason"] == "the device is cpu, not CUDA"
     assert [run["optimizer_class"] for run in runs] == ["AdamW", "FusedAdamW"]
+
+
+def test_segmentation_compares_the_boxes_too_and_a_box_gap_misses_the_goal(capsys):
+    args = _parser().parse_args(["--device", "cpu", "--models", "yolo11n-seg.yaml", "--seeds", "0,1"])
+    runs = [{"model": "yolo11n-seg.yaml", "optimizer": "auto", "seed": seed, "variant": variant,
+             "optimizer_class": "AdamW", "map50": 0.9, "map50_95": 0.7 + seed / 100,
+             "box_map50_95": 0.8 - (0.015 if variant == "trainfuse" else 0.0)}
+            for seed in (0, 1) for variant in ("stock", "trainfuse")]
+    report = new_report("cpu", None)
+    goals = _compare(report, args, "yolo11n-seg.yaml", "auto", runs)
+    assert goals == {"yolo11n-seg.yaml optimizer=auto trainfuse: within 1 point of stock": False}
+    stock, fused = report["rows"]
+    assert stock["box_map50_95"] == pytest.approx(0.8) and fused["box_map50_95"] == pytest.approx(0.785)
+    assert fused["map50_95"] == pytest.approx(0.705)
+    out = capsys.readouterr().out
+    assert "box mAP50-95 mean" in out and "-1.50" in out

@@ -54,7 +54,11 @@ from trainfuse.ultralytics.task_shapes import make_task_dataset  # noqa: E402
 TASK_RUNS = {"segment": ("yolo11n-seg.yaml", FusedSegmentationTrainer),
              "pose": ("yolo11n-pose.yaml", FusedPoseTrainer),
              "obb": ("yolo11n-obb.yaml", FusedOBBTrainer),
-             "classify": ("yolo11n-cls.yaml", FusedClassificationTrainer)}
+             "classify": ("yolo11n-cls.yaml", FusedClassificationTrainer),
+             # YOLO26's end-to-end heads: E2ELoss over the segment, pose and OBB losses
+             "segment26": ("yolo26n-seg.yaml", FusedSegmentationTrainer),
+             "pose26": ("yolo26n-pose.yaml", FusedPoseTrainer),
+             "obb26": ("yolo26n-obb.yaml", FusedOBBTrainer)}
 
 
 def test_replayed_loss_backward_reaches_no_parameter():
@@ -255,11 +259,13 @@ SEGMENT_APART = pytest.mark.xfail(strict=True, reason="the graphed segmentation 
 @pytest.mark.parametrize("task", [pytest.param(t, marks=SEGMENT_APART) if t == "segment" else t
                                   for t in TASK_RUNS])
 def test_each_tasks_graph_replay_trains_exactly_like_eager(tmp_path_factory, task):
-    """Segmentation, pose and OBB with their fused losses, classification with ultralytics'
-    cross-entropy: 200 iterations replayed from graphs, the optimizer phase inside them, as eager."""
+    """Segmentation, pose and OBB with their fused losses (v8/11 and YOLO26 heads), classification
+    with ultralytics' cross-entropy: 200 iterations replayed from graphs, the optimizer phase inside
+    them, as eager."""
     model, trainer = TASK_RUNS[task]
     root = tmp_path_factory.mktemp(f"{task}200")
-    data = str(make_task_dataset(root, task, n_train=40, n_val=8, imgsz=64, seed=1, max_objects=4))
+    data = str(make_task_dataset(root, task.removesuffix("26"), n_train=40, n_val=8, imgsz=64, seed=1,
+                                 max_objects=4))
     project = tmp_path_factory.mktemp(f"{task}-runs")
     eager, eager_rec, _ = _gpu_run(data, project, False, model, trainer=trainer, fused_loss=True)
     graphed, graphed_rec, _ = _gpu_run(data, project, True, model, trainer=trainer, fused_loss=True)

@@ -142,15 +142,23 @@ def test_segment_pose_and_obb_train_with_their_fused_losses_like_stock(runs, dat
     assert fused.trainer.ema.updates == stock.trainer.ema.updates
 
 
+YOLO26 = {"segment": ("yolo26n-seg.yaml", "FusedE2ESegment26Loss"),
+          "pose": ("yolo26n-pose.yaml", "FusedE2EPose26Loss"), "obb": ("yolo26n-obb.yaml", "FusedE2EOBBLoss")}
+
+
 @pytest.mark.cpu_training
-def test_yolo26_segmentation_trains_with_its_fused_e2e_loss_like_stock(datasets, tmp_path):
-    """YOLO26's end-to-end segmentation head (no DFL, a semantic branch): E2ELoss(SegmentLoss26)
-    against FusedE2ESegment26Loss, the labels padded by the loader."""
-    stock, stock_losses = _train("segment", datasets["segment"], tmp_path, model_file="yolo26n-seg.yaml")
-    fused, fused_losses = _train("segment", datasets["segment"], tmp_path, FusedLossSegmentationTrainer,
-                                 model_file="yolo26n-seg.yaml")
+@pytest.mark.parametrize("task", list(YOLO26))
+def test_yolo26_heads_train_with_their_fused_e2e_losses_like_stock(datasets, task, tmp_path):
+    """YOLO26's end-to-end heads (no DFL; a semantic branch for segmentation, the RLE term for pose):
+    E2ELoss over SegmentLoss26, PoseLoss26 and v8OBBLoss against the fused losses the trainers
+    install (segmentation on request), the labels padded by the loader."""
+    model_file, loss = YOLO26[task]
+    trainer_cls = {"segment": FusedLossSegmentationTrainer, "pose": FusedPoseTrainer,
+                   "obb": FusedOBBTrainer}[task]
+    stock, stock_losses = _train(task, datasets[task], tmp_path, model_file=model_file)
+    fused, fused_losses = _train(task, datasets[task], tmp_path, trainer_cls, model_file=model_file)
     rows = {r.kind: r for r in fused.trainer.report}
-    assert rows["loss"].action == "swapped" and rows["loss"].detail.startswith("FusedE2ESegment26Loss")
+    assert rows["loss"].action == "swapped" and rows["loss"].detail.startswith(loss)
     assert isinstance(fused.trainer.train_loader.collate_fn, PadTargets)
     torch.testing.assert_close(fused_losses, stock_losses, rtol=1e-3, atol=1e-5)
     assert fused.trainer.ema.updates == stock.trainer.ema.updates

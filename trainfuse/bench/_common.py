@@ -51,6 +51,8 @@ METRICS = {
     "tflops": "TFLOP/s of the matmuls over do_bench ms",
     "map50": "mAP at IoU 0.5 of the final validation, mean over the training seeds",
     "map50_95": "mAP over IoU 0.5 to 0.95 of the final validation, mean over the training seeds",
+    "box_map50_95": "the boxes' mAP over IoU 0.5 to 0.95 of a segmentation or pose run's final validation, "
+                    "mean over the training seeds",
 }
 
 # family on the command line -> (its module, what it measures)

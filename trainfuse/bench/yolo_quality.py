@@ -17,11 +17,11 @@ pose, OBB and classification models); ``--seeds`` are ultralytics' training ``se
   ``fuse_casts`` or ``fused_loss`` False, to tell which change moves the mAP if one does.
 
 Measures mAP50 and mAP50-95 of each run's final validation (best.pt: of the masks for segmentation,
-of the keypoints for pose; top-1 and top-5 accuracy for classification, in those columns), per seed
-and their mean per variant, and the mean's difference to stock. Goal per (model, optimizer,
-variant): both means within 1 point of stock. It does not measure time: the runs share the GPU and
-the CPU, so their seconds (kept in the report's runs) compare with nothing; ``python -m
-trainfuse.bench yolo`` times training.
+of the keypoints for pose, and for those two the boxes' mAP50-95 too; top-1 and top-5 accuracy for
+classification, in those columns), per seed and their mean per variant, and the mean's difference
+to stock. Goal per (model, optimizer, variant): every mean within 1 point of stock. It does not
+measure time: the runs share the GPU and the CPU, so their seconds (kept in the report's runs)
+compare with nothing; ``python -m trainfuse.bench yolo`` times training.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ DATA_SEED = 0  # every run trains and validates on the same images; --seeds only
 MAP_DELTA_GOAL = 0.01  # 1 point of mAP
 RESULT = "RESULT "  # prefix of the child's one line of results
 ERROR_LINES = 30  # lines of a failed child's log kept in the report
+BOX_TOO = ("segment", "pose")  # tasks whose box mAP50-95 is compared too, beside the masks' or keypoints'
 
 
 def _names(text: str) -> list[str]:
@@ -158,8 +159,9 @@ def _child(spec: dict) -> None:
                 name=spec["run"], exist_ok=True, verbose=False, optimizer=spec["optimizer"], **extra)
     trainer = model.trainer
     map50, map50_95 = final_map(trainer)
+    box = (trainer.metrics or {}).get("metrics/mAP50-95(B)") if trainer.args.task in BOX_TOO else None
     # the run's name too: a parent stopped early leaves these lines as the only record
-    result = {"run": spec["run"], "map50": map50, "map50_95": map50_95,
+    result = {"run": spec["run"], "map50": map50, "map50_95": map50_95, "box_map50_95": box,
               "optimizer_class": type(trainer.optimizer).__name__,
               "fused_reason": getattr(trainer, "fused_reason", None),
               "graphs_reason": getattr(trainer, "graphs_reason", None),
@@ -236,14 +238,15 @@ def _compare(report: dict, args, model: str, opt: str, runs: list[dict]) -> dict
     workload = f"{model} optimizer={opt}: final mAP after {args.epochs} epochs (mean of seeds {seeds})"
     mine = [r for r in runs if (r["model"], r["optimizer"]) == (model, opt)]
     by_variant = {v: [r for r in mine if r["variant"] == v] for v in args.variants}
-    means = {v: {k: _mean([r.get(k) for r in rs]) for k in ("map50", "map50_95")}
-             for v, rs in by_variant.items()}
+    keys = ("map50", "map50_95") + (("box_map50_95",) if any(r.get("box_map50_95") is not None
+                                                              for r in mine) else ())
+    means = {v: {k: _mean([r.get(k) for r in rs]) for k in keys} for v, rs in by_variant.items()}
     stock = means.get("stock")
     rows, goals = [], {}
     for variant, rs in by_variant.items():
         cells = [variant, next((r["optimizer_class"] for r in rs if "optimizer_class" in r), "-")]
         within = bool(stock)
-        for key in ("map50", "map50_95"):
+        for key in keys:
             mean = means[variant][key]
             delta = None if not stock or mean is None or stock[key] is None else mean - stock[key]
             within = within and delta is not None and abs(delta) <= MAP_DELTA_GOAL
@@ -254,7 +257,7 @@ def _compare(report: dict, args, model: str, opt: str, runs: list[dict]) -> dict
         if variant != "stock" and stock:
             goals[f"{model} optimizer={opt} {variant}: within 1 point of stock"] = within
     header = ["variant", "optimizer"]
-    for metric in ("mAP50", "mAP50-95"):
+    for metric in ("mAP50", "mAP50-95", "box mAP50-95")[:len(keys)]:
         header += [f"{metric} seed {s}" for s in args.seeds] + [f"{metric} mean", "vs stock (points)"]
     print_table(workload, header, rows)
     return goals

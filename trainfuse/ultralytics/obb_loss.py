@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from trainfuse.losses.detection import PADDED_KEY, AssignConfig, anchor_grid, pad_targets, target_capacity
 from trainfuse.losses.detection.assigner import assignment_from_metric, distances
 from trainfuse.losses.detection.targets import device_values
+from trainfuse.ultralytics.e2e_loss import FusedE2ELoss
 
 
 def in_rotated_boxes(centres: torch.Tensor, gt: torch.Tensor, valid: torch.Tensor, stride_val: float
@@ -198,4 +199,12 @@ class FusedOBBLoss:
         return -(pl * wl + pr * (1 - wl)).mean(-1)
 
 
-__all__ = ["FusedOBBLoss", "in_rotated_boxes"]
+class FusedE2EOBBLoss(FusedE2ELoss):
+    """FusedE2ELoss over FusedOBBLoss: ultralytics' ``E2ELoss(model, v8OBBLoss)``, what YOLO26's
+    end-to-end OBB models train with."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model, FusedOBBLoss)
+
+
+__all__ = ["FusedE2EOBBLoss", "FusedOBBLoss", "in_rotated_boxes"]

@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from trainfuse.losses.detection.assigner import Assignment, assignment_from_metric, metric_torch
 from trainfuse.losses.detection.targets import device_values, label_pixels
+from trainfuse.ultralytics.e2e_loss import FusedE2ELoss
 from trainfuse.ultralytics.loss import Assigned
 from trainfuse.ultralytics.pose_loss import FusedPoseLoss
 
@@ -142,4 +143,12 @@ class FusedPose26Loss(FusedPoseLoss):
             return (per.sum() / valid.sum().clamp(min=1)).clamp(min=0)
 
 
-__all__ = ["FusedPose26Loss"]
+class FusedE2EPose26Loss(FusedE2ELoss):
+    """FusedE2ELoss over FusedPose26Loss: ultralytics' ``E2ELoss(model, PoseLoss26)``, what YOLO26's
+    end-to-end pose models train with."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model, FusedPose26Loss)
+
+
+__all__ = ["FusedE2EPose26Loss", "FusedPose26Loss"]

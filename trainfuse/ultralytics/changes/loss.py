@@ -23,7 +23,8 @@ from trainfuse.clients import SWAPPED, Row
 from trainfuse.ultralytics.changes.base import Change, Run
 from trainfuse.ultralytics.e2e_loss import FusedE2ELoss, takes_fused_e2e_loss
 from trainfuse.ultralytics.loss import FusedDetectionLoss
-from trainfuse.ultralytics.obb_loss import FusedOBBLoss
+from trainfuse.ultralytics.obb_loss import FusedE2EOBBLoss, FusedOBBLoss
+from trainfuse.ultralytics.pose26_loss import FusedE2EPose26Loss, FusedPose26Loss
 from trainfuse.ultralytics.pose_loss import FusedPoseLoss
 from trainfuse.ultralytics.segment26_loss import FusedE2ESegment26Loss, FusedSegment26Loss
 from trainfuse.ultralytics.segment_loss import FusedSegmentationLoss
@@ -34,20 +35,24 @@ FUSED_LOSSES = (FusedDetectionLoss, FusedE2ELoss, FusedOBBLoss)  # (and their su
 def fused_loss_class(model: torch.nn.Module) -> type | None:
     """The fused loss that implements ``model``'s, or None: a plain DetectionModel's
     (:class:`FusedE2ELoss` for end-to-end heads, YOLO26 and YOLOv10, else
-    :class:`FusedDetectionLoss`), and a PoseModel's or OBBModel's of a head that is not end-to-end
-    (:class:`FusedPoseLoss` for ``v8PoseLoss``, :class:`FusedOBBLoss` for ``v8OBBLoss`` with DFL), and
-    a SegmentationModel's (:class:`FusedSegmentationLoss` for ``v8SegmentationLoss``; for YOLO26's
-    ``Segment26`` head :class:`FusedE2ESegment26Loss`, or FusedSegment26Loss without its
-    one-to-one branch). YOLO26's pose head (FusedPose26Loss) is not installed yet."""
+    :class:`FusedDetectionLoss`); a PoseModel's (:class:`FusedPoseLoss` for ``v8PoseLoss``; for
+    YOLO26's ``Pose26`` head :class:`FusedE2EPose26Loss`, or FusedPose26Loss without its one-to-one
+    branch); an OBBModel's (:class:`FusedOBBLoss` for ``v8OBBLoss``, with or without DFL;
+    :class:`FusedE2EOBBLoss` for YOLO26's end-to-end head); a SegmentationModel's
+    (:class:`FusedSegmentationLoss` for ``v8SegmentationLoss``; for YOLO26's ``Segment26`` head
+    :class:`FusedE2ESegment26Loss`, or FusedSegment26Loss without its one-to-one branch). An
+    end-to-end head of the v8 pose or segmentation losses keeps ultralytics' own."""
     head = model.model[-1] if hasattr(model, "model") else None
     e2e = getattr(head, "one2one_cv2", None) is not None
     kind = type(model)
     if kind is DetectionModel:
         return FusedE2ELoss if takes_fused_e2e_loss(model) else None if e2e else FusedDetectionLoss
-    if kind is PoseModel and not e2e and not isinstance(head, Pose26):
-        return FusedPoseLoss
-    if kind is OBBModel and not e2e and getattr(head, "reg_max", 1) > 1:
-        return FusedOBBLoss
+    if kind is PoseModel:
+        if isinstance(head, Pose26):
+            return FusedE2EPose26Loss if e2e else FusedPose26Loss
+        return None if e2e else FusedPoseLoss
+    if kind is OBBModel:
+        return FusedE2EOBBLoss if e2e else FusedOBBLoss
     if kind is SegmentationModel:
         if isinstance(head, Segment26):
             return FusedE2ESegment26Loss if e2e else FusedSegment26Loss
@@ -94,8 +99,8 @@ class LossSwap(Change):
             return ("ClassificationModel keeps ultralytics' cross-entropy, which needs no fused counterpart "
                     "(no host sync: its step replays from CUDA graphs as it is)")
         return (f"{type(run.model).__name__} keeps ultralytics' own loss: the fused losses implement "
-                "v8DetectionLoss and E2ELoss of detection models, v8PoseLoss, v8OBBLoss, "
-                "v8SegmentationLoss and SegmentLoss26")
+                "v8DetectionLoss, v8PoseLoss, PoseLoss26, v8OBBLoss, v8SegmentationLoss and "
+                "SegmentLoss26, and E2ELoss over them for YOLO26's heads")
 
     @override
     def apply(self, run: Run) -> None:
