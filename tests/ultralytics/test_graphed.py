@@ -248,15 +248,18 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimiz
         assert graphed_metrics[epoch] == pytest.approx(items, rel=1e-4, abs=1e-5), epoch
 
 
-# On an H200 (torch 2.11), the segmentation run's loss leaves the eager one's at iteration 18 of 200
-# (33.8685 against 33.8826) and stays apart; the pose, OBB and classification runs are equal
-# throughout. Until that is explained, FusedSegmentationTrainer keeps fused_loss (and so its
-# graphs) off by default.
-SEGMENT_APART = pytest.mark.xfail(strict=True, reason="the graphed segmentation run leaves the eager one")
+# On an H200 (torch 2.11) the YOLO26 pose run replayed from graphs leaves the eager one at iteration
+# 18 of 200 by one float32 ulp of the loss (126.70658875 against 126.70658112) and stays apart; two
+# eager runs are equal throughout, so the difference is how a kernel computes under capture, not a
+# stale input. The RLE term's flow model (ultralytics' RealNVP: small Linear layers, cuBLAS GEMMs)
+# is the suspect, as the cuBLAS einsum of the segmentation mask term was before it became a Triton
+# kernel (segmentation has been equal since).
+POSE26_APART = pytest.mark.xfail(strict=True, reason="the graphed YOLO26 pose run leaves the eager one "
+                                 "by an ulp at iteration 18")
 
 
 @cuda
-@pytest.mark.parametrize("task", [pytest.param(t, marks=SEGMENT_APART) if t == "segment" else t
+@pytest.mark.parametrize("task", [pytest.param(t, marks=POSE26_APART) if t == "pose26" else t
                                   for t in TASK_RUNS])
 def test_each_tasks_graph_replay_trains_exactly_like_eager(tmp_path_factory, task):
     """Segmentation, pose and OBB with their fused losses (v8/11 and YOLO26 heads), classification

@@ -79,3 +79,19 @@ def test_matches_e2e_obb_loss_without_dfl(counts, model):
     for g, w in zip(got[2], want[2]):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5 * w.abs().max().item() + 1e-12)
     assert got[3] == want[3] == ["box_loss", "cls_loss", "l1_loss", "angle_loss"]
+
+
+def test_background_boxes_with_negative_sides_leave_the_loss_and_grads_finite(model):
+    """Without DFL the head's distances are raw: an anchor nobody is assigned to may predict a
+    negative side (a 64-pixel run did, 30 steps in). The angle term takes its aspect as 1 there,
+    where a NaN multiplied by its zero weight would have stayed NaN, and equals stock's."""
+    preds, batch = make_inputs([3, 5])
+    for branch in preds.values():
+        branch["boxes"] = branch["boxes"] - 1.5  # most sides negative, the foreground's included
+    upstream = torch.rand(4, device=DEVICE) + 0.5
+    want = run(ultralytics_loss.E2ELoss(model, ultralytics_loss.v8OBBLoss), preds, batch, upstream)
+    got = run(FusedE2ELoss(model, FusedOBBLoss), preds, add_padded_targets(dict(batch)), upstream)
+    assert torch.isfinite(got[0]).all() and all(torch.isfinite(g).all() for g in got[2])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[2], want[2]):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5 * w.abs().max().item() + 1e-12)

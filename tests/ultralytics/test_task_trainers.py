@@ -67,10 +67,10 @@ def _train(task: str, data: str, project: Path, trainer=None, model_file: str | 
     return model, losses
 
 
-# the fused trainers with ultralytics' own losses (pose and OBB take theirs by default): the runs
-# that match stock exactly
+# the fused trainers with ultralytics' own losses (segment, pose and OBB take theirs by default): the
+# runs that match stock exactly
 STOCK_LOSS = {**TRAINERS, **{task: type(f"StockLoss{TRAINERS[task].__name__}", (TRAINERS[task],),
-                                        {"fused_loss": False}) for task in ("pose", "obb")}}
+                                        {"fused_loss": False}) for task in ("segment", "pose", "obb")}}
 
 
 @pytest.fixture(scope="module")
@@ -117,20 +117,15 @@ def test_each_task_trains_with_the_fused_optimizer_phase_exactly_like_stock(runs
         assert rows["loss"].detail.startswith("ClassificationModel keeps ultralytics' cross-entropy")
 
 
-class FusedLossSegmentationTrainer(FusedSegmentationTrainer):
-    fused_loss = True
-
-
-def test_pose_and_obb_train_with_their_fused_losses_by_default_segmentation_on_request():
-    assert FusedPoseTrainer.fused_loss is True and FusedOBBTrainer.fused_loss is True
-    assert FusedSegmentationTrainer.fused_loss is False
+def test_segment_pose_and_obb_train_with_their_fused_losses_by_default():
+    assert all(t.fused_loss is True for t in (FusedSegmentationTrainer, FusedPoseTrainer, FusedOBBTrainer))
 
 
 @pytest.mark.cpu_training
 @pytest.mark.parametrize("task", list(FUSED_LOSSES))
 def test_segment_pose_and_obb_train_with_their_fused_losses_like_stock(runs, datasets, task, tmp_path):
     stock, stock_losses = runs(task, False)
-    trainer_cls = {"segment": FusedLossSegmentationTrainer, "pose": FusedPoseTrainer,
+    trainer_cls = {"segment": FusedSegmentationTrainer, "pose": FusedPoseTrainer,
                    "obb": FusedOBBTrainer}[task]
     fused, fused_losses = _train(task, datasets[task], tmp_path, trainer_cls)
     rows = {r.kind: r for r in fused.trainer.report}
@@ -151,9 +146,9 @@ YOLO26 = {"segment": ("yolo26n-seg.yaml", "FusedE2ESegment26Loss"),
 def test_yolo26_heads_train_with_their_fused_e2e_losses_like_stock(datasets, task, tmp_path):
     """YOLO26's end-to-end heads (no DFL; a semantic branch for segmentation, the RLE term for pose):
     E2ELoss over SegmentLoss26, PoseLoss26 and v8OBBLoss against the fused losses the trainers
-    install (segmentation on request), the labels padded by the loader."""
+    install, the labels padded by the loader."""
     model_file, loss = YOLO26[task]
-    trainer_cls = {"segment": FusedLossSegmentationTrainer, "pose": FusedPoseTrainer,
+    trainer_cls = {"segment": FusedSegmentationTrainer, "pose": FusedPoseTrainer,
                    "obb": FusedOBBTrainer}[task]
     stock, stock_losses = _train(task, datasets[task], tmp_path, model_file=model_file)
     fused, fused_losses = _train(task, datasets[task], tmp_path, trainer_cls, model_file=model_file)

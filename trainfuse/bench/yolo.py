@@ -54,8 +54,8 @@ def _parser():
                         "yolo26n.yaml, ...) or another task's (yolo11n-seg.yaml, yolo11n-pose.yaml, "
                         "yolo11n-obb.yaml, yolo11n-cls.yaml: that task's synthetic data and fused trainer)")
     parser.add_argument("--fused-loss", action="store_true",
-                        help="fused_loss=True: the segmentation trainer's fused loss, off by default (the "
-                        "pose and OBB trainers train with theirs by default)")
+                        help="fused_loss=True, labelled as such in the workload (every task's fused trainer "
+                        "trains with its fused loss by default)")
     parser.add_argument("--gpu-augment", action="store_true",
                         help="gpu_augment=True: the training pixels augmented on the GPU even with the "
                         "bench's cache='ram' (segment, pose and OBB data too, which ask for it)")

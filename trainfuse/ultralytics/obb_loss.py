@@ -175,7 +175,10 @@ class FusedOBBLoss:
                 ltrb = rbox2dist(target[..., :4], anchors, target[..., 4:5]) * stride_col / scale
                 dfl = (distances(boxes) * stride_col / scale - ltrb).abs().mean(-1)
             dfl = (dfl * weight).sum() / tss
-            log_ar = torch.log((target[..., 2] + 1e-9) / (target[..., 3] + 1e-9))
+            # the background's own prediction may have a negative side (no DFL: raw distances): its
+            # aspect is taken as 1, not a NaN that a zero weight would keep (0 * NaN) in the sum and grads
+            aspect = torch.where(fg[..., None], target[..., 2:4], 1.0)
+            log_ar = torch.log((aspect[..., 0] + 1e-9) / (aspect[..., 1] + 1e-9))
             delta = pred[..., 4] - target[..., 4]
             wrapped = delta - torch.round(delta / math.pi) * math.pi
             ang = torch.exp(-(log_ar**2) / 9) * torch.sin(2 * wrapped) ** 2

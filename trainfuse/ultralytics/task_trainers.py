@@ -7,14 +7,14 @@ classification, each ultralytics' own trainer of the task with what
 What each task takes today, the rest staying stock with its row in the trainer's ``report``:
 the fused optimizer phase with the EMA inside it, the 16-bit weights with float32 masters, the
 prefetch to the GPU and the checkpoints written beside training. ultralytics' losses of masks,
-keypoints and rotated boxes sync with the host; the pose and OBB trainers train with trainfuse's
-sync-free ones (FusedPoseLoss, FusedOBBLoss), the segmentation trainer with ``fused_loss=True``
-(FusedSegmentationLoss), and then the step replays from CUDA graphs fed the padded labels with
-their keypoints or masks. Classification's cross-entropy needs no fused loss: its step replays from
-graphs fed the classes. Segment, pose and OBB images augment on the CPU unless ``gpu_augment=True``
-(then their pixels on the GPU, their labels moved by ultralytics' own code as detection's are;
-measured on the CPU only so far); classification's transforms stay on the CPU; and each task
-validates with ultralytics' own validator.
+keypoints and rotated boxes sync with the host; the segmentation, pose and OBB trainers train
+with trainfuse's sync-free ones (FusedSegmentationLoss, FusedPoseLoss, FusedOBBLoss and YOLO26's
+end-to-end counterparts), and the step replays from CUDA graphs fed the padded labels with their
+keypoints or masks (``fused_loss=False``: ultralytics' loss, the step eager). Classification's
+cross-entropy needs no fused loss: its step replays from graphs fed the classes. Segment, pose
+and OBB images augment on the CPU unless ``gpu_augment=True`` (then their pixels on the GPU, their
+labels moved by ultralytics' own code as detection's are); classification's transforms stay on
+the CPU; and each task validates with ultralytics' own validator.
 """
 
 from __future__ import annotations
@@ -28,27 +28,26 @@ from trainfuse.ultralytics.fused_trainer import FusedTrainer
 
 
 class FusedSegmentationTrainer(FusedTrainer, SegmentationTrainer):
-    """ultralytics' ``SegmentationTrainer``, fused as the module says; ``fused_loss=True`` trains a
-    ``v8SegmentationLoss`` model with :class:`~trainfuse.ultralytics.FusedSegmentationLoss` and
-    replays its step from CUDA graphs (off by default: on a GPU the graphed run does not yet follow
-    the eager one bit for bit; docs/integrations.md)."""
+    """ultralytics' ``SegmentationTrainer``, fused as the module says: a ``v8SegmentationLoss``
+    model trains with :class:`~trainfuse.ultralytics.FusedSegmentationLoss`, YOLO26's with
+    FusedE2ESegment26Loss, its step replayed from CUDA graphs (``fused_loss=False``: ultralytics'
+    loss, the step eager)."""
 
     task = "segment"
-    fused_loss = False
 
 
 class FusedPoseTrainer(FusedTrainer, PoseTrainer):
     """ultralytics' ``PoseTrainer``, fused as the module says: a ``v8PoseLoss`` model trains with
-    :class:`~trainfuse.ultralytics.FusedPoseLoss`, its step replayed from CUDA graphs
-    (``fused_loss=False``: ultralytics' loss, the step eager)."""
+    :class:`~trainfuse.ultralytics.FusedPoseLoss`, YOLO26's with FusedE2EPose26Loss, its step
+    replayed from CUDA graphs (``fused_loss=False``: ultralytics' loss, the step eager)."""
 
     task = "pose"
 
 
 class FusedOBBTrainer(FusedTrainer, OBBTrainer):
-    """ultralytics' ``OBBTrainer``, fused as the module says: a ``v8OBBLoss`` model (a DFL head)
-    trains with :class:`~trainfuse.ultralytics.FusedOBBLoss`, its step replayed from CUDA graphs
-    (``fused_loss=False``: ultralytics' loss, the step eager)."""
+    """ultralytics' ``OBBTrainer``, fused as the module says: a ``v8OBBLoss`` model trains with
+    :class:`~trainfuse.ultralytics.FusedOBBLoss`, YOLO26's with FusedE2EOBBLoss, its step
+    replayed from CUDA graphs (``fused_loss=False``: ultralytics' loss, the step eager)."""
 
     task = "obb"
 
