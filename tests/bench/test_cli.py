@@ -22,6 +22,7 @@ ARGS = {
     "optim": ["--no-compile", "--only", "GPT", "--sweep-only", "--configs", "512x8x4"],
     "lightning": ["--quick"],
     "stem": ["--batch", "2", "--imgsz", "64"],
+    "blocks": ["--batch", "2"],
     "augment": ["--batch", "2", "--imgsz", "64"],
     "yolo": ["--quick"],
     "yolo-quality": ["--models", "yolov5n.yaml", "--seeds", "0", "--epochs", "1"],

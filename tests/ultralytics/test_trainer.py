@@ -48,6 +48,13 @@ class FusedStepTrainer(FusedDetectionTrainer):
     fused_loss = False
 
 
+class FusedBlocksStepTrainer(FusedStepTrainer):
+    """FusedStepTrainer with the Conv blocks' BatchNorm and SiLU as one op (on CPU, torch's path of
+    the op: ``silu(batch_norm(...))``, what the blocks compute, so a run equals stock's)."""
+
+    fuse_blocks = True
+
+
 STEPS_IN_TWO_EPOCHS = 5  # optimizer steps of the runs below (warmup ramps accumulate from 1 to 2)
 CLIPPED = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
 GAIN = 0.1  # see the module docstring
@@ -416,6 +423,20 @@ def test_another_tasks_model_is_refused_with_its_trainer_named_before_training(d
         YOLO(model).train(trainer=FusedDetectionTrainer, data=data, epochs=1, imgsz=64, device="cpu",
                           project=str(tmp_path), plots=False)
     assert not any(tmp_path.rglob("*.pt"))  # nothing trained
+
+
+@pytest.mark.cpu_training
+def test_fuse_blocks_swaps_every_conv_block_and_gives_it_back(runs):
+    plain, blocks = runs(FusedStepTrainer), runs(FusedBlocksStepTrainer)
+    assert blocks.losses == plain.losses
+    _assert_same_state(blocks.trainer.model, plain.trainer.model)
+    _assert_same_state(blocks.trainer.ema.ema, plain.trainer.ema.ema)
+    row = {r.kind: r for r in blocks.trainer.report}["blocks"]
+    count = sum(type(m).__name__ == "Conv" for m in blocks.trainer.model.modules())
+    assert row.action == "on" and row.detail.startswith(f"{count} Conv blocks: BatchNorm2d and SiLU as one")
+    assert not any("forward" in m.__dict__ for m in blocks.trainer.model.modules())  # given back
+    off = {r.kind: r for r in plain.trainer.report}["blocks"]
+    assert off.action == "off" and off.detail == "fuse_blocks=False"
 
 
 @pytest.mark.cpu_training

@@ -71,6 +71,8 @@ FAMILIES = {
                   "YOLO detection loss, forward + backward: v8DetectionLoss / E2ELoss against fused ones"),
     "stem": ("trainfuse.bench.stem",
              "a detector's first convolution, forward + weight grad: conv2d against the space-to-depth fold"),
+    "blocks": ("trainfuse.bench.blocks",
+               "a Conv block's BatchNorm2d and SiLU, forward + backward: torch against batch_norm_silu"),
     "augment": ("trainfuse.bench.augment",
                 "YOLO augmentation of a batch (warp, HSV, flip): ultralytics on the CPU against one kernel"),
     "yolo": ("trainfuse.bench.yolo",

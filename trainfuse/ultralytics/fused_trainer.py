@@ -34,7 +34,7 @@ from trainfuse.ultralytics.tasks import check_task
 from trainfuse.ultralytics.warm_start import KernelsAhead
 
 _PREFIX = colorstr("trainfuse:")
-OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "prefetch")
+OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks", "prefetch")
 
 
 class FusedTrainer(compat.TrainerHooks, BaseTrainer):
@@ -52,10 +52,12 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         gpu_augment: augment the training batches on the GPU: True, False, or None (the default:
             on for CUDA where the images are read from disk; :class:`~trainfuse.ultralytics.loading.
             BatchLoading`).
-        fused_loss: train with the fused, sync-free loss where the task has one (default True, but
-            for segmentation; False keeps ultralytics' loss and fuses the optimizer phase only).
+        fused_loss: train with the fused, sync-free loss where the task has one (default True;
+            False keeps ultralytics' loss and fuses the optimizer phase only).
         fuse_casts: under AMP on CUDA, 16-bit weights with float32 masters (default True).
         fold_stem: on CUDA, the first convolution on the space-to-depth image (default True).
+        fuse_blocks: each ``Conv`` block's BatchNorm2d and SiLU as one op (default False:
+            :mod:`trainfuse.nn.conv_block`).
         prefetch: on CUDA, the training batches copied to the GPU one ahead (default True).
 
     Attributes:
@@ -71,6 +73,7 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
     fused_loss = True
     fuse_casts = True
     fold_stem = True
+    fuse_blocks = False
     prefetch = True
 
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, **kwargs):
@@ -167,8 +170,8 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         self.report.clear()
         if line := self.kernels.started():
             LOGGER.info(f"{_PREFIX} {line}")
-        self._run = Run(self, Options(self.fused_loss, self.fuse_casts, self.cuda_graphs, self.fold_stem),
-                        self.loading)
+        self._run = Run(self, Options(self.fused_loss, self.fuse_casts, self.cuda_graphs, self.fold_stem,
+                                      self.fuse_blocks), self.loading)
         self._applied.apply(changes(self._run.options), self._run)
 
     @override

@@ -26,6 +26,7 @@ class Options:
     fuse_casts: bool
     cuda_graphs: bool
     fold_stem: bool
+    fuse_blocks: bool = False
 
 
 @dataclasses.dataclass

@@ -1,0 +1,213 @@
+"""trainfuse.nn.bn_silu.batch_norm_silu (BatchNorm then SiLU, one op) against a float64 torch
+reference: training and eval, affine or not, with and without running statistics, contiguous and
+channels_last, 2-d to 4-d inputs, odd channel and spatial sizes, batch 1, every dtype we claim;
+outputs bound by the output dtype's ulps, sums by float32's worst case; the running statistics;
+the same bits on every call; inputs untouched; bad input refused. Kernels run through the
+interpreter on CPU, with tiles shrunk so that small inputs span several programs and chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests._helpers import cuda, cuda_kernel_names, no_host_sync
+from trainfuse.nn import bn_silu
+from trainfuse.nn.bn_silu import BNLaunch, batch_norm_silu, batch_norm_silu_torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EPS32 = torch.finfo(torch.float32).eps
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (N, C, *spatial): odd sizes; channels past a tile of 4 (and of 64 channels_last, 70); batch 1;
+# 2-d and 3-d inputs
+SHAPES = [(2, 3, 5, 7), (1, 5, 4, 9), (3, 70, 2, 3), (4, 6), (2, 5, 11)]
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(kernels, monkeypatch):
+    """The kernels (the interpreter on CPU), 8 rows by 4 channels a tile: a few dozen rows already
+    make several programs of several chunks."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(bn_silu, "CONTIGUOUS", BNLaunch(rows=8, channels=4))
+        monkeypatch.setattr(bn_silu, "CHANNELS_LAST", BNLaunch(rows=4, channels=8))
+        monkeypatch.setattr(bn_silu, "FINALIZE_CHANNELS", 4)
+
+
+MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+
+
+def spacing(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gap between ``dtype``'s numbers at ``t``'s magnitude (float64): one ulp."""
+    info = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(info.tiny))) - MANTISSA[dtype])
+
+
+def make(shape, dtype, channels_last, affine=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = shape[1]
+    x = (torch.randn(shape, generator=g) * 3 + 1.5).to(DEVICE, dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = (torch.rand(C, generator=g) + 0.5).to(DEVICE) if affine else None
+    b = (torch.randn(C, generator=g) * 0.5).to(DEVICE) if affine else None
+    rm = torch.randn(C, generator=g).to(DEVICE)
+    rv = (torch.rand(C, generator=g) + 0.5).to(DEVICE)
+    dy = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    return x, w, b, rm, rv, dy
+
+
+def reference(x, w, b, rm, rv, dy, training, momentum, eps):
+    """float64: y, the grads, the running statistics after, and the scales the float32 rounding of
+    dx, dw and db is bound by."""
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_() if w is not None else None
+    b64 = b.double().requires_grad_() if b is not None else None
+    rm64, rv64 = rm.double(), rv.double()
+    y = batch_norm_silu_torch(x64, rm64, rv64, w64, b64, training, momentum, eps)
+    y.backward(dy.double())
+    dims = [0] + list(range(2, x.dim()))
+    view = [1, -1] + [1] * (x.dim() - 2)
+    if training:
+        mean, var = x64.detach().mean(dims), x64.detach().var(dims, unbiased=False)
+    else:
+        mean, var = rm.double(), rv.double()
+    xhat = (x64.detach() - mean.view(view)) / torch.sqrt(var.view(view) + eps)
+    s = (w64.detach() if w is not None else 1.0) / torch.sqrt(var + eps)
+    u = xhat * w64.detach().view(view) + b64.detach().view(view) if w is not None else xhat
+    sig = torch.sigmoid(u)
+    du = dy.double() * sig * (1 + u * (1 - sig))
+    M = x.numel() // x.shape[1]
+    dx_terms = (s.view(view).abs() * (du.abs() + du.abs().sum(dims, keepdim=True) / M * (1 + xhat.abs())
+                                      * (1 + xhat.abs().amax())))
+    sums = {"dw": (du * xhat).abs().sum(dims), "db": du.abs().sum(dims)}
+    return y.detach(), x64.grad, w64.grad if w is not None else None, b64.grad if b is not None else None, \
+        rm64, rv64, dx_terms, sums, M
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_matches_float64_batch_norm_then_silu(shape, dtype, training):
+    channels_last = len(shape) == 4 and shape[1] % 2 == 1  # both layouts across the shapes
+    x, w, b, rm, rv, dy = make(shape, dtype, channels_last)
+    momentum, eps = 0.03, 1e-3
+    want = reference(x, w, b, rm.clone(), rv.clone(), dy, training, momentum, eps)
+    y_ref, dx_ref, dw_ref, db_ref, rm_ref, rv_ref, dx_terms, sums, M = want
+    xg = x.clone().requires_grad_()
+    wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
+    y = batch_norm_silu(xg, rm, rv, wg, bg, training, momentum, eps)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert y.is_contiguous(memory_format=torch.channels_last) == channels_last or not channels_last
+    # one rounding to the output dtype, plus float32's: at most an ulp of the output
+    err = (y.double() - y_ref).abs()
+    bad = ~(err <= spacing(y_ref, dtype) + 1e-5 * (1 + y_ref.abs()))
+    assert not bad.any(), (y[bad], y_ref[bad])
+    y.backward(dy)
+    assert xg.grad.dtype == dtype and wg.grad.dtype == torch.float32
+    bound = 64 * EPS32 * dx_terms + (spacing(dx_ref, dtype) if dtype != torch.float32 else 0)
+    err = (xg.grad.double() - dx_ref).abs()
+    assert (err <= bound + 1e-30).all(), (err / (bound + 1e-30)).max()
+    for got, ref, scale in ((wg.grad, dw_ref, sums["dw"]), (bg.grad, db_ref, sums["db"])):
+        assert ((got.double() - ref).abs() <= M * EPS32 * scale + 1e-30).all()
+    if training:
+        torch.testing.assert_close(rm.double(), rm_ref, rtol=4 * EPS32, atol=4 * EPS32)
+        torch.testing.assert_close(rv.double(), rv_ref, rtol=8 * EPS32, atol=8 * EPS32)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_without_running_statistics_or_affine_parameters(affine):
+    x, w, b, _, _, dy = make((3, 5, 4, 4), torch.float32, False, affine=affine)
+    xg = x.clone().requires_grad_()
+    y = batch_norm_silu(xg, None, None, w, b, training=True)
+    x64 = x.double().requires_grad_()
+    w64, b64 = (w.double(), b.double()) if affine else (None, None)
+    y64 = batch_norm_silu_torch(x64, None, None, w64, b64, True)
+    torch.testing.assert_close(y.double(), y64.detach(), rtol=1e-5, atol=1e-5)
+    y.backward(dy)
+    y64.backward(dy.double())
+    torch.testing.assert_close(xg.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_the_same_bits_every_call_and_inputs_left_as_they_were():
+    x, w, b, rm, rv, dy = make((2, 9, 6, 5), torch.float16, True)
+    before = [t.clone() for t in (x, w, b, dy)]
+    outs = []
+    for _ in range(2):
+        xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        y = batch_norm_silu(xg, rm.clone(), rv.clone(), wg, bg, True, 0.1, 1e-5)
+        y.backward(dy)
+        outs.append((y, xg.grad, wg.grad, bg.grad))
+    for a, c in zip(*outs):
+        assert torch.equal(a, c)
+    for t, t0 in zip((x, w, b, dy), before):
+        assert torch.equal(t, t0)
+
+
+def test_momentum_moves_the_running_statistics_as_batch_norm_does():
+    x, w, b, rm, rv, _ = make((4, 7, 3, 3), torch.float32, False)
+    rm2, rv2 = rm.clone(), rv.clone()
+    for momentum in (0.1, 1.0, 0.0):
+        batch_norm_silu(x, rm, rv, w, b, True, momentum, 1e-5)
+        F.batch_norm(x, rm2, rv2, w, b, True, momentum, 1e-5)
+        torch.testing.assert_close(rm, rm2, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(rv, rv2, rtol=2e-6, atol=2e-6)
+
+
+def test_empty_batch_and_float64_take_torchs_path():
+    x, w, b, rm, rv, _ = make((2, 3, 4, 4), torch.float32, False)
+    empty = torch.empty(0, 3, 4, 4, device=DEVICE)
+    assert batch_norm_silu(empty, rm, rv, w, b, False).shape == (0, 3, 4, 4)
+    x64 = x.double()
+    got = batch_norm_silu(x64, rm.double(), rv.double(), w.double(), b.double(), True)
+    want = batch_norm_silu_torch(x64, rm.double().clone(), rv.double().clone(), w.double(), b.double(), True)
+    assert got.dtype == torch.float64 and torch.allclose(got, want)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w, b, rm, rv: batch_norm_silu(x[0, :, 0, 0], rm, rv, w, b), r"x must be \(N, C, \.\.\.\)"),
+    (lambda x, w, b, rm, rv: batch_norm_silu(x, rm[:2], rv, w, b), r"running_mean must be a \(3,\) tensor"),
+    (lambda x, w, b, rm, rv: batch_norm_silu(x, rm, None, w, b, True), "running_mean and running_var must"),
+    (lambda x, w, b, rm, rv: batch_norm_silu(x, rm, rv, w, None), "weight and bias must be given together"),
+    (lambda x, w, b, rm, rv: batch_norm_silu(x, None, None, w, b, False), "training=False normalizes"),
+    (lambda x, w, b, rm, rv: batch_norm_silu(x[:1, :, :1, :1], rm, rv, w, b, True),
+     "expected more than 1 value per channel when training"),
+])
+def test_bad_input_is_refused_and_leaves_the_running_statistics(call, match):
+    x, w, b, rm, rv, _ = make((2, 3, 4, 4), torch.float32, False)
+    rm0, rv0 = rm.clone(), rv.clone()
+    with pytest.raises(ValueError, match=f"batch_norm_silu: {match}"):
+        call(x, w, b, rm, rv)
+    assert torch.equal(rm, rm0) and torch.equal(rv, rv0)
+
+
+@cuda
+def test_a_replayed_graph_gives_the_eager_bits_without_host_syncs_in_six_kernels():
+    x, w, b, rm, rv, dy = make((8, 48, 40, 40), torch.float16, True)
+    x.requires_grad_()
+    w.requires_grad_()
+    b.requires_grad_()
+
+    def step(rm_, rv_):
+        y = batch_norm_silu(x, rm_, rv_, w, b, True, 0.03, 1e-3)
+        gx, gw, gb = torch.autograd.grad(y, (x, w, b), dy)
+        return y, gx, gw, gb
+
+    rm_e, rv_e = rm.clone(), rv.clone()
+    eager = step(rm_e, rv_e)
+    rm_g, rv_g = rm.clone(), rv.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(rm.clone(), rv.clone())  # kernels compiled outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with no_host_sync(), torch.cuda.graph(graph):
+        replayed = step(rm_g, rv_g)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, c in zip(eager, replayed):
+        assert torch.equal(a, c)
+    assert torch.equal(rm_e, rm_g) and torch.equal(rv_e, rv_g)
+    names = cuda_kernel_names(lambda: step(rm.clone(), rv.clone()))
+    fused = [n for n in names if "bn_" in n]
+    assert len(fused) == 6, names  # stats, finalize, apply; grad sums, their total, dx

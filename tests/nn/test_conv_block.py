@@ -1,0 +1,118 @@
+"""trainfuse.nn.conv_block: a Conv2d-BatchNorm2d-SiLU block with its BatchNorm and SiLU as one op
+trains as the block does (outputs, grads, running statistics and the batch count over several
+steps, momentum=None's cumulative average, eval mode), keeps its state_dict, deep-copies to the
+plain block and comes off again; an ultralytics model with every Conv block fused takes the same
+training steps as the stock model. Kernels through the interpreter on CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from trainfuse.nn import conv_block
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _kernels(kernels):
+    """The Triton kernels (the interpreter on CPU)."""
+
+
+class Block(nn.Module):
+    """ultralytics' ``Conv`` in miniature."""
+
+    def __init__(self, c1: int, c2: int, momentum: float | None = 0.03) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c1, c2, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(c2, eps=1e-3, momentum=momentum)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("momentum", [0.03, None])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_fused_block_trains_like_the_block(momentum, channels_last):
+    plain = Block(3, 5, momentum).to(DEVICE)
+    fused = copy.deepcopy(plain)
+    assert conv_block.install(fused) and conv_block.installed(fused)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, fused)]
+    for step in range(3):
+        x = torch.randn(2, 3, 6, 7, device=DEVICE).to(memory_format=fmt)
+        outs = []
+        for m, opt in zip((plain, fused), opts):
+            opt.zero_grad()
+            y = m(x)
+            (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
+            opt.step()
+            outs.append(y)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        for (name, a), (_, b) in zip(plain.named_parameters(), fused.named_parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}: {name}")
+        for (name, a), (_, b) in zip(plain.named_buffers(), fused.named_buffers()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+    assert int(fused.bn.num_batches_tracked) == 3
+    plain.eval()
+    fused.eval()
+    x = torch.randn(2, 3, 6, 7, device=DEVICE)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_copies_and_uninstall_are_the_blocks_own():
+    block = Block(3, 4).to(DEVICE)
+    keys = list(block.state_dict())
+    conv_block.install(block)
+    assert list(block.state_dict()) == keys
+    twin = copy.deepcopy(block)
+    assert not conv_block.installed(twin) and "forward" in twin.__dict__
+    assert twin.forward.__func__ is Block.forward and twin.forward.__self__ is twin
+    assert not conv_block.install(block)  # already fused: nothing done
+    conv_block.uninstall(block)
+    assert not conv_block.installed(block) and "forward" not in block.__dict__
+
+
+def test_only_conv_batchnorm_silu_blocks_are_fusable():
+    block = Block(3, 4)
+    assert conv_block.fusable(block)
+    block.act = nn.ReLU()
+    assert not conv_block.fusable(block)
+    block = Block(3, 4)
+    block.bn = nn.SyncBatchNorm(4)
+    assert not conv_block.fusable(block)
+    assert not conv_block.fusable(nn.Conv2d(3, 4, 3))
+
+
+@pytest.mark.cpu_training
+def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps():
+    pytest.importorskip("ultralytics")
+    from ultralytics.nn.modules.conv import Conv
+    from ultralytics.nn.tasks import DetectionModel
+
+    torch.manual_seed(0)
+    stock = DetectionModel("yolov5n.yaml", nc=2, verbose=False).to(DEVICE).train()
+    fused = copy.deepcopy(stock)
+    blocks = [m for m in fused.modules() if type(m) is Conv]
+    assert sum(conv_block.install(m) for m in blocks) == len(blocks) > 20
+    x = torch.rand(2, 3, 64, 64, device=DEVICE)
+    for model in (stock, fused):
+        out = model(x)  # the head's training outputs: a dict of tensors and lists of them
+        parts = [v for v in out.values() if torch.is_tensor(v)]
+        parts += [f for v in out.values() if isinstance(v, list) for f in v]
+        sum((t.float() * t.float()).mean() for t in parts).backward()
+    # float32 rounding differs (the fused op's sums in another order), and 25 BatchNorms over as few
+    # as 8 values a channel (the deepest layers at 64 px) amplify it: each grad within 1e-3 of its norm
+    grads = {n: p.grad for n, p in stock.named_parameters()}
+    for name, p in fused.named_parameters():
+        if grads[name] is None:  # DFL's fixed weights
+            assert p.grad is None, name
+            continue
+        gap = (p.grad - grads[name]).norm() / grads[name].norm().clamp_min(1e-12)
+        assert gap < 1e-3, f"{name}: relative gap {gap:.2e}"
+    for (name, a), (_, b) in zip(stock.named_buffers(), fused.named_buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

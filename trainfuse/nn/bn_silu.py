@@ -1,0 +1,386 @@
+"""BatchNorm2d followed by SiLU, the tail of every ultralytics ``Conv`` block, in three launches
+forward and three backward, keeping only the convolution's output for the backward.
+
+For channel ``c`` over the ``M = N H W`` values ``x`` of a batch (training)::
+
+    mean_c = sum x / M            var_c = sum (x - mean_c)^2 / M        r_c = 1 / sqrt(var_c + eps)
+    u = (x - mean_c) r_c w_c + b_c = x s_c + t_c        (s_c = w_c r_c, t_c = b_c - mean_c s_c)
+    y = silu(u) = u sigmoid(u)
+    running_mean <- (1 - m) running_mean + m mean_c
+    running_var <- (1 - m) running_var + m var_c M / (M - 1)
+
+and backward, from ``dy``, with ``xhat = (x - mean_c) r_c`` and
+``du = dy sigmoid(u) (1 + u (1 - sigmoid(u)))``::
+
+    dw_c = sum du xhat        db_c = sum du        dx = s_c (du - db_c / M - xhat dw_c / M)
+
+(outside training the running statistics take the batch's place and ``dx = s_c du``).
+
+Forward: a program per (block of rows, block of channels) folds its rows into a mean and a sum of
+squared deviations per channel (Chan's merge of chunk statistics, no ``E[x^2] - E[x]^2``
+cancellation); one small program per channel block merges the partials in a fixed order, updates
+the running statistics and writes ``s`` and ``t``; a third pass writes ``y``. Backward: partial
+sums of ``du`` and ``du xhat``, their fixed-order total, then ``dx``, ``u`` recomputed from ``x``
+both times. No program adds into another's output: the same inputs give the same bits in every
+run, eager or replayed from a CUDA graph.
+
+Bytes per activation element: forward 2 reads and a write, backward 4 reads and a write, against
+torch's 3 reads and 2 writes (cuDNN's BatchNorm, then SiLU over its output) and 6 reads and 2
+writes; and the BatchNorm's output is not kept for SiLU's backward. Math in float32, ``y`` and
+``dx`` in ``x``'s dtype (float16, bfloat16, float32); statistics and parameter grads in float32,
+the grads cast to the parameters' dtype. Contiguous and channels_last inputs are read in place.
+Float64 inputs and devices without Triton take :func:`batch_norm_silu_torch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.function import applier
+
+
+@dataclasses.dataclass
+class BNLaunch:
+    """A tile is ``rows`` rows (``(n, h, w)`` positions) by ``channels`` channels, long along the
+    dimension that is contiguous in memory; a reduction program walks ``programs_per_sm`` of the
+    GPU's share of the rows. Tests shrink the tiles so that small inputs span several programs."""
+
+    rows: int
+    channels: int
+    num_warps: int = 4
+    programs_per_sm: int = 4
+
+
+CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's rows are contiguous
+CHANNELS_LAST = BNLaunch(rows=32, channels=64)  # NHWC: a row's channels are contiguous
+
+
+@triton.jit
+def _offsets(r, c, S, sN, sC, sS):
+    """Element offsets of rows ``r`` (flat ``n * S + s``) by channels ``c``."""
+    r = r.to(tl.int64)
+    n = r // S
+    return (n * sN + (r - n * S) * sS)[:, None] + c.to(tl.int64)[None, :] * sC
+
+
+@triton.jit
+def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, M, C, S, sN, sC, sS, rows_per_program,
+                    BR: tl.constexpr, BC: tl.constexpr):
+    """Program ``(i, j)``: rows ``[i * rows_per_program, ...)`` of channels block ``j`` ->
+    their mean and summed squared deviations at ``[i, c]``."""
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    mean = tl.zeros([BC], tl.float32)
+    m2 = tl.zeros([BC], tl.float32)
+    count = tl.zeros([BC], tl.float32)
+    for start in range(0, rows_per_program, BR):
+        k = start + tl.arange(0, BR)
+        r = i * rows_per_program + k
+        rm = (r < M) & (k < rows_per_program)
+        m = rm[:, None] & cm[None, :]
+        x = tl.load(x_ptr + _offsets(r, c, S, sN, sC, sS), mask=m, other=0.0).to(tl.float32)
+        n = tl.sum(rm.to(tl.float32), 0)
+        chunk_mean = tl.sum(x, 0) / tl.maximum(n, 1.0)
+        d = tl.where(m, x - chunk_mean[None, :], 0.0)
+        total = count + n
+        frac = n / tl.maximum(total, 1.0)
+        delta = chunk_mean - mean
+        mean += delta * frac
+        m2 += tl.sum(d * d, 0) + delta * delta * count * frac
+        count = total
+    tl.store(mean_ptr + i * C + c, mean, mask=cm)
+    tl.store(m2_ptr + i * C + c, m2, mask=cm)
+
+
+@triton.jit
+def bn_finalize_kernel(mean_ptr, m2_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
+                       save_mean_ptr, save_invstd_ptr, P, M, C, rows_per_program, momentum, eps,
+                       HAS_W: tl.constexpr, UPDATE: tl.constexpr, BC: tl.constexpr):
+    """Channels block ``j``: the ``P`` partials merged in order -> the batch's mean and 1/std,
+    ``s`` and ``t``, and the running statistics moved by ``momentum`` (``UPDATE``)."""
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    cm = c < C
+    mean = tl.zeros([BC], tl.float32)
+    m2 = tl.zeros([BC], tl.float32)
+    count = tl.zeros([BC], tl.float32)
+    for p in range(0, P):
+        n = tl.minimum(M - p * rows_per_program, rows_per_program).to(tl.float32)
+        pmean = tl.load(mean_ptr + p * C + c, mask=cm, other=0.0)
+        pm2 = tl.load(m2_ptr + p * C + c, mask=cm, other=0.0)
+        total = count + n
+        frac = n / total
+        delta = pmean - mean
+        mean += delta * frac
+        m2 += pm2 + delta * delta * count * frac
+        count = total
+    invstd = 1.0 / tl.sqrt(m2 / M + eps)
+    if HAS_W:
+        scale = tl.load(w_ptr + c, mask=cm, other=1.0).to(tl.float32) * invstd
+        shift = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32) - mean * scale
+    else:
+        scale = invstd
+        shift = -mean * invstd
+    tl.store(scale_ptr + c, scale, mask=cm)
+    tl.store(shift_ptr + c, shift, mask=cm)
+    tl.store(save_mean_ptr + c, mean, mask=cm)
+    tl.store(save_invstd_ptr + c, invstd, mask=cm)
+    if UPDATE:
+        rmean = tl.load(rmean_ptr + c, mask=cm, other=0.0)
+        rvar = tl.load(rvar_ptr + c, mask=cm, other=0.0)
+        new_mean = (1.0 - momentum) * rmean.to(tl.float32) + momentum * mean
+        new_var = (1.0 - momentum) * rvar.to(tl.float32) + momentum * (m2 / (M - 1))
+        tl.store(rmean_ptr + c, new_mean.to(rmean.dtype), mask=cm)
+        tl.store(rvar_ptr + c, new_var.to(rvar.dtype), mask=cm)
+
+
+@triton.jit
+def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, M, C, S, sN, sC, sS, yN, yC, yS,
+                         BR: tl.constexpr, BC: tl.constexpr):
+    """``y = silu(x s + t)`` over tile ``(i, j)``."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    m = (r < M)[:, None] & cm[None, :]
+    x = tl.load(x_ptr + _offsets(r, c, S, sN, sC, sS), mask=m, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + c, mask=cm, other=0.0)
+    t = tl.load(shift_ptr + c, mask=cm, other=0.0)
+    u = x * s[None, :] + t[None, :]
+    y = u * tl.sigmoid(u)
+    tl.store(y_ptr + _offsets(r, c, S, yN, yC, yS), y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _du(x, dy, s, t):
+    """``u`` recomputed and SiLU's backward: ``dy silu'(u)``."""
+    u = x * s[None, :] + t[None, :]
+    sig = tl.sigmoid(u)
+    return dy * sig * (1.0 + u * (1.0 - sig))
+
+
+@triton.jit
+def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr, sdux_ptr,
+                             M, C, S, sN, sC, sS, gN, gC, gS, rows_per_program,
+                             BR: tl.constexpr, BC: tl.constexpr):
+    """Program ``(i, j)``: its rows' sums of ``du`` and ``du xhat`` per channel at ``[i, c]``."""
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    s = tl.load(scale_ptr + c, mask=cm, other=0.0)
+    t = tl.load(shift_ptr + c, mask=cm, other=0.0)
+    mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
+    invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
+    sdu = tl.zeros([BC], tl.float32)
+    sdux = tl.zeros([BC], tl.float32)
+    for start in range(0, rows_per_program, BR):
+        k = start + tl.arange(0, BR)
+        r = i * rows_per_program + k
+        m = ((r < M) & (k < rows_per_program))[:, None] & cm[None, :]
+        x = tl.load(x_ptr + _offsets(r, c, S, sN, sC, sS), mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + _offsets(r, c, S, gN, gC, gS), mask=m, other=0.0).to(tl.float32)
+        du = tl.where(m, _du(x, dy, s, t), 0.0)
+        sdu += tl.sum(du, 0)
+        sdux += tl.sum(du * (x - mean[None, :]) * invstd[None, :], 0)
+    tl.store(sdu_ptr + i * C + c, sdu, mask=cm)
+    tl.store(sdux_ptr + i * C + c, sdux, mask=cm)
+
+
+@triton.jit
+def bn_grad_finalize_kernel(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, P, C, BC: tl.constexpr):
+    """Channels block ``j``: the partial sums added in order -> ``dw = sum du xhat``, ``db = sum du``."""
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    cm = c < C
+    sdu = tl.zeros([BC], tl.float32)
+    sdux = tl.zeros([BC], tl.float32)
+    for p in range(0, P):
+        sdu += tl.load(sdu_ptr + p * C + c, mask=cm, other=0.0)
+        sdux += tl.load(sdux_ptr + p * C + c, mask=cm, other=0.0)
+    tl.store(db_ptr + c, sdu, mask=cm)
+    tl.store(dw_ptr + c, sdux, mask=cm)
+
+
+@triton.jit
+def bn_silu_dx_kernel(x_ptr, dy_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, dw_ptr, db_ptr,
+                      M, C, S, sN, sC, sS, gN, gC, gS, dN, dC, dS,
+                      TRAINING: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """``dx = s (du - db / M - xhat dw / M)`` (training) or ``s du`` over tile ``(i, j)``."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    m = (r < M)[:, None] & cm[None, :]
+    s = tl.load(scale_ptr + c, mask=cm, other=0.0)
+    t = tl.load(shift_ptr + c, mask=cm, other=0.0)
+    x = tl.load(x_ptr + _offsets(r, c, S, sN, sC, sS), mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + _offsets(r, c, S, gN, gC, gS), mask=m, other=0.0).to(tl.float32)
+    du = _du(x, dy, s, t)
+    if TRAINING:
+        mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
+        invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
+        dw = tl.load(dw_ptr + c, mask=cm, other=0.0)
+        db = tl.load(db_ptr + c, mask=cm, other=0.0)
+        xhat = (x - mean[None, :]) * invstd[None, :]
+        du = du - db[None, :] / M - xhat * (dw[None, :] / M)
+    tl.store(dx_ptr + _offsets(r, c, S, dN, dC, dS), (du * s[None, :]).to(dx_ptr.dtype.element_ty), mask=m)
+
+
+FINALIZE_CHANNELS = 128  # channels a finalize program takes: a few programs for any layer
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (N, C, *spatial) as ``(N, C, S)``: a view where the spatial strides merge (contiguous,
+    channels_last), else a contiguous copy to read from."""
+    return t.reshape(t.shape[0], t.shape[1], -1)
+
+
+def _config(strides: tuple[int, int, int]) -> BNLaunch:
+    return CHANNELS_LAST if strides[1] == 1 else CONTIGUOUS
+
+
+def _programs(device: torch.device) -> int:
+    """Reduction programs to spread over the device (4 SMs' worth under the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _split(M: int, channel_blocks: int, cfg: BNLaunch, device: torch.device) -> tuple[int, int]:
+    """``(P, rows_per_program)``: the rows split over the reduction programs, whole tiles each."""
+    want = max(1, _programs(device) * cfg.programs_per_sm // channel_blocks)
+    rows = max(cfg.rows, triton.cdiv(triton.cdiv(M, want), cfg.rows) * cfg.rows)
+    return triton.cdiv(M, rows), rows
+
+
+class _BatchNormSiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
+        shape = x.shape
+        x = _flat(x)
+        N, C, S = x.shape
+        M = N * S
+        cfg = _config(x.stride())
+        cb = triton.cdiv(C, cfg.channels)
+        consts = torch.empty(4, C, device=x.device, dtype=torch.float32)  # scale, shift, mean, invstd
+        scale, shift, mean, invstd = consts.unbind(0)
+        has_w = weight is not None
+        if training:
+            P, rows = _split(M, cb, cfg, x.device)
+            partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
+            bn_stats_kernel[(P, cb)](x, partials[0], partials[1], M, C, S, *x.stride(), rows,
+                                     BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+            update = running_mean is not None
+            bn_finalize_kernel[(triton.cdiv(C, FINALIZE_CHANNELS),)](
+                partials[0], partials[1], weight if has_w else consts, bias if has_w else consts,
+                running_mean if update else consts, running_var if update else consts, scale, shift, mean,
+                invstd, P, M, C, rows, momentum, eps, HAS_W=has_w, UPDATE=update, BC=FINALIZE_CHANNELS)
+        else:  # the running statistics' constants: a few (C,) operations
+            mean.copy_(running_mean)
+            torch.rsqrt(running_var.float() + eps, out=invstd)
+            scale.copy_(invstd * weight if has_w else invstd)
+            shift.copy_((bias - mean * scale) if has_w else -mean * scale)
+        y = torch.empty_like(x)  # x's strides: channels_last stays channels_last
+        bn_silu_apply_kernel[(triton.cdiv(M, cfg.rows), cb)](
+            x, y, scale, shift, M, C, S, *x.stride(), *y.stride(), BR=cfg.rows, BC=cfg.channels,
+            num_warps=cfg.num_warps)
+        ctx.save_for_backward(x, weight, consts)
+        ctx.training = training
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, consts = ctx.saved_tensors
+        scale, shift, mean, invstd = consts.unbind(0)
+        shape = dy.shape
+        dy = _flat(dy)
+        N, C, S = x.shape
+        M = N * S
+        cfg = _config(x.stride())
+        cb = triton.cdiv(C, cfg.channels)
+        P, rows = _split(M, cb, cfg, x.device)
+        partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
+        bn_silu_grad_sums_kernel[(P, cb)](
+            x, dy, scale, shift, mean, invstd, partials[0], partials[1], M, C, S, *x.stride(), *dy.stride(),
+            rows, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+        sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
+        bn_grad_finalize_kernel[(triton.cdiv(C, FINALIZE_CHANNELS),)](
+            partials[0], partials[1], sums[0], sums[1], P, C, BC=FINALIZE_CHANNELS)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty_like(x)
+            bn_silu_dx_kernel[(triton.cdiv(M, cfg.rows), cb)](
+                x, dy, dx, scale, shift, mean, invstd, sums[0], sums[1], M, C, S, *x.stride(), *dy.stride(),
+                *dx.stride(), TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+            dx = dx.view(shape)
+        dw = sums[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        db = sums[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None, None, None
+
+
+_apply = applier(_BatchNormSiLU)
+
+
+Tensor = torch.Tensor
+
+
+def batch_norm_silu_torch(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                          weight: Tensor | None = None, bias: Tensor | None = None,
+                          training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """:func:`batch_norm_silu` as torch runs it: ``silu(batch_norm(...))``, the reference of the
+    tests and the path of CPUs and float64."""
+    return F.silu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps))
+
+
+def _check(x, running_mean, running_var, weight, bias, training) -> None:
+    fn = "batch_norm_silu"
+    if x.dim() < 2:
+        raise ValueError(f"{fn}: x must be (N, C, ...); got shape {tuple(x.shape)}")
+    C = x.shape[1]
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
+                    ("bias", bias)):
+        if t is not None and (tuple(t.shape) != (C,) or t.device != x.device):
+            raise ValueError(f"{fn}: {name} must be a ({C},) tensor on {x.device} (x's channels); got "
+                             f"{tuple(t.shape)} on {t.device}")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(f"{fn}: running_mean and running_var must be given together")
+    if (weight is None) != (bias is None):
+        raise ValueError(f"{fn}: weight and bias must be given together (an affine BatchNorm) or neither")
+    if not training and running_mean is None:
+        raise ValueError(f"{fn}: training=False normalizes with the running statistics: pass running_mean "
+                         "and running_var")
+    if training and x.numel() // max(C, 1) == 1:
+        raise ValueError(f"{fn}: expected more than 1 value per channel when training, got input size "
+                         f"{tuple(x.shape)}")
+
+
+def batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                    weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
+                    momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """``silu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps))``
+    (the module docstring): the same arguments, the running statistics updated in place alike.
+
+    Args:
+        x: ``(N, C, ...)`` activations, float16, bfloat16, float32 (float64 takes torch's path),
+            contiguous or channels_last.
+        running_mean, running_var: ``(C,)`` running statistics, or None (training only).
+        weight, bias: ``(C,)`` affine parameters, or None.
+        training: normalize with the batch's statistics (and move the running ones by
+            ``momentum``), else with the running ones.
+        momentum: the running statistics' step (a float, as ``nn.BatchNorm2d`` passes).
+        eps: added to the variance.
+
+    Returns:
+        ``y`` in ``x``'s dtype and memory format.
+    """
+    _check(x, running_mean, running_var, weight, bias, training)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.numel() == 0 or not use_triton(
+            x.device):
+        return batch_norm_silu_torch(x, running_mean, running_var, weight, bias, training, momentum, eps)
+    return _apply(x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps))
+
+
+__all__ = ["BNLaunch", "batch_norm_silu", "batch_norm_silu_torch", "bn_finalize_kernel",
+           "bn_grad_finalize_kernel", "bn_silu_apply_kernel", "bn_silu_dx_kernel", "bn_silu_grad_sums_kernel",
+           "bn_stats_kernel"]

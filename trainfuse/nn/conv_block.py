@@ -1,0 +1,82 @@
+"""A convolution block's BatchNorm2d and SiLU as one op (:func:`trainfuse.nn.bn_silu.batch_norm_silu`),
+put on the block as an instance ``forward`` and taken off again.
+
+A block is any module with ``conv`` (``nn.Conv2d``), ``bn`` (``nn.BatchNorm2d``) and ``act``
+(``nn.SiLU``) children whose forward is ``act(bn(conv(x)))``: ultralytics' ``Conv``, which every
+YOLO model is built from. The caller says which modules are such blocks (their forward is not
+read): :func:`install` takes one. The BatchNorm runs as ``nn.BatchNorm2d.forward`` does (its
+``num_batches_tracked`` counted, ``momentum=None``'s cumulative average, the running statistics
+used outside training), so the parameters, buffers, ``state_dict`` and checkpoints stay the
+module's own; a deep copy of the block (an EMA, a saved checkpoint) gets the class's forward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from trainfuse.nn.bn_silu import batch_norm_silu
+
+
+def fusable(block: nn.Module) -> bool:
+    """Whether ``block`` has the children :func:`install` needs: ``conv`` a ``Conv2d``, ``bn`` a
+    plain ``BatchNorm2d`` (no subclass: SyncBatchNorm reduces across ranks), ``act`` a ``SiLU``,
+    and no instance forward set already."""
+    return (isinstance(getattr(block, "conv", None), nn.Conv2d)
+            and type(getattr(block, "bn", None)) is nn.BatchNorm2d
+            and type(getattr(block, "act", None)) is nn.SiLU and "forward" not in block.__dict__)
+
+
+def batch_norm_silu_module(bn: nn.BatchNorm2d, x: torch.Tensor) -> torch.Tensor:
+    """``silu(bn(x))`` with ``bn``'s own bookkeeping, as ``nn.BatchNorm2d.forward`` does it."""
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        if bn.momentum is None:  # a cumulative average: torch reads the count on the host too
+            factor = 1.0 / float(bn.num_batches_tracked)
+    batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+    keep = not bn.training or bn.track_running_stats
+    return batch_norm_silu(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight,
+                           bn.bias, batch_stats, factor, bn.eps)
+
+
+class _FusedForward:
+    """The forward :func:`install` puts on a block; a deep copy of the block gets its class's."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.block
+        return batch_norm_silu_module(block.bn, block.conv(x))
+
+    def __deepcopy__(self, memo: dict) -> types.MethodType:
+        twin = memo.get(id(self.block))
+        if twin is None:
+            raise TypeError("fused conv block: copy the module, not its forward")
+        return types.MethodType(type(twin).forward, twin)
+
+
+def install(block: nn.Module) -> bool:
+    """Run ``block``'s BatchNorm and SiLU as one op from now on (False, nothing done, where it is
+    not :func:`fusable`)."""
+    if not fusable(block):
+        return False
+    block.forward = _FusedForward(block)
+    return True
+
+
+def uninstall(block: nn.Module) -> None:
+    """Give ``block`` its class's forward back."""
+    if isinstance(block.__dict__.get("forward"), _FusedForward):
+        del block.forward
+
+
+def installed(block: nn.Module) -> bool:
+    """Whether :func:`install` put its forward on ``block``."""
+    return isinstance(block.__dict__.get("forward"), _FusedForward)
+
+
+__all__ = ["batch_norm_silu_module", "fusable", "install", "installed", "uninstall"]
