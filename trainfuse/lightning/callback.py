@@ -13,6 +13,7 @@ from trainfuse.lightning import _compat
 from trainfuse.lightning.changes import (
     EMA,
     Backend,
+    BatchNormSiLUFusion,
     Casts,
     Change,
     Clipping,
@@ -49,7 +50,9 @@ class FusedTraining(*_compat.callback_bases()):
        FSDP and FSDP2 each rank's fused step takes its own shards, and ``mlp``, ``ema``, ``casts``
        and ``graphs`` are skipped, with the reason;
     4. ``mlp``: Linear/activation ``nn.Sequential`` chains -> ``trainfuse.nn.FusedMLP``;
-    5. ``loss``: ``nn.BCEWithLogitsLoss`` -> ``trainfuse.losses.BCEWithLogitsLoss``;
+    5. ``loss``: ``nn.BCEWithLogitsLoss`` -> ``trainfuse.losses.BCEWithLogitsLoss``; with
+       ``bn_silu=True``, ``bn_silu``: a BatchNorm2d followed by a SiLU in an ``nn.Sequential`` ->
+       one op (:mod:`trainfuse.nn.conv_block`; the Sequential's own modules back at the end);
     6. ``optimizer``: ``torch.optim.AdamW``/``Adam``/``SGD`` -> FusedAdamW/FusedAdam/FusedSGD
        (same param groups, state and schedulers), unless the step cannot take them (sparse
        gradients, step hooks, manual optimization...);
@@ -102,6 +105,9 @@ class FusedTraining(*_compat.callback_bases()):
             forward that syncs with the host runs eagerly, with the reason in
             :attr:`graph_reasons`. Off on CPU. Under DDP the grads are averaged by one
             all-reduce of a flat buffer per optimizer step (DDP's reducer off).
+        bn_silu: a BatchNorm2d followed by a SiLU in an ``nn.Sequential`` as one op (training
+            statistics, normalize and SiLU in three launches forward, three backward; off by
+            default).
 
     Example::
 
@@ -112,10 +118,10 @@ class FusedTraining(*_compat.callback_bases()):
 
     def __init__(self, *, fuse_casts: bool = True, ema_decay: float | None = None, mlp: bool = True,
                  losses: bool = True, strict: bool = False, log_grad_norm: bool = True,
-                 verbose: bool = True, cuda_graphs: bool = False) -> None:
+                 verbose: bool = True, cuda_graphs: bool = False, bn_silu: bool = False) -> None:
         for name, value in (("fuse_casts", fuse_casts), ("mlp", mlp), ("losses", losses), ("strict", strict),
                             ("log_grad_norm", log_grad_norm), ("verbose", verbose),
-                            ("cuda_graphs", cuda_graphs)):
+                            ("cuda_graphs", cuda_graphs), ("bn_silu", bn_silu)):
             if not isinstance(value, bool):
                 raise TypeError(f"FusedTraining: {name} must be a bool, got {value!r}")
         if ema_decay is not None:
@@ -132,6 +138,7 @@ class FusedTraining(*_compat.callback_bases()):
         self.log_grad_norm = log_grad_norm
         self.verbose = verbose
         self.cuda_graphs = cuda_graphs
+        self.bn_silu = bn_silu
         self.report = Report("FusedTraining", strict)
         self._graphs: dict[str, GraphedModule] = {}
         self._all_reduce: FlatAllReduce | None = None
@@ -170,6 +177,8 @@ class FusedTraining(*_compat.callback_bases()):
             changes.append(MLPFusion())
         if self.losses:
             changes.append(LossFusion())
+        if self.bn_silu:
+            changes.append(BatchNormSiLUFusion())
         ema = EMA(self.ema_decay, self._resumed)
         changes += [OptimizerSwap(), Clipping(self.log_grad_norm), ema, Casts(self.fuse_casts)]
         if run.precision == "16-mixed":

@@ -1,5 +1,6 @@
 """A convolution block's BatchNorm2d and SiLU as one op (:func:`trainfuse.nn.bn_silu.batch_norm_silu`),
-put on the block as an instance ``forward`` and taken off again.
+put on the block as an instance ``forward`` and taken off again; and the same for a BatchNorm2d
+followed by a SiLU inside an ``nn.Sequential`` (:func:`fuse_pairs`).
 
 A block is any module with ``conv`` (``nn.Conv2d``), ``bn`` (``nn.BatchNorm2d``) and ``act``
 (``nn.SiLU``) children whose forward is ``act(bn(conv(x)))``: ultralytics' ``Conv``, which every
@@ -74,9 +75,48 @@ def uninstall(block: nn.Module) -> None:
         del block.forward
 
 
+class BatchNormSiLU2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` then SiLU as one op: what :func:`fuse_pairs` turns a Sequential's
+    BatchNorm2d into (its class swapped in place: the same parameters, buffers and keys)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        return batch_norm_silu_module(self, x)
+
+
+def fusable_pairs(seq: nn.Sequential) -> list[int]:
+    """The positions ``i`` of ``seq`` whose child ``i`` is a plain ``BatchNorm2d`` and child ``i + 1``
+    a ``SiLU``, in a Sequential that runs its children in order (its class's forward is
+    ``nn.Sequential``'s)."""
+    if type(seq).forward is not nn.Sequential.forward:
+        return []
+    children = list(seq)
+    return [i for i in range(len(children) - 1)
+            if type(children[i]) is nn.BatchNorm2d and type(children[i + 1]) is nn.SiLU]
+
+
+def fuse_pairs(seq: nn.Sequential, positions: list[int]) -> list[tuple[int, nn.Module]]:
+    """Each BatchNorm2d at ``positions`` (:func:`fusable_pairs`) computes its SiLU too and the SiLU
+    after it becomes ``nn.Identity``; returns ``(position, SiLU)`` for :func:`unfuse_pairs`."""
+    taken = []
+    for i in positions:
+        seq[i].__class__ = BatchNormSiLU2d
+        taken.append((i, seq[i + 1]))
+        seq[i + 1] = nn.Identity()
+    return taken
+
+
+def unfuse_pairs(seq: nn.Sequential, taken: list[tuple[int, nn.Module]]) -> None:
+    """Undo :func:`fuse_pairs`: the BatchNorm2d and the SiLU module back."""
+    for i, silu in taken:
+        seq[i].__class__ = nn.BatchNorm2d
+        seq[i + 1] = silu
+
+
 def installed(block: nn.Module) -> bool:
     """Whether :func:`install` put its forward on ``block``."""
     return isinstance(block.__dict__.get("forward"), _FusedForward)
 
 
-__all__ = ["batch_norm_silu_module", "fusable", "install", "installed", "uninstall"]
+__all__ = ["BatchNormSiLU2d", "batch_norm_silu_module", "fusable", "fusable_pairs", "fuse_pairs", "install",
+           "installed", "uninstall", "unfuse_pairs"]

@@ -1,5 +1,7 @@
 """Module fusion inside a LightningModule: Linear/activation chains -> FusedMLP (through
-``trainfuse.nn.fuse_mlps``) and ``nn.BCEWithLogitsLoss`` -> ``trainfuse.losses.BCEWithLogitsLoss``.
+``trainfuse.nn.fuse_mlps``), ``nn.BCEWithLogitsLoss`` -> ``trainfuse.losses.BCEWithLogitsLoss``,
+and (``bn_silu=True``) a Sequential's BatchNorm2d then SiLU -> one op
+(:func:`trainfuse.nn.conv_block.fuse_pairs`; undone at the end of the fit).
 
 Both keep the Parameter objects, buffers and state_dict keys, so optimizers, checkpoints, wrap
 policies and EMA copies made before stay valid. Modules with hooks or parametrizations (pruning,
@@ -27,7 +29,7 @@ from trainfuse.clients import SKIPPED, SWAPPED, Row
 from trainfuse.lightning import _compat
 from trainfuse.lightning.changes.base import Change, Run, describe
 from trainfuse.losses import BCEWithLogitsLoss
-from trainfuse.nn import fuse_mlps
+from trainfuse.nn import conv_block, fuse_mlps
 
 _CHAIN_LEAVES = (nn.Linear, nn.ReLU, nn.GELU, nn.SiLU, nn.Identity, nn.Dropout)
 
@@ -197,4 +199,67 @@ class LossFusion(Change):
         return self._rows
 
 
-__all__ = ["LossFusion", "MLPFusion", "why_not_fusable"]
+def _bn_silu_pairs(model: nn.Module) -> list[tuple[str, nn.Sequential, list[int], str | None]]:
+    """(name, Sequential, positions, compiled) for every Sequential holding a BatchNorm2d then a
+    SiLU (:func:`~trainfuse.nn.conv_block.fusable_pairs`), each once."""
+    found = {}
+    for name, m, _, _, compiled in _walk(model):
+        if isinstance(m, nn.Sequential) and (positions := conv_block.fusable_pairs(m)):
+            found.setdefault(id(m), (name, m, positions, compiled))
+    return list(found.values())
+
+
+class BatchNormSiLUFusion(Change):
+    """Every BatchNorm2d followed by a SiLU in an ``nn.Sequential`` (torchvision's
+    Conv2dNormActivation, a CNN's conv-norm-act stacks) -> one op, in place; undone at the end."""
+
+    kind = "bn_silu"
+
+    def __init__(self) -> None:
+        self._rows: list[Row] = []
+        self._taken: list[tuple[nn.Sequential, list[tuple[int, nn.Module]]]] = []
+
+    @override
+    def name(self, run: Run) -> str:
+        return ", ".join(name or "the module" for name, _, _, _ in _bn_silu_pairs(run.module))
+
+    @override
+    def why_off(self, run: Run) -> str | None:
+        return None if _bn_silu_pairs(run.module) else "no BatchNorm2d followed by SiLU in an nn.Sequential"
+
+    @override
+    def why_not(self, run: Run) -> str | None:
+        if run.strategy in ("fsdp", "fsdp2"):
+            return f"{run.strategy} shards the BatchNorms' weights and gathers them from its own hooks"
+        return why_not_compiled_run(run)
+
+    @override
+    def apply(self, run: Run) -> None:
+        detail = describe(run, "BatchNorm2d + SiLU: three launches forward, three backward, the "
+                          "BatchNorm's output not kept",
+                          "BatchNorm2d + SiLU: on the torch path torch's batch_norm and silu")
+        for name, seq, positions, compiled in _bn_silu_pairs(run.module):
+            where = name or "the module"
+            pairs = [i for i in positions
+                     if why_not_fusable(seq[i]) is None and why_not_fusable(seq[i + 1]) is None]
+            reason = why_compiled(compiled) if compiled is not None else None
+            if reason is None and not pairs:
+                reason = why_not_fusable(seq[positions[0]]) or why_not_fusable(seq[positions[0] + 1])
+            if reason is not None:
+                self._rows.append(Row(self.kind, where, SKIPPED, reason))
+                continue
+            self._taken.append((seq, conv_block.fuse_pairs(seq, pairs)))
+            self._rows.append(Row(self.kind, where, SWAPPED, f"{len(pairs)} pair(s), {detail}"))
+
+    @override
+    def rows(self, run: Run) -> list[Row]:
+        return self._rows
+
+    @override
+    def restore(self, run: Run, *, failed: bool) -> None:
+        for seq, taken in reversed(self._taken):
+            conv_block.unfuse_pairs(seq, taken)
+        self._taken = []
+
+
+__all__ = ["BatchNormSiLUFusion", "LossFusion", "MLPFusion", "why_not_fusable"]
