@@ -51,3 +51,22 @@ def test_each_tasks_headline_metrics(task, keys):
                "metrics/accuracy_top1": 0.7, "metrics/accuracy_top5": 0.8}
     trainer = types.SimpleNamespace(args=types.SimpleNamespace(task=task), metrics=metrics)
     assert final_map(trainer) == (metrics[keys[0]], metrics[keys[1]])
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc_nhwc", "convolution"),
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float, 512, true, 1>", "batchnorm"),
+    ("bn_silu_apply_kernel", "batchnorm"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::OpaqueType<2u>, unsigned int>",
+     "copy/cat"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)>",
+     "elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "reduction"),
+    ("ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_nn", "matmul"),
+    ("void at::native::scatter_add_kernel", "other"),  # "scatter" is not a concatenation
+    ("_adamw_chunk_kernel", "other"),
+])
+def test_kernel_kinds_by_name(name, kind):
+    from trainfuse.bench.yolo_harness import kernel_kind
+
+    assert kernel_kind(name) == kind

@@ -161,6 +161,12 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
         ["optimizer phase host ms (in the run)", _num(stock["phase_host_ms"], ".3f"),
          _num(ours["phase_host_ms"], ".3f"), "", f"<= {GOALS['phase_host_ms']}"],
     ])
+    kinds = sorted(set(stock.get("gpu_ms_by_kind", {})) | set(ours.get("gpu_ms_by_kind", {})))
+    if kinds:  # the profiled cycle's GPU time per iteration, by kind of kernel
+        print_table("GPU ms per iteration by kind of kernel (one profiled accumulation cycle)",
+                    ["kind", "stock", "trainfuse"],
+                    [[k, _num(stock.get("gpu_ms_by_kind", {}).get(k, 0.0), ".3f"),
+                      _num(ours.get("gpu_ms_by_kind", {}).get(k, 0.0), ".3f")] for k in kinds])
     delta = None if stock["map50"] is None or ours["map50"] is None else ours["map50"] - stock["map50"]
     goals = {"iteration": it_goal is not None and it_speedup is not None and it_speedup >= it_goal,
              "peak_memory": mem_ratio is not None and mem_ratio <= GOALS["peak_memory_ratio"],

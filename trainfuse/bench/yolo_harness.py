@@ -119,6 +119,37 @@ def device_launches(prof) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+# kinds of GPU work by kernel name, first match wins: BatchNorm (cuDNN's and the fused op), cuDNN's
+# convolutions (forward, data and weight grads: xmma/implicit-GEMM kernels), other matmuls, copies and
+# concatenation, elementwise kernels (activations, adds, casts), reductions; the rest (trainfuse's
+# loss and optimizer kernels, ultralytics' own) is "other"
+KERNEL_KINDS = (
+    ("batchnorm", ("batch_norm", "batchnorm", "bn_", "welford")),
+    ("convolution", ("conv", "cudnn", "xmma", "implicit", "dgrad", "wgrad", "fprop", "nchwtonhwc",
+                     "nhwctonchw")),
+    ("matmul", ("gemm", "cutlass", "cublas")),
+    ("copy/cat", ("copy", "catarray", "concat", "memcpy", "memset", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("reduction", ("reduce",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel by its name (:data:`KERNEL_KINDS`), ``"other"`` when none matches."""
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
+def gpu_ms_by_kind(prof) -> dict[str, float]:
+    """GPU milliseconds of a ``torch.profiler`` run by :func:`kernel_kind`."""
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kernel_kind(e.name)
+            out[kind] = out.get(kind, 0.0) + e.time_range.elapsed_us() / 1e3
+    return out
+
+
 # the CUDA runtime and driver calls that put work on a stream
 _LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch", "Memcpy", "Memset")
 
@@ -149,6 +180,7 @@ class LaunchCounter:
         self.iterations = 0
         self.launches = 0
         self.host_launches: int | None = None
+        self.gpu_ms: dict[str, float] = {}
         self._updates = None
         self._stepped = False
         self._prof = None
@@ -197,6 +229,7 @@ class LaunchCounter:
             self._prof.stop()
             self.launches = device_launches(self._prof)
             self.host_launches = host_launches(self._prof)
+            self.gpu_ms = gpu_ms_by_kind(self._prof)
             self._prof = None
             self.done = True
 
@@ -409,6 +442,8 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     summary["trainer"] = trainer_cls.__name__ if kind == "trainfuse" else type(trainer).__name__
     summary["launches_per_iteration"] = counter.per_iteration
     summary["profiled_iterations"] = counter.iterations
+    if counter.iterations:
+        summary["gpu_ms_by_kind"] = {k: v / counter.iterations for k, v in sorted(counter.gpu_ms.items())}
     summary["optimizer"] = type(trainer.optimizer).__name__
     summary["kept_grads"] = kept.get("grads", False)
     summary["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
