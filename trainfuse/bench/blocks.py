@@ -4,8 +4,13 @@ against :func:`trainfuse.nn.bn_silu.batch_norm_silu`, on the activation sizes of
 YOLOv5n's stages at batch 16 and 640 px, float16, contiguous and channels_last. GPU time of a call
 (forward, backward from a fixed ``dy``): the median of ``triton.testing.do_bench``; the floor is
 the fused op's bytes (forward 2 reads and a write, backward 4 reads and a write of the activation)
-over the measured copy bandwidth. Measures the op alone: ``python -m trainfuse.bench yolo --model
-yolo11m.yaml --fuse-blocks`` times it in the training loop."""
+over the measured copy bandwidth.
+
+Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultralytics detection
+model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
+torch runs it (contiguous, ultralytics' layout), in channels_last, with every ``Conv`` block's
+BatchNorm and SiLU as one op, and both: which route pays before the training loop is changed.
+``python -m trainfuse.bench yolo --model yolo11m.yaml --fuse-blocks`` times the op in the loop."""
 
 from __future__ import annotations
 
@@ -43,9 +48,54 @@ def _fused_step(bn: nn.BatchNorm2d, x: torch.Tensor, dy: torch.Tensor):
     return run
 
 
+def _model_step(model: nn.Module, x: torch.Tensor):
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.float16):
+            out = model(x)
+        parts = [v for v in out.values() if torch.is_tensor(v)] if isinstance(out, dict) else list(out)
+        sum(p.float().mean() for p in parts).backward()
+    return run
+
+
+def _models(report: dict, names: list[str], batch: int) -> None:
+    """Each model's training forward + backward in its four variants (module docstring)."""
+    from ultralytics.nn.modules.conv import Conv
+    from ultralytics.nn.tasks import DetectionModel
+
+    from trainfuse.nn import conv_block
+
+    rows = []
+    for name in names:
+        workload = f"{name} forward + backward, training, float16 autocast, batch {batch}, 640 px"
+        times = {}
+        for variant in ("contiguous", "channels_last", "fused blocks", "fused blocks, channels_last"):
+            torch.manual_seed(0)
+            model = DetectionModel(name, nc=80, verbose=False).cuda().train()
+            x = torch.rand(batch, 3, 640, 640, device="cuda")
+            if "channels_last" in variant:
+                model = model.to(memory_format=torch.channels_last)
+                x = x.contiguous(memory_format=torch.channels_last)
+            if "fused" in variant:
+                for m in model.modules():
+                    if type(m) is Conv:
+                        conv_block.install(m)
+            times[variant] = kernel_ms(_model_step(model, x), warmup=100, rep=500)  # ms: ~20 calls
+            add_row(report, workload, variant if "fused" not in variant else f"trainfuse {variant}",
+                    trainfuse="fused" in variant, do_bench_ms=times[variant])
+            del model, x
+            torch.cuda.empty_cache()
+        base = times["contiguous"]
+        rows += [[name, v, f"{t:.2f}", f"{base / t:.2f}x"] for v, t in times.items()]
+    print_table("model forward + backward, GPU ms per call", ["model", "variant", "ms", "vs contiguous"],
+                rows)
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     parser = bench_parser("blocks", __doc__)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--models", default="yolo11m.yaml",
+                        help="comma list of detection models to time whole (needs ultralytics), or none")
     started = parse_and_start(parser, argv, "blocks")
     if started is None:
         return None
@@ -71,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                          f"{times['torch'] / times['fused']:.2f}x", f"{floor / times['fused']:.0%}"])
     print_table("BatchNorm2d + SiLU forward + backward, GPU ms per call",
                 ["activation", "layout", "torch", "fused", "speedup", "fused % of floor"], rows)
+    if args.models != "none":
+        _models(report, [m for m in args.models.split(",") if m], args.batch)
     report["summary_skip"] = list(dict.fromkeys(r["workload"] for r in report["rows"]))
     save_report(report, args.out, "blocks")
     return report
