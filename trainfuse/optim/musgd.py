@@ -119,8 +119,9 @@ def _muon_momentum(bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum
     return blended
 
 
-class _MuonEngine(MultiTensorEngine):
-    """The step driver with the Newton-Schulz part before each update launch. Clipping by norm
+class MuonEngine(MultiTensorEngine):
+    """The step driver with the Newton-Schulz part before each update launch (its client has
+    ``orthogonalize_for_kernels`` and ``muon_grads``: FusedMuSGD, FusedMuon). Clipping by norm
     runs the statistics pass first: its clip coefficient scales the grads Newton-Schulz reads,
     and the update launch reuses the pass (marked as checked) instead of running another."""
 
@@ -217,7 +218,7 @@ class FusedMuSGD(FusedOptimizer):
         self.sgd = sgd
         self._private()
         super().__init__(params, defaults, max_grad_norm, max_grad_value)
-        self.engine = _MuonEngine(self)
+        self.engine = MuonEngine(self)
 
     def _private(self) -> None:
         # param -> its orthogonalized update, which the update launch reads (outside the state_dict)
@@ -237,7 +238,7 @@ class FusedMuSGD(FusedOptimizer):
         self.__dict__.setdefault("muon", 0.5)
         self.__dict__.setdefault("sgd", 0.5)
         self._private()
-        self.engine = _MuonEngine(self)
+        self.engine = MuonEngine(self)
 
     def validate_group(self, group):
         name = type(self).__name__
@@ -387,4 +388,4 @@ class FusedMuSGD(FusedOptimizer):
         torch._foreach_add_(weights, updates, alpha=-lr)
 
 
-__all__ = ["FusedMuSGD"]
+__all__ = ["FusedMuSGD", "MuonEngine"]

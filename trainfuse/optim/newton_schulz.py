@@ -48,10 +48,11 @@ _LONG_SPAN = 8
 _BLOCK = 1024
 
 
-def _iterate(X: torch.Tensor) -> torch.Tensor:
-    """Five quintic iterations on a batch of normalized wide bfloat16 matrices."""
-    a, b, c = _NS_COEFFS
-    for _ in range(_NS_STEPS):
+def _iterate(X: torch.Tensor, coefficients: tuple[float, float, float] = _NS_COEFFS,
+             steps: int = _NS_STEPS) -> torch.Tensor:
+    """``steps`` quintic iterations on a batch of normalized wide bfloat16 matrices."""
+    a, b, c = coefficients
+    for _ in range(steps):
         A = X @ X.transpose(-2, -1)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
         X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
@@ -169,6 +170,10 @@ class BatchedNewtonSchulz:
         targets: one float32 tensor per param (2+ dims, one device): where :meth:`run` writes each
             param's orthogonalized, scaled update. Their addresses and layouts are the plan's key
             (:meth:`key_of`).
+        scales: each target's scale (None: MuSGD's ``sqrt(max(1, d[-2] / d[-1]))``).
+        coefficients, steps: the quintic iteration's ``(a, b, c)`` and count (MuSGD's by default).
+        eps: the norm's guard: added to it (MuSGD), or its floor with ``clamp_eps``
+            (``torch.optim.Muon``).
 
     Attributes:
         layout: per batch ``(rows, cols, indices)``: its padded size and the indices of its
@@ -176,8 +181,12 @@ class BatchedNewtonSchulz:
             reference needs to pad the same way.
     """
 
-    def __init__(self, targets: list[torch.Tensor]):
+    def __init__(self, targets: list[torch.Tensor], scales: list[float] | None = None,
+                 coefficients: tuple[float, float, float] = _NS_COEFFS, steps: int = _NS_STEPS,
+                 eps: float = _NS_EPS, clamp_eps: bool = False):
         device = targets[0].device
+        self.settings = (tuple(coefficients), steps, eps, clamp_eps)
+        scales = [_scale(t) for t in targets] if scales is None else scales
         sizes = [t.numel() for t in targets]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
         total = sum(sizes)
@@ -194,7 +203,7 @@ class BatchedNewtonSchulz:
             c = t.numel() // r
             short, long_ = min(r, c), max(r, c)
             cls = max(_MIN_SHORT, 1 << max(0, math.ceil(math.log2(short))))
-            classes.setdefault(cls, []).append((long_, [o, r, c, int(r > c)], _scale(t), short, i))
+            classes.setdefault(cls, []).append((long_, [o, r, c, int(r > c)], scales[i], short, i))
         self._batches = []
         self.layout: list[tuple[int, int, list[int]]] = []
         for items in classes.values():
@@ -223,23 +232,32 @@ class BatchedNewtonSchulz:
         return len(self._batches)
 
     def run(self, bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum: float, nesterov: bool,
-            targets: list[torch.Tensor]) -> None:
-        """``targets[i] = scale_i * NS_5(u_i)`` with ``u = mu m + (1 - mu) g`` (``m`` the Muon
+            targets: list[torch.Tensor], lerp: bool = False) -> None:
+        """``targets[i] = scale_i * NS(u_i)`` with ``u = mu m + (1 - mu) g`` (``m`` the Muon
         momentum ``bufs``, read only), blended once more with ``g`` for Nesterov, MuSGD's ops in
-        MuSGD's order. ``grads`` (float32, unscaled and clipped) may be ``targets`` themselves."""
+        MuSGD's order; with ``lerp``, ``torch.optim.Muon``'s: ``u = m.lerp(g, 1 - mu)``, and
+        ``g.lerp(u, mu)`` for Nesterov. ``grads`` (float32, unscaled and clipped) may be
+        ``targets`` themselves."""
         u = self._stage_views
         torch._foreach_copy_(u, bufs)
-        torch._foreach_mul_(u, momentum)
-        torch._foreach_add_(u, grads, alpha=1 - momentum)
-        if nesterov:
+        if lerp:
+            torch._foreach_lerp_(u, grads, 1 - momentum)
+            if nesterov:
+                torch._foreach_copy_(u, torch._foreach_lerp(grads, u, momentum))
+        else:
             torch._foreach_mul_(u, momentum)
             torch._foreach_add_(u, grads, alpha=1 - momentum)
+            if nesterov:
+                torch._foreach_mul_(u, momentum)
+                torch._foreach_add_(u, grads, alpha=1 - momentum)
+        coefficients, steps, eps, clamp_eps = self.settings
         for table, scales, M, N in self._batches:
             X = torch.empty(table.size(0), M, N, dtype=torch.bfloat16, device=self._stage.device)
             grid = (table.size(0), triton.cdiv(M * N, _BLOCK))
             _gather[grid](self._stage, table, X, M, N, BLOCK=_BLOCK, RNE=interpreting())
-            X /= X.norm(dim=(-2, -1), keepdim=True) + _NS_EPS
-            X = _iterate(X).contiguous()
+            norm = X.norm(dim=(-2, -1), keepdim=True)
+            X /= norm.clamp(min=eps) if clamp_eps else norm + eps
+            X = _iterate(X, coefficients, steps).contiguous()
             _scatter[grid](X, table, scales, self._out, M, N, BLOCK=_BLOCK)
         torch._foreach_copy_(targets, self._out_views)
 
