@@ -116,3 +116,19 @@ def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps():
         assert gap < 1e-3, f"{name}: relative gap {gap:.2e}"
     for (name, a), (_, b) in zip(stock.named_buffers(), fused.named_buffers()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_sequential_pairs_fuse_and_come_back():
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.SiLU(), nn.BatchNorm2d(4),
+                        nn.ReLU()).to(DEVICE)
+    ref = copy.deepcopy(seq)
+    assert conv_block.fusable_pairs(seq) == [1]  # the second BatchNorm is followed by a ReLU
+    taken = conv_block.fuse_pairs(seq, [1])
+    assert type(seq[1]) is conv_block.BatchNormSiLU2d and type(seq[2]) is nn.Identity
+    assert list(seq.state_dict()) == list(ref.state_dict())
+    x = torch.randn(2, 3, 6, 6, device=DEVICE)
+    torch.testing.assert_close(seq(x), ref(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"expected 4D input \(got 3D input\)"):
+        seq[1](x[0])
+    conv_block.unfuse_pairs(seq, taken)
+    assert type(seq[1]) is nn.BatchNorm2d and type(seq[2]) is nn.SiLU

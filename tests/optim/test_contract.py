@@ -56,7 +56,7 @@ def test_every_fused_optimizer_is_an_engine_client():
     classes = set(_fused_classes()) | registered
     assert {trainfuse.FusedAdam, trainfuse.FusedAdamW, trainfuse.FusedSGD} <= registered
     for cls in sorted(classes, key=lambda c: c.__name__):
-        opt = cls([torch.nn.Parameter(torch.randn(3))])
+        opt = cls([torch.nn.Parameter(torch.randn(3, 2))])  # a matrix: FusedMuon takes nothing else
         assert isinstance(opt, OptimizerClient), cls.__name__
         assert opt.engine.client is opt
 

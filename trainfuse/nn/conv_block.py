@@ -80,7 +80,8 @@ class BatchNormSiLU2d(nn.BatchNorm2d):
     BatchNorm2d into (its class swapped in place: the same parameters, buffers and keys)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(x)
+        if x.dim() != 4:  # BatchNorm2d's own check
+            raise ValueError(f"expected 4D input (got {x.dim()}D input)")
         return batch_norm_silu_module(self, x)
 
 
