@@ -25,11 +25,11 @@ SHAPES = [(2, 3, 5, 7), (1, 5, 4, 9), (3, 70, 2, 3), (4, 6), (2, 5, 11)]
 
 @pytest.fixture(autouse=True)
 def small_tiles(kernels, monkeypatch):
-    """The kernels (the interpreter on CPU), 8 rows by 4 channels a tile: a few dozen rows already
-    make several programs of several chunks."""
+    """The kernels (the interpreter on CPU), tiles of 8 positions by 4 channels and 4 reduction
+    programs: a few dozen positions already make several programs of several tiles."""
     if DEVICE.type == "cpu":
-        monkeypatch.setattr(bn_silu, "CONTIGUOUS", BNLaunch(rows=8, channels=4))
-        monkeypatch.setattr(bn_silu, "CHANNELS_LAST", BNLaunch(rows=4, channels=8))
+        monkeypatch.setattr(bn_silu, "CONTIGUOUS", BNLaunch(rows=8, channels=4, programs_per_sm=1))
+        monkeypatch.setattr(bn_silu, "CHANNELS_LAST", BNLaunch(rows=4, channels=8, programs_per_sm=1))
         monkeypatch.setattr(bn_silu, "FINALIZE_CHANNELS", 4)
 
 

@@ -16,8 +16,8 @@ and backward, from ``dy``, with ``xhat = (x - mean_c) r_c`` and
 
 (outside training the running statistics take the batch's place and ``dx = s_c du``).
 
-Forward: a program per (block of rows, block of channels) folds its rows into a mean and a sum of
-squared deviations per channel (Chan's merge of chunk statistics, no ``E[x^2] - E[x]^2``
+Forward: a program per (run of tiles, block of channels) folds its positions into a count, a mean
+and a sum of squared deviations per channel (Chan's merge of chunk statistics, no ``E[x^2] - E[x]^2``
 cancellation); one small program per channel block merges the partials in a fixed order, updates
 the running statistics and writes ``s`` and ``t``; a third pass writes ``y``. Backward: partial
 sums of ``du`` and ``du xhat``, their fixed-order total, then ``dx``, ``u`` recomputed from ``x``
@@ -47,9 +47,10 @@ from trainfuse._runtime.function import applier
 
 @dataclasses.dataclass
 class BNLaunch:
-    """A tile is ``rows`` rows (``(n, h, w)`` positions) by ``channels`` channels, long along the
-    dimension that is contiguous in memory; a reduction program walks ``programs_per_sm`` of the
-    GPU's share of the rows. Tests shrink the tiles so that small inputs span several programs."""
+    """A tile is ``rows`` spatial positions of one image by ``channels`` channels, long along the
+    dimension that is contiguous in memory (a tile never crosses an image, so the compiler sees
+    that contiguity); a reduction program walks ``programs_per_sm`` of the GPU's share of the
+    tiles. Tests shrink the tiles so that small inputs span several programs."""
 
     rows: int
     channels: int
@@ -57,35 +58,37 @@ class BNLaunch:
     programs_per_sm: int = 4
 
 
-CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's rows are contiguous
-CHANNELS_LAST = BNLaunch(rows=32, channels=64)  # NHWC: a row's channels are contiguous
+CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's positions are contiguous
+CHANNELS_LAST = BNLaunch(rows=32, channels=64)  # NHWC: a position's channels are contiguous
 
 
 @triton.jit
-def _offsets(r, c, S, sN, sC, sS):
-    """Element offsets of rows ``r`` (flat ``n * S + s``) by channels ``c``."""
-    r = r.to(tl.int64)
-    n = r // S
-    return (n * sN + (r - n * S) * sS)[:, None] + c.to(tl.int64)[None, :] * sC
+def _tile(q, c, S, NSB, sN, sC, sS, BR: tl.constexpr):
+    """Tile ``q`` (image ``q // NSB``, its position block ``q % NSB``) by channels ``c``: the
+    element offsets and the positions' mask."""
+    n = q // NSB
+    s = (q - n * NSB) * BR + tl.arange(0, BR)
+    offsets = n.to(tl.int64) * sN + s.to(tl.int64)[:, None] * sS + c.to(tl.int64)[None, :] * sC
+    return offsets, s < S
 
 
 @triton.jit
-def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, M, C, S, sN, sC, sS, rows_per_program,
+def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, S, NSB, Q, sN, sC, sS, tiles_per_program,
                     BR: tl.constexpr, BC: tl.constexpr):
-    """Program ``(i, j)``: rows ``[i * rows_per_program, ...)`` of channels block ``j`` ->
-    their mean and summed squared deviations at ``[i, c]``."""
+    """Program ``(i, j)``: tiles ``[i * tiles_per_program, ...)`` of channel block ``j`` -> their
+    count, mean and summed squared deviations per channel at ``[i, c]``."""
     i = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
     mean = tl.zeros([BC], tl.float32)
     m2 = tl.zeros([BC], tl.float32)
     count = tl.zeros([BC], tl.float32)
-    for start in range(0, rows_per_program, BR):
-        k = start + tl.arange(0, BR)
-        r = i * rows_per_program + k
-        rm = (r < M) & (k < rows_per_program)
+    for t in range(0, tiles_per_program):
+        q = i * tiles_per_program + t
+        offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
+        rm = sm & (q < Q)
         m = rm[:, None] & cm[None, :]
-        x = tl.load(x_ptr + _offsets(r, c, S, sN, sC, sS), mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
         n = tl.sum(rm.to(tl.float32), 0)
         chunk_mean = tl.sum(x, 0) / tl.maximum(n, 1.0)
         d = tl.where(m, x - chunk_mean[None, :], 0.0)
@@ -97,13 +100,14 @@ def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, M, C, S, sN, sC, sS, rows_per_progr
         count = total
     tl.store(mean_ptr + i * C + c, mean, mask=cm)
     tl.store(m2_ptr + i * C + c, m2, mask=cm)
+    tl.store(count_ptr + i * C + c, count, mask=cm)
 
 
 @triton.jit
-def bn_finalize_kernel(mean_ptr, m2_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
-                       save_mean_ptr, save_invstd_ptr, P, M, C, rows_per_program, momentum, eps,
+def bn_finalize_kernel(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
+                       save_mean_ptr, save_invstd_ptr, P, M, C, momentum, eps,
                        HAS_W: tl.constexpr, UPDATE: tl.constexpr, BC: tl.constexpr):
-    """Channels block ``j``: the ``P`` partials merged in order -> the batch's mean and 1/std,
+    """Channel block ``j``: the ``P`` partials merged in order -> the batch's mean and 1/std,
     ``s`` and ``t``, and the running statistics moved by ``momentum`` (``UPDATE``)."""
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = c < C
@@ -111,11 +115,11 @@ def bn_finalize_kernel(mean_ptr, m2_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scal
     m2 = tl.zeros([BC], tl.float32)
     count = tl.zeros([BC], tl.float32)
     for p in range(0, P):
-        n = tl.minimum(M - p * rows_per_program, rows_per_program).to(tl.float32)
+        n = tl.load(count_ptr + p * C + c, mask=cm, other=0.0)
         pmean = tl.load(mean_ptr + p * C + c, mask=cm, other=0.0)
         pm2 = tl.load(m2_ptr + p * C + c, mask=cm, other=0.0)
         total = count + n
-        frac = n / total
+        frac = n / tl.maximum(total, 1.0)
         delta = pmean - mean
         mean += delta * frac
         m2 += pm2 + delta * delta * count * frac
@@ -141,19 +145,21 @@ def bn_finalize_kernel(mean_ptr, m2_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scal
 
 
 @triton.jit
-def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, M, C, S, sN, sC, sS, yN, yC, yS,
+def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, S, NSB, sN, sC, sS, yN, yC, yS,
                          BR: tl.constexpr, BC: tl.constexpr):
-    """``y = silu(x s + t)`` over tile ``(i, j)``."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    """``y = silu(x s + t)`` over tile ``(q, j)``."""
+    q = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
-    m = (r < M)[:, None] & cm[None, :]
-    x = tl.load(x_ptr + _offsets(r, c, S, sN, sC, sS), mask=m, other=0.0).to(tl.float32)
+    offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
+    m = sm[:, None] & cm[None, :]
+    x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
     u = x * s[None, :] + t[None, :]
     y = u * tl.sigmoid(u)
-    tl.store(y_ptr + _offsets(r, c, S, yN, yC, yS), y.to(y_ptr.dtype.element_ty), mask=m)
+    out, _ = _tile(q, c, S, NSB, yN, yC, yS, BR)
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -166,9 +172,9 @@ def _du(x, dy, s, t):
 
 @triton.jit
 def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr, sdux_ptr,
-                             M, C, S, sN, sC, sS, gN, gC, gS, rows_per_program,
+                             C, S, NSB, Q, sN, sC, sS, gN, gC, gS, tiles_per_program,
                              BR: tl.constexpr, BC: tl.constexpr):
-    """Program ``(i, j)``: its rows' sums of ``du`` and ``du xhat`` per channel at ``[i, c]``."""
+    """Program ``(i, j)``: its tiles' sums of ``du`` and ``du xhat`` per channel at ``[i, c]``."""
     i = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
@@ -178,12 +184,13 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invs
     invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
     sdu = tl.zeros([BC], tl.float32)
     sdux = tl.zeros([BC], tl.float32)
-    for start in range(0, rows_per_program, BR):
-        k = start + tl.arange(0, BR)
-        r = i * rows_per_program + k
-        m = ((r < M) & (k < rows_per_program))[:, None] & cm[None, :]
-        x = tl.load(x_ptr + _offsets(r, c, S, sN, sC, sS), mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + _offsets(r, c, S, gN, gC, gS), mask=m, other=0.0).to(tl.float32)
+    for k in range(0, tiles_per_program):
+        q = i * tiles_per_program + k
+        offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
+        grads, _ = _tile(q, c, S, NSB, gN, gC, gS, BR)
+        m = (sm & (q < Q))[:, None] & cm[None, :]
+        x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + grads, mask=m, other=0.0).to(tl.float32)
         du = tl.where(m, _du(x, dy, s, t), 0.0)
         sdu += tl.sum(du, 0)
         sdux += tl.sum(du * (x - mean[None, :]) * invstd[None, :], 0)
@@ -193,7 +200,7 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invs
 
 @triton.jit
 def bn_grad_finalize_kernel(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, P, C, BC: tl.constexpr):
-    """Channels block ``j``: the partial sums added in order -> ``dw = sum du xhat``, ``db = sum du``."""
+    """Channel block ``j``: the partial sums added in order -> ``dw = sum du xhat``, ``db = sum du``."""
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = c < C
     sdu = tl.zeros([BC], tl.float32)
@@ -207,17 +214,19 @@ def bn_grad_finalize_kernel(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, P, C, BC: tl.cons
 
 @triton.jit
 def bn_silu_dx_kernel(x_ptr, dy_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, dw_ptr, db_ptr,
-                      M, C, S, sN, sC, sS, gN, gC, gS, dN, dC, dS,
+                      M, C, S, NSB, sN, sC, sS, gN, gC, gS, dN, dC, dS,
                       TRAINING: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """``dx = s (du - db / M - xhat dw / M)`` (training) or ``s du`` over tile ``(i, j)``."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    """``dx = s (du - db / M - xhat dw / M)`` (training) or ``s du`` over tile ``(q, j)``."""
+    q = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
-    m = (r < M)[:, None] & cm[None, :]
+    offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
+    grads, _ = _tile(q, c, S, NSB, gN, gC, gS, BR)
+    m = sm[:, None] & cm[None, :]
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
-    x = tl.load(x_ptr + _offsets(r, c, S, sN, sC, sS), mask=m, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + _offsets(r, c, S, gN, gC, gS), mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + grads, mask=m, other=0.0).to(tl.float32)
     du = _du(x, dy, s, t)
     if TRAINING:
         mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
@@ -226,7 +235,8 @@ def bn_silu_dx_kernel(x_ptr, dy_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, inv
         db = tl.load(db_ptr + c, mask=cm, other=0.0)
         xhat = (x - mean[None, :]) * invstd[None, :]
         du = du - db[None, :] / M - xhat * (dw[None, :] / M)
-    tl.store(dx_ptr + _offsets(r, c, S, dN, dC, dS), (du * s[None, :]).to(dx_ptr.dtype.element_ty), mask=m)
+    out, _ = _tile(q, c, S, NSB, dN, dC, dS, BR)
+    tl.store(dx_ptr + out, (du * s[None, :]).to(dx_ptr.dtype.element_ty), mask=m)
 
 
 FINALIZE_CHANNELS = 128  # channels a finalize program takes: a few programs for any layer
@@ -247,11 +257,11 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _split(M: int, channel_blocks: int, cfg: BNLaunch, device: torch.device) -> tuple[int, int]:
-    """``(P, rows_per_program)``: the rows split over the reduction programs, whole tiles each."""
+def _split(tiles: int, channel_blocks: int, device: torch.device, cfg: BNLaunch) -> tuple[int, int]:
+    """``(P, tiles_per_program)``: the tiles split over the reduction programs."""
     want = max(1, _programs(device) * cfg.programs_per_sm // channel_blocks)
-    rows = max(cfg.rows, triton.cdiv(triton.cdiv(M, want), cfg.rows) * cfg.rows)
-    return triton.cdiv(M, rows), rows
+    per = triton.cdiv(tiles, want)
+    return triton.cdiv(tiles, per), per
 
 
 class _BatchNormSiLU(torch.autograd.Function):
@@ -260,31 +270,30 @@ class _BatchNormSiLU(torch.autograd.Function):
         shape = x.shape
         x = _flat(x)
         N, C, S = x.shape
-        M = N * S
         cfg = _config(x.stride())
         cb = triton.cdiv(C, cfg.channels)
+        nsb = triton.cdiv(S, cfg.rows)
         consts = torch.empty(4, C, device=x.device, dtype=torch.float32)  # scale, shift, mean, invstd
         scale, shift, mean, invstd = consts.unbind(0)
         has_w = weight is not None
         if training:
-            P, rows = _split(M, cb, cfg, x.device)
-            partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
-            bn_stats_kernel[(P, cb)](x, partials[0], partials[1], M, C, S, *x.stride(), rows,
-                                     BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+            P, per = _split(N * nsb, cb, x.device, cfg)
+            partials = torch.empty(3, P, C, device=x.device, dtype=torch.float32)  # mean, m2, count
+            bn_stats_kernel[(P, cb)](x, partials[0], partials[1], partials[2], C, S, nsb, N * nsb,
+                                     *x.stride(), per, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
             update = running_mean is not None
             bn_finalize_kernel[(triton.cdiv(C, FINALIZE_CHANNELS),)](
-                partials[0], partials[1], weight if has_w else consts, bias if has_w else consts,
+                partials[0], partials[1], partials[2], weight if has_w else consts, bias if has_w else consts,
                 running_mean if update else consts, running_var if update else consts, scale, shift, mean,
-                invstd, P, M, C, rows, momentum, eps, HAS_W=has_w, UPDATE=update, BC=FINALIZE_CHANNELS)
+                invstd, P, N * S, C, momentum, eps, HAS_W=has_w, UPDATE=update, BC=FINALIZE_CHANNELS)
         else:  # the running statistics' constants: a few (C,) operations
             mean.copy_(running_mean)
             torch.rsqrt(running_var.float() + eps, out=invstd)
             scale.copy_(invstd * weight if has_w else invstd)
             shift.copy_((bias - mean * scale) if has_w else -mean * scale)
         y = torch.empty_like(x)  # x's strides: channels_last stays channels_last
-        bn_silu_apply_kernel[(triton.cdiv(M, cfg.rows), cb)](
-            x, y, scale, shift, M, C, S, *x.stride(), *y.stride(), BR=cfg.rows, BC=cfg.channels,
-            num_warps=cfg.num_warps)
+        bn_silu_apply_kernel[(N * nsb, cb)](x, y, scale, shift, C, S, nsb, *x.stride(), *y.stride(),
+                                            BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
         ctx.save_for_backward(x, weight, consts)
         ctx.training = training
         return y.view(shape)
@@ -296,23 +305,24 @@ class _BatchNormSiLU(torch.autograd.Function):
         shape = dy.shape
         dy = _flat(dy)
         N, C, S = x.shape
-        M = N * S
         cfg = _config(x.stride())
         cb = triton.cdiv(C, cfg.channels)
-        P, rows = _split(M, cb, cfg, x.device)
+        nsb = triton.cdiv(S, cfg.rows)
+        P, per = _split(N * nsb, cb, x.device, cfg)
         partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
         bn_silu_grad_sums_kernel[(P, cb)](
-            x, dy, scale, shift, mean, invstd, partials[0], partials[1], M, C, S, *x.stride(), *dy.stride(),
-            rows, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+            x, dy, scale, shift, mean, invstd, partials[0], partials[1], C, S, nsb, N * nsb, *x.stride(),
+            *dy.stride(), per, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
         sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
         bn_grad_finalize_kernel[(triton.cdiv(C, FINALIZE_CHANNELS),)](
             partials[0], partials[1], sums[0], sums[1], P, C, BC=FINALIZE_CHANNELS)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty_like(x)
-            bn_silu_dx_kernel[(triton.cdiv(M, cfg.rows), cb)](
-                x, dy, dx, scale, shift, mean, invstd, sums[0], sums[1], M, C, S, *x.stride(), *dy.stride(),
-                *dx.stride(), TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+            bn_silu_dx_kernel[(N * nsb, cb)](
+                x, dy, dx, scale, shift, mean, invstd, sums[0], sums[1], N * S, C, S, nsb, *x.stride(),
+                *dy.stride(), *dx.stride(), TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels,
+                num_warps=cfg.num_warps)
             dx = dx.view(shape)
         dw = sums[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = sums[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
