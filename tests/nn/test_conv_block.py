@@ -2,7 +2,8 @@
 trains as the block does (outputs, grads, running statistics and the batch count over several
 steps, momentum=None's cumulative average, eval mode), keeps its state_dict, deep-copies to the
 plain block and comes off again; an ultralytics model with every Conv block fused takes the same
-training steps as the stock model. Kernels through the interpreter on CPU."""
+training step as the stock model; a Sequential's BatchNorm2d + SiLU pairs fuse and come back.
+Kernels through the interpreter on CPU."""
 
 from __future__ import annotations
 
@@ -92,26 +93,23 @@ def test_only_conv_batchnorm_silu_blocks_are_fusable():
 def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps():
     pytest.importorskip("ultralytics")
     from ultralytics.nn.modules.conv import Conv
-    from ultralytics.nn.tasks import DetectionModel
+    from ultralytics.nn.tasks import ClassificationModel
 
     torch.manual_seed(0)
-    stock = DetectionModel("yolov5n.yaml", nc=2, verbose=False).to(DEVICE).train()
+    # YOLOv8n's backbone and a classification head: 26 Conv blocks (the interpreter's launches are
+    # what a CPU run of this test costs)
+    stock = ClassificationModel("yolov8n-cls.yaml", nc=2, verbose=False).to(DEVICE).train()
     fused = copy.deepcopy(stock)
     blocks = [m for m in fused.modules() if type(m) is Conv]
     assert sum(conv_block.install(m) for m in blocks) == len(blocks) > 20
     x = torch.rand(2, 3, 64, 64, device=DEVICE)
     for model in (stock, fused):
-        out = model(x)  # the head's training outputs: a dict of tensors and lists of them
-        parts = [v for v in out.values() if torch.is_tensor(v)]
-        parts += [f for v in out.values() if isinstance(v, list) for f in v]
-        sum((t.float() * t.float()).mean() for t in parts).backward()
-    # float32 rounding differs (the fused op's sums in another order), and 25 BatchNorms over as few
-    # as 8 values a channel (the deepest layers at 64 px) amplify it: each grad within 1e-3 of its norm
+        (model(x).float() ** 2).mean().backward()
+    # float32 rounding differs (the fused op's sums in another order), and 20-odd BatchNorms over
+    # as few as 8 values a channel (the deepest layers at 64 px) amplify it: each grad within 1e-3
+    # of its norm
     grads = {n: p.grad for n, p in stock.named_parameters()}
     for name, p in fused.named_parameters():
-        if grads[name] is None:  # DFL's fixed weights
-            assert p.grad is None, name
-            continue
         gap = (p.grad - grads[name]).norm() / grads[name].norm().clamp_min(1e-12)
         assert gap < 1e-3, f"{name}: relative gap {gap:.2e}"
     for (name, a), (_, b) in zip(stock.named_buffers(), fused.named_buffers()):
