@@ -23,6 +23,7 @@ ARGS = {
     "lightning": ["--quick"],
     "stem": ["--batch", "2", "--imgsz", "64"],
     "blocks": ["--batch", "2"],
+    "muon": [],
     "augment": ["--batch", "2", "--imgsz", "64"],
     "yolo": ["--quick"],
     "yolo-quality": ["--models", "yolov5n.yaml", "--seeds", "0", "--epochs", "1"],

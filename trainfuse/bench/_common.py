@@ -71,6 +71,8 @@ FAMILIES = {
                   "YOLO detection loss, forward + backward: v8DetectionLoss / E2ELoss against fused ones"),
     "stem": ("trainfuse.bench.stem",
              "a detector's first convolution, forward + weight grad: conv2d against the space-to-depth fold"),
+    "muon": ("trainfuse.bench.muon",
+             "a Muon step over GPT-2's hidden matrices: torch.optim.Muon against FusedMuon"),
     "blocks": ("trainfuse.bench.blocks",
                "a Conv block's BatchNorm2d and SiLU, forward + backward: torch against batch_norm_silu"),
     "augment": ("trainfuse.bench.augment",
