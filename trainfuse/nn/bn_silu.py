@@ -43,6 +43,7 @@ import triton.language as tl
 
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
+from trainfuse._runtime.launch import CachedLauncher
 
 
 @dataclasses.dataclass
@@ -73,12 +74,20 @@ def _tile(q, c, S, NSB, sN, sC, sS, BR: tl.constexpr):
 
 
 @triton.jit
-def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, S, NSB, Q, sN, sC, sS, tiles_per_program,
+def _program(CB, BC: tl.constexpr):
+    """This program's ``(i, c)``: its index among the tiles (or runs of tiles) and its block of
+    channels, from a 1-d grid of ``i * CB + j`` (the cached launcher's grids are 1-d)."""
+    pid = tl.program_id(0)
+    i = pid // CB
+    return i, (pid - i * CB) * BC + tl.arange(0, BC)
+
+
+@triton.jit
+def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, CB, S, NSB, Q, sN, sC, sS, tiles_per_program,
                     BR: tl.constexpr, BC: tl.constexpr):
-    """Program ``(i, j)``: tiles ``[i * tiles_per_program, ...)`` of channel block ``j`` -> their
-    count, mean and summed squared deviations per channel at ``[i, c]``."""
-    i = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
+    ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``."""
+    i, c = _program(CB, BC)
     cm = c < C
     mean = tl.zeros([BC], tl.float32)
     m2 = tl.zeros([BC], tl.float32)
@@ -145,11 +154,10 @@ def bn_finalize_kernel(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rva
 
 
 @triton.jit
-def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, S, NSB, sN, sC, sS, yN, yC, yS,
+def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, CB, S, NSB, sN, sC, sS, yN, yC, yS,
                          BR: tl.constexpr, BC: tl.constexpr):
-    """``y = silu(x s + t)`` over tile ``(q, j)``."""
-    q = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    """``y = silu(x s + t)`` over tile ``q`` of channel block ``j`` (program ``q * CB + j``)."""
+    q, c = _program(CB, BC)
     cm = c < C
     offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
     m = sm[:, None] & cm[None, :]
@@ -172,11 +180,11 @@ def _du(x, dy, s, t):
 
 @triton.jit
 def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr, sdux_ptr,
-                             C, S, NSB, Q, sN, sC, sS, gN, gC, gS, tiles_per_program,
+                             C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, tiles_per_program,
                              BR: tl.constexpr, BC: tl.constexpr):
-    """Program ``(i, j)``: its tiles' sums of ``du`` and ``du xhat`` per channel at ``[i, c]``."""
-    i = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel
+    at ``[i, c]``."""
+    i, c = _program(CB, BC)
     cm = c < C
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
@@ -214,11 +222,11 @@ def bn_grad_finalize_kernel(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, P, C, BC: tl.cons
 
 @triton.jit
 def bn_silu_dx_kernel(x_ptr, dy_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, dw_ptr, db_ptr,
-                      M, C, S, NSB, sN, sC, sS, gN, gC, gS, dN, dC, dS,
+                      M, C, CB, S, NSB, sN, sC, sS, gN, gC, gS, dN, dC, dS,
                       TRAINING: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """``dx = s (du - db / M - xhat dw / M)`` (training) or ``s du`` over tile ``(q, j)``."""
-    q = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    """``dx = s (du - db / M - xhat dw / M)`` (training) or ``s du`` over tile ``q`` of channel
+    block ``j`` (program ``q * CB + j``)."""
+    q, c = _program(CB, BC)
     cm = c < C
     offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
     grads, _ = _tile(q, c, S, NSB, gN, gC, gS, BR)
@@ -240,6 +248,7 @@ def bn_silu_dx_kernel(x_ptr, dy_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, inv
 
 
 FINALIZE_CHANNELS = 128  # channels a finalize program takes: a few programs for any layer
+launcher = CachedLauncher()  # a launch from raw addresses: an eager step pays little host time a block
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -279,21 +288,22 @@ class _BatchNormSiLU(torch.autograd.Function):
         if training:
             P, per = _split(N * nsb, cb, x.device, cfg)
             partials = torch.empty(3, P, C, device=x.device, dtype=torch.float32)  # mean, m2, count
-            bn_stats_kernel[(P, cb)](x, partials[0], partials[1], partials[2], C, S, nsb, N * nsb,
-                                     *x.stride(), per, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+            launcher(bn_stats_kernel, (P * cb,), x, *partials, C, cb, S, nsb, N * nsb, *x.stride(), per,
+                     BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
             update = running_mean is not None
-            bn_finalize_kernel[(triton.cdiv(C, FINALIZE_CHANNELS),)](
-                partials[0], partials[1], partials[2], weight if has_w else consts, bias if has_w else consts,
-                running_mean if update else consts, running_var if update else consts, scale, shift, mean,
-                invstd, P, N * S, C, momentum, eps, HAS_W=has_w, UPDATE=update, BC=FINALIZE_CHANNELS)
+            affine = (weight, bias) if has_w else (consts, consts)  # (unread without HAS_W)
+            running = (running_mean, running_var) if update else (consts, consts)  # (unread without UPDATE)
+            launcher(bn_finalize_kernel, (triton.cdiv(C, FINALIZE_CHANNELS),), *partials, *affine, *running,
+                     scale, shift, mean, invstd, P, N * S, C, momentum, eps, HAS_W=has_w, UPDATE=update,
+                     BC=FINALIZE_CHANNELS, num_warps=4)
         else:  # the running statistics' constants: a few (C,) operations
             mean.copy_(running_mean)
             torch.rsqrt(running_var.float() + eps, out=invstd)
             scale.copy_(invstd * weight if has_w else invstd)
             shift.copy_((bias - mean * scale) if has_w else -mean * scale)
         y = torch.empty_like(x)  # x's strides: channels_last stays channels_last
-        bn_silu_apply_kernel[(N * nsb, cb)](x, y, scale, shift, C, S, nsb, *x.stride(), *y.stride(),
-                                            BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+        launcher(bn_silu_apply_kernel, (N * nsb * cb,), x, y, scale, shift, C, cb, S, nsb, *x.stride(),
+                 *y.stride(), BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
         ctx.save_for_backward(x, weight, consts)
         ctx.training = training
         return y.view(shape)
@@ -310,19 +320,18 @@ class _BatchNormSiLU(torch.autograd.Function):
         nsb = triton.cdiv(S, cfg.rows)
         P, per = _split(N * nsb, cb, x.device, cfg)
         partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
-        bn_silu_grad_sums_kernel[(P, cb)](
-            x, dy, scale, shift, mean, invstd, partials[0], partials[1], C, S, nsb, N * nsb, *x.stride(),
-            *dy.stride(), per, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+        launcher(bn_silu_grad_sums_kernel, (P * cb,), x, dy, scale, shift, mean, invstd, *partials, C, cb, S,
+                 nsb, N * nsb, *x.stride(), *dy.stride(), per, BR=cfg.rows, BC=cfg.channels,
+                 num_warps=cfg.num_warps)
         sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
-        bn_grad_finalize_kernel[(triton.cdiv(C, FINALIZE_CHANNELS),)](
-            partials[0], partials[1], sums[0], sums[1], P, C, BC=FINALIZE_CHANNELS)
+        launcher(bn_grad_finalize_kernel, (triton.cdiv(C, FINALIZE_CHANNELS),),
+                 partials[0], partials[1], sums[0], sums[1], P, C, BC=FINALIZE_CHANNELS, num_warps=4)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty_like(x)
-            bn_silu_dx_kernel[(N * nsb, cb)](
-                x, dy, dx, scale, shift, mean, invstd, sums[0], sums[1], N * S, C, S, nsb, *x.stride(),
-                *dy.stride(), *dx.stride(), TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels,
-                num_warps=cfg.num_warps)
+            launcher(bn_silu_dx_kernel, (N * nsb * cb,), x, dy, dx, scale, shift, mean, invstd, *sums, N * S,
+                     C, cb, S, nsb, *x.stride(), *dy.stride(), *dx.stride(), TRAINING=ctx.training,
+                     BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
             dx = dx.view(shape)
         dw = sums[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = sums[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
