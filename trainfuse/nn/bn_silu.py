@@ -35,6 +35,7 @@ Float64 inputs and devices without Triton take :func:`batch_norm_silu_torch`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -261,9 +262,16 @@ def _config(strides: tuple[int, int, int]) -> BNLaunch:
     return CHANNELS_LAST if strides[1] == 1 else CONTIGUOUS
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _programs(device: torch.device) -> int:
     """Reduction programs to spread over the device (4 SMs' worth under the interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _split(tiles: int, channel_blocks: int, device: torch.device, cfg: BNLaunch) -> tuple[int, int]:
