@@ -37,8 +37,6 @@ def test_results_are_named_by_model_optimizer_fused_loss_and_gpus():
     assert yolo.family("yolo11n-seg.yaml", fused_loss=True) == "yolo-yolo11n-seg-fused-loss"
     assert yolo.family("yolo11n-pose.yaml", gpu_augment=True) == "yolo-yolo11n-pose-gpu-augment"
     assert yolo.family("yolo11m.yaml", fuse_blocks=True) == "yolo-yolo11m-fuse-blocks"
-    both = "yolo-yolo11m-fuse-blocks-channels-last"
-    assert yolo.family("yolo11m.yaml", fuse_blocks=True, channels_last=True) == both
     assert yolo.family("yolo11n.yaml", "MuSGD", "0,1") == "yolo-yolo11n-MuSGD-2gpus"
 
 

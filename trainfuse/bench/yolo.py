@@ -59,9 +59,6 @@ def _parser():
     parser.add_argument("--fuse-blocks", action="store_true",
                         help="fuse_blocks=True: each Conv block's BatchNorm2d and SiLU as one op (off by "
                         "default)")
-    parser.add_argument("--channels-last", action="store_true",
-                        help="channels_last=True: the model's weights and activations in channels_last "
-                        "(off by default)")
     parser.add_argument("--gpu-augment", action="store_true",
                         help="gpu_augment=True: the training pixels augmented on the GPU even with the "
                         "bench's cache='ram' (segment, pose and OBB data too, which ask for it)")
@@ -134,8 +131,6 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
         workload += " gpu_augment=True"
     if args.fuse_blocks:
         workload += " fuse_blocks=True"
-    if args.channels_last:
-        workload += " channels_last=True"
     print(f"\n{workload}, {args.epochs} epoch(s), ultralytics {version}")
     print(runs_table(runs))
     for kind, r in runs.items():
@@ -186,7 +181,7 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     if args.quick:
         note(report, "--quick: 1 epoch; the quality goals need the full run")
     name = family(args.model, args.optimizer, fused_loss=args.fused_loss, gpu_augment=args.gpu_augment,
-                  fuse_blocks=args.fuse_blocks, channels_last=args.channels_last)
+                  fuse_blocks=args.fuse_blocks)
     png = plot_runs(runs, out / f"{name}.png",
                     title=f"{workload}, {args.epochs} epoch(s), {report['device']}")
     print(f"plot: {png}")
@@ -267,8 +262,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         options["gpu_augment"] = True
     if args.fuse_blocks:
         options["fuse_blocks"] = True
-    if args.channels_last:
-        options["channels_last"] = True
     for kind in ("stock", "trainfuse"):
         runs[kind], trainers[kind] = train_run(kind, args, data, out / "yolo-runs", device=args.devices,
                                                **(options if kind == "trainfuse" else {}))
@@ -277,8 +270,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     _summarize(report, args, runs, ultralytics.__version__)
     report["_bench"] = "yolo"
     save_report(report, args.out, family(args.model, args.optimizer, fused_loss=args.fused_loss,
-                                         gpu_augment=args.gpu_augment, fuse_blocks=args.fuse_blocks,
-                                         channels_last=args.channels_last))
+                                         gpu_augment=args.gpu_augment, fuse_blocks=args.fuse_blocks))
     return report
 
 
@@ -302,16 +294,15 @@ def _dataset(args, task: str) -> str:
 
 
 def family(model: str, optimizer: str = "auto", devices: str = "0", fused_loss: bool = False,
-           gpu_augment: bool = False, fuse_blocks: bool = False, channels_last: bool = False) -> str:
+           gpu_augment: bool = False, fuse_blocks: bool = False) -> str:
     """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
     ``-<optimizer>`` appended for an optimizer other than ``auto``, ``-fused-loss`` with
     ``--fused-loss``, ``-gpu-augment`` with ``--gpu-augment``, ``-fuse-blocks`` with
-    ``--fuse-blocks``, ``-channels-last`` with ``--channels-last``, ``-<N>gpus`` for DDP."""
+    ``--fuse-blocks``, ``-<N>gpus`` for DDP."""
     name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
     name = name if optimizer == "auto" else f"{name}-{optimizer}"
     name = f"{name}-fused-loss" if fused_loss else name
     name = f"{name}-gpu-augment" if gpu_augment else name
     name = f"{name}-fuse-blocks" if fuse_blocks else name
-    name = f"{name}-channels-last" if channels_last else name
     n = len(devices.split(","))
     return name if n == 1 else f"{name}-{n}gpus"

@@ -34,8 +34,7 @@ from trainfuse.ultralytics.tasks import check_task
 from trainfuse.ultralytics.warm_start import KernelsAhead
 
 _PREFIX = colorstr("trainfuse:")
-OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks",
-           "channels_last", "prefetch")
+OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks", "prefetch")
 
 
 class FusedTrainer(compat.TrainerHooks, BaseTrainer):
@@ -59,8 +58,6 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         fold_stem: on CUDA, the first convolution on the space-to-depth image (default True).
         fuse_blocks: each ``Conv`` block's BatchNorm2d and SiLU as one op (default False:
             :mod:`trainfuse.nn.conv_block`).
-        channels_last: the model's 4-d weights, and so its activations, in channels_last for the
-            run (default False).
         prefetch: on CUDA, the training batches copied to the GPU one ahead (default True).
 
     Attributes:
@@ -77,7 +74,6 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
     fuse_casts = True
     fold_stem = True
     fuse_blocks = False
-    channels_last = False
     prefetch = True
 
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, **kwargs):
@@ -175,7 +171,7 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         if line := self.kernels.started():
             LOGGER.info(f"{_PREFIX} {line}")
         self._run = Run(self, Options(self.fused_loss, self.fuse_casts, self.cuda_graphs, self.fold_stem,
-                                      self.fuse_blocks, self.channels_last), self.loading)
+                                      self.fuse_blocks), self.loading)
         self._applied.apply(changes(self._run.options), self._run)
 
     @override

@@ -10,7 +10,6 @@ from trainfuse.ultralytics.changes.base import CALLBACKS, Change, Options, Resul
 from trainfuse.ultralytics.changes.blocks import FuseBlocks
 from trainfuse.ultralytics.changes.ddp import FlatGradsDDP
 from trainfuse.ultralytics.changes.graphs import Graphs, Phase
-from trainfuse.ultralytics.changes.layout import ChannelsLast
 from trainfuse.ultralytics.changes.loss import Augment, LossSwap
 from trainfuse.ultralytics.changes.optimizer import OptimizerSwap
 from trainfuse.ultralytics.changes.stem import FoldStem
@@ -18,19 +17,17 @@ from trainfuse.ultralytics.changes.validator import Validation
 
 
 def changes(options: Options) -> list[Change]:
-    """A run's changes, in the order they are made: the model's layout (before anything reads its
-    weights), the optimizer, the scaler and the EMA (folded
+    """A run's changes, in the order they are made: the optimizer, the scaler and the EMA (folded
     into the optimizer's step), the loss, how the batches load, the casts, the stem, the Conv
     blocks, then DDP's
     flat all-reduce, the graphs and the optimizer phase inside them, which need the ones before; and
     the validator's row."""
-    made: list[Change] = [ChannelsLast(options.channels_last), OptimizerSwap(), Scaler(), EMASwap(),
-                          LossSwap()]
+    made: list[Change] = [OptimizerSwap(), Scaler(), EMASwap(), LossSwap()]
     made += [Augment(), Casts(options.fuse_casts), FoldStem(options.fold_stem),
              FuseBlocks(options.fuse_blocks), FlatGradsDDP(), Graphs(), Phase(), Validation()]
     return made
 
 
-__all__ = ["CALLBACKS", "Augment", "Casts", "Change", "ChannelsLast", "EMASwap", "FlatGradsDDP", "FoldStem",
-           "FuseBlocks", "Graphs", "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run",
-           "Scaler", "Validation", "changes"]
+__all__ = ["CALLBACKS", "Augment", "Casts", "Change", "EMASwap", "FlatGradsDDP", "FoldStem", "FuseBlocks",
+           "Graphs", "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run", "Scaler",
+           "Validation", "changes"]

@@ -27,7 +27,6 @@ class Options:
     cuda_graphs: bool
     fold_stem: bool
     fuse_blocks: bool = False
-    channels_last: bool = False
 
 
 @dataclasses.dataclass
