@@ -23,7 +23,19 @@ SHAPES = [(8, 4), (3, 17), (16, 16), (40, 6), (1, 9)]
 # 2% on an H200). A weight within that times lr and its scale; the momentum takes the grads only.
 NS_SHARE = 0.1
 KERNEL_TOL = dict(rtol=1e-5, atol=1e-6)
-FNS = (None, "match_rms_adamw", "spectral_unclamped")
+
+
+def _muon_accepts(adjust_lr_fn) -> bool:
+    """Whether the installed torch's Muon takes ``adjust_lr_fn`` (2.11's has no spectral_unclamped)."""
+    try:
+        Muon([torch.nn.Parameter(torch.zeros(2, 2))], adjust_lr_fn=adjust_lr_fn)
+    except ValueError:
+        return False
+    return True
+
+
+FNS = tuple(f for f in (None, "match_rms_adamw", "spectral_unclamped")
+            if Muon is not None and _muon_accepts(f))
 HPARAMS = [dict(nesterov=n, adjust_lr_fn=f, weight_decay=wd, momentum=m)
            for n, f, wd, m in itertools.product((True, False), FNS, (0.1, 0.0), (0.95, 0.3))]
 

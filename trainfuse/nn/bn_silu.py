@@ -61,7 +61,7 @@ class BNLaunch:
 
 
 CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's positions are contiguous
-CHANNELS_LAST = BNLaunch(rows=32, channels=64)  # NHWC: a position's channels are contiguous
+CHANNELS_LAST = BNLaunch(rows=64, channels=32)  # NHWC: a position's channels are contiguous
 
 
 @triton.jit
@@ -84,30 +84,37 @@ def _program(CB, BC: tl.constexpr):
 
 
 @triton.jit
+def _welford_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    """Chan's merge of two (mean, summed squared deviations, count) partials."""
+    n = n_a + n_b
+    frac = n_b / tl.maximum(n, 1.0)
+    delta = mean_b - mean_a
+    return mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac, n
+
+
+@triton.jit
 def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, CB, S, NSB, Q, sN, sC, sS, tiles_per_program,
                     BR: tl.constexpr, BC: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
-    ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``."""
+    ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``. Each tile
+    element is a Welford accumulator of its own (no reduction inside the loop, so the loads
+    stream); the accumulators are merged across the tile once, at the end."""
     i, c = _program(CB, BC)
     cm = c < C
-    mean = tl.zeros([BC], tl.float32)
-    m2 = tl.zeros([BC], tl.float32)
-    count = tl.zeros([BC], tl.float32)
+    mean = tl.zeros([BR, BC], tl.float32)
+    m2 = tl.zeros([BR, BC], tl.float32)
+    count = tl.zeros([BR, BC], tl.float32)
     for t in range(0, tiles_per_program):
         q = i * tiles_per_program + t
         offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-        rm = sm & (q < Q)
-        m = rm[:, None] & cm[None, :]
+        m = (sm & (q < Q))[:, None] & cm[None, :]
         x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-        n = tl.sum(rm.to(tl.float32), 0)
-        chunk_mean = tl.sum(x, 0) / tl.maximum(n, 1.0)
-        d = tl.where(m, x - chunk_mean[None, :], 0.0)
-        total = count + n
-        frac = n / tl.maximum(total, 1.0)
-        delta = chunk_mean - mean
-        mean += delta * frac
-        m2 += tl.sum(d * d, 0) + delta * delta * count * frac
-        count = total
+        n = count + m.to(tl.float32)
+        delta = tl.where(m, x - mean, 0.0)
+        mean += delta / tl.maximum(n, 1.0)
+        m2 += delta * (x - mean)
+        count = n
+    mean, m2, count = tl.reduce((mean, m2, count), 0, _welford_merge)
     tl.store(mean_ptr + i * C + c, mean, mask=cm)
     tl.store(m2_ptr + i * C + c, m2, mask=cm)
     tl.store(count_ptr + i * C + c, count, mask=cm)
@@ -116,24 +123,24 @@ def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, CB, S, NSB, Q, sN, sC
 @triton.jit
 def bn_finalize_kernel(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
                        save_mean_ptr, save_invstd_ptr, P, M, C, momentum, eps,
-                       HAS_W: tl.constexpr, UPDATE: tl.constexpr, BC: tl.constexpr):
-    """Channel block ``j``: the ``P`` partials merged in order -> the batch's mean and 1/std,
-    ``s`` and ``t``, and the running statistics moved by ``momentum`` (``UPDATE``)."""
+                       HAS_W: tl.constexpr, UPDATE: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
+    """Channel block ``j``: the ``P`` partials merged in a fixed order (``BP`` rows at a time, then
+    across the block) -> the batch's mean and 1/std, ``s`` and ``t``, and the running statistics
+    moved by ``momentum`` (``UPDATE``)."""
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = c < C
-    mean = tl.zeros([BC], tl.float32)
-    m2 = tl.zeros([BC], tl.float32)
-    count = tl.zeros([BC], tl.float32)
-    for p in range(0, P):
-        n = tl.load(count_ptr + p * C + c, mask=cm, other=0.0)
-        pmean = tl.load(mean_ptr + p * C + c, mask=cm, other=0.0)
-        pm2 = tl.load(m2_ptr + p * C + c, mask=cm, other=0.0)
-        total = count + n
-        frac = n / tl.maximum(total, 1.0)
-        delta = pmean - mean
-        mean += delta * frac
-        m2 += pm2 + delta * delta * count * frac
-        count = total
+    mean = tl.zeros([BP, BC], tl.float32)
+    m2 = tl.zeros([BP, BC], tl.float32)
+    count = tl.zeros([BP, BC], tl.float32)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        m = (p < P)[:, None] & cm[None, :]
+        offsets = p[:, None] * C + c[None, :]
+        n = tl.load(count_ptr + offsets, mask=m, other=0.0)
+        pmean = tl.load(mean_ptr + offsets, mask=m, other=0.0)
+        pm2 = tl.load(m2_ptr + offsets, mask=m, other=0.0)
+        mean, m2, count = _welford_merge(mean, m2, count, pmean, pm2, n)
+    mean, m2, count = tl.reduce((mean, m2, count), 0, _welford_merge)
     invstd = 1.0 / tl.sqrt(m2 / M + eps)
     if HAS_W:
         scale = tl.load(w_ptr + c, mask=cm, other=1.0).to(tl.float32) * invstd
@@ -191,8 +198,8 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invs
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
     mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
     invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
-    sdu = tl.zeros([BC], tl.float32)
-    sdux = tl.zeros([BC], tl.float32)
+    sdu = tl.zeros([BR, BC], tl.float32)
+    sdux = tl.zeros([BR, BC], tl.float32)
     for k in range(0, tiles_per_program):
         q = i * tiles_per_program + k
         offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
@@ -201,22 +208,28 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invs
         x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + grads, mask=m, other=0.0).to(tl.float32)
         du = tl.where(m, _du(x, dy, s, t), 0.0)
-        sdu += tl.sum(du, 0)
-        sdux += tl.sum(du * (x - mean[None, :]) * invstd[None, :], 0)
-    tl.store(sdu_ptr + i * C + c, sdu, mask=cm)
-    tl.store(sdux_ptr + i * C + c, sdux, mask=cm)
+        sdu += du
+        sdux += du * (x - mean[None, :])
+    tl.store(sdu_ptr + i * C + c, tl.sum(sdu, 0), mask=cm)
+    tl.store(sdux_ptr + i * C + c, tl.sum(sdux, 0) * invstd, mask=cm)
 
 
 @triton.jit
-def bn_grad_finalize_kernel(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, P, C, BC: tl.constexpr):
-    """Channel block ``j``: the partial sums added in order -> ``dw = sum du xhat``, ``db = sum du``."""
+def bn_grad_finalize_kernel(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, P, C, BP: tl.constexpr, BC: tl.constexpr):
+    """Channel block ``j``: the partial sums added in a fixed order -> ``dw = sum du xhat``,
+    ``db = sum du``."""
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = c < C
-    sdu = tl.zeros([BC], tl.float32)
-    sdux = tl.zeros([BC], tl.float32)
-    for p in range(0, P):
-        sdu += tl.load(sdu_ptr + p * C + c, mask=cm, other=0.0)
-        sdux += tl.load(sdux_ptr + p * C + c, mask=cm, other=0.0)
+    sdu = tl.zeros([BP, BC], tl.float32)
+    sdux = tl.zeros([BP, BC], tl.float32)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        m = (p < P)[:, None] & cm[None, :]
+        offsets = p[:, None] * C + c[None, :]
+        sdu += tl.load(sdu_ptr + offsets, mask=m, other=0.0)
+        sdux += tl.load(sdux_ptr + offsets, mask=m, other=0.0)
+    sdu = tl.sum(sdu, 0)
+    sdux = tl.sum(sdux, 0)
     tl.store(db_ptr + c, sdu, mask=cm)
     tl.store(dw_ptr + c, sdux, mask=cm)
 
@@ -248,7 +261,7 @@ def bn_silu_dx_kernel(x_ptr, dy_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, inv
     tl.store(dx_ptr + out, (du * s[None, :]).to(dx_ptr.dtype.element_ty), mask=m)
 
 
-FINALIZE_CHANNELS = 128  # channels a finalize program takes: a few programs for any layer
+FINALIZE = (64, 32)  # a finalize program's block: partials (rows) by channels
 launcher = CachedLauncher()  # a launch from raw addresses: an eager step pays little host time a block
 
 
@@ -258,8 +271,13 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1)
 
 
-def _config(strides: tuple[int, int, int]) -> BNLaunch:
-    return CHANNELS_LAST if strides[1] == 1 else CONTIGUOUS
+def _config(strides: tuple[int, int, int], C: int) -> BNLaunch:
+    """The layout's tile, its channels cut to ``C``'s power of two (at least 16) where ``C`` is
+    smaller and its rows grown to keep the tile's size: a 16-channel layer in channels_last then
+    wastes no lanes."""
+    cfg = CHANNELS_LAST if strides[1] == 1 else CONTIGUOUS
+    channels = min(cfg.channels, max(16, triton.next_power_of_2(C)))
+    return dataclasses.replace(cfg, rows=cfg.rows * cfg.channels // channels, channels=channels)
 
 
 @functools.cache
@@ -287,7 +305,7 @@ class _BatchNormSiLU(torch.autograd.Function):
         shape = x.shape
         x = _flat(x)
         N, C, S = x.shape
-        cfg = _config(x.stride())
+        cfg = _config(x.stride(), C)
         cb = triton.cdiv(C, cfg.channels)
         nsb = triton.cdiv(S, cfg.rows)
         consts = torch.empty(4, C, device=x.device, dtype=torch.float32)  # scale, shift, mean, invstd
@@ -301,9 +319,9 @@ class _BatchNormSiLU(torch.autograd.Function):
             update = running_mean is not None
             affine = (weight, bias) if has_w else (consts, consts)  # (unread without HAS_W)
             running = (running_mean, running_var) if update else (consts, consts)  # (unread without UPDATE)
-            launcher(bn_finalize_kernel, (triton.cdiv(C, FINALIZE_CHANNELS),), *partials, *affine, *running,
+            launcher(bn_finalize_kernel, (triton.cdiv(C, FINALIZE[1]),), *partials, *affine, *running,
                      scale, shift, mean, invstd, P, N * S, C, momentum, eps, HAS_W=has_w, UPDATE=update,
-                     BC=FINALIZE_CHANNELS, num_warps=4)
+                     BP=FINALIZE[0], BC=FINALIZE[1], num_warps=4)
         else:  # the running statistics' constants: a few (C,) operations
             mean.copy_(running_mean)
             torch.rsqrt(running_var.float() + eps, out=invstd)
@@ -323,7 +341,7 @@ class _BatchNormSiLU(torch.autograd.Function):
         shape = dy.shape
         dy = _flat(dy)
         N, C, S = x.shape
-        cfg = _config(x.stride())
+        cfg = _config(x.stride(), C)
         cb = triton.cdiv(C, cfg.channels)
         nsb = triton.cdiv(S, cfg.rows)
         P, per = _split(N * nsb, cb, x.device, cfg)
@@ -332,8 +350,9 @@ class _BatchNormSiLU(torch.autograd.Function):
                  nsb, N * nsb, *x.stride(), *dy.stride(), per, BR=cfg.rows, BC=cfg.channels,
                  num_warps=cfg.num_warps)
         sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
-        launcher(bn_grad_finalize_kernel, (triton.cdiv(C, FINALIZE_CHANNELS),),
-                 partials[0], partials[1], sums[0], sums[1], P, C, BC=FINALIZE_CHANNELS, num_warps=4)
+        launcher(bn_grad_finalize_kernel, (triton.cdiv(C, FINALIZE[1]),),
+                 partials[0], partials[1], sums[0], sums[1], P, C, BP=FINALIZE[0], BC=FINALIZE[1],
+                 num_warps=4)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty_like(x)
