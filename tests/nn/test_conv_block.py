@@ -59,6 +59,8 @@ def test_a_fused_block_trains_like_the_block(momentum, channels_last):
         for (name, a), (_, b) in zip(plain.named_buffers(), fused.named_buffers()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
     assert int(fused.bn.num_batches_tracked) == 3
+    # eval on the same state: the three steps' float32 drift (checked above) is not the eval path's
+    fused.load_state_dict(plain.state_dict())
     plain.eval()
     fused.eval()
     x = torch.randn(2, 3, 6, 7, device=DEVICE)

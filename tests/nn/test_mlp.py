@@ -525,7 +525,8 @@ def test_fuse_mlps_swaps_whole_chains_and_reports_the_rest():
     assert type(model.head) is FusedMLP and type(model.blocks[0]) is FusedMLP
     assert type(model.mixed) is nn.Sequential
     assert {id(p) for p in model.parameters()} == params and list(model.state_dict()) == keys
-    assert torch.equal(model.head(x), before)
+    # the same math, not always the same rounding: the fused path's GEMM may block its sums otherwise
+    torch.testing.assert_close(model.head(x), before)
     assert "swapped head" in str(report) and "skipped mixed" in str(report)
     # the FusedMLP options reach every swapped chain
     other = nn.Module()

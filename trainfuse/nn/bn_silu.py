@@ -97,27 +97,36 @@ def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, CB, S, NSB, Q, sN, sC
                     BR: tl.constexpr, BC: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
     ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``. Each tile
-    element is a Welford accumulator of its own (no reduction inside the loop, so the loads
-    stream); the accumulators are merged across the tile once, at the end."""
+    element sums ``x - k`` and its square on its own (no reduction and no division inside the
+    loop, so the loads stream), reduced across the tile once at the end. The shift ``k`` is the
+    channel's value at the program's first position: a sample of the channel, so the sums cancel
+    only as much as the data's own spread around its mean (the summed squares minus the squared
+    sum lose ``((mean - k) / std)**2`` ulps of the variance, a few for any sample)."""
     i, c = _program(CB, BC)
     cm = c < C
-    mean = tl.zeros([BR, BC], tl.float32)
-    m2 = tl.zeros([BR, BC], tl.float32)
+    q0 = i * tiles_per_program  # always a tile (the launch makes no program without one)
+    n0 = q0 // NSB
+    first = n0.to(tl.int64) * sN + ((q0 - n0 * NSB) * BR).to(tl.int64) * sS + c.to(tl.int64) * sC
+    k = tl.load(x_ptr + first, mask=cm, other=0.0).to(tl.float32)
+    s1 = tl.zeros([BR, BC], tl.float32)
+    s2 = tl.zeros([BR, BC], tl.float32)
     count = tl.zeros([BR, BC], tl.float32)
     for t in range(0, tiles_per_program):
         q = i * tiles_per_program + t
         offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
         m = (sm & (q < Q))[:, None] & cm[None, :]
         x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-        n = count + m.to(tl.float32)
-        delta = tl.where(m, x - mean, 0.0)
-        mean += delta / tl.maximum(n, 1.0)
-        m2 += delta * (x - mean)
-        count = n
-    mean, m2, count = tl.reduce((mean, m2, count), 0, _welford_merge)
-    tl.store(mean_ptr + i * C + c, mean, mask=cm)
-    tl.store(m2_ptr + i * C + c, m2, mask=cm)
-    tl.store(count_ptr + i * C + c, count, mask=cm)
+        d = tl.where(m, x - k[None, :], 0.0)
+        s1 += d
+        s2 += d * d
+        count += m.to(tl.float32)
+    n = tl.sum(count, 0)
+    s1 = tl.sum(s1, 0)
+    s2 = tl.sum(s2, 0)
+    inv = 1.0 / tl.maximum(n, 1.0)
+    tl.store(mean_ptr + i * C + c, k + s1 * inv, mask=cm)
+    tl.store(m2_ptr + i * C + c, tl.maximum(s2 - s1 * s1 * inv, 0.0), mask=cm)
+    tl.store(count_ptr + i * C + c, n, mask=cm)
 
 
 @triton.jit
