@@ -18,6 +18,8 @@ offline_env(Path(tempfile.gettempdir()) / "trainfuse-tests-yolo-config")
 pytest.importorskip("ultralytics")
 
 from ultralytics import YOLO  # noqa: E402
+from ultralytics.models.yolo.pose import PoseTrainer  # noqa: E402
+from ultralytics.models.yolo.segment import SegmentationTrainer  # noqa: E402
 from ultralytics.utils import DEFAULT_CFG  # noqa: E402
 
 import trainfuse  # noqa: E402
@@ -40,11 +42,31 @@ LOSS_GAINS = ("box", "cls", "dfl", "pose", "kobj", "angle", "rle")  # ultralytic
 FUSED_LOSSES = {"segment": "FusedSegmentationLoss", "pose": "FusedPoseLoss", "obb": "FusedOBBLoss"}
 GAIN = 0.02  # every loss gain scaled down (box, cls, dfl, angle, pose, kobj, rle)
 # The segmentation and pose models' gradient norms reach ultralytics' clip at 10 whatever the gains
-# (15.6 at the first step of the segmentation run): the fused step sums the per-tensor norms in
-# param-group order, clip_grad_norm_ in module order, so those runs match to float32 rounding
-# (test_trainer.py's CLIPPED); the others, which never clip, match bit for bit
-CLIPPED = {"rtol": 1e-5, "atol": 1e-6}
+# (15.6 at the first step of the segmentation run). The fused step clips with torch's
+# clip_grad_norm_ over the params in param-group order, ultralytics over model.parameters(): the
+# per-tensor norms summed in another order, a clip coefficient a last bit apart, which AdamW's
+# per-element scaling grows within four steps to 1 % of a step in some weights. The exact check
+# of those tasks runs against ultralytics' trainer with only that order changed (GroupOrderClip)
 CLIPS = {"segment", "pose"}
+STOCK_TRAINERS = {"segment": SegmentationTrainer, "pose": PoseTrainer}
+
+
+def _group_order_clip(trainer_cls):
+    """``trainer_cls`` (ultralytics' own trainer of a task) with BaseTrainer.optimizer_step's clip
+    taking the params in the optimizer's param-group order; the rest of the step as ultralytics'."""
+
+    class GroupOrderClip(trainer_cls):
+        def optimizer_step(self):
+            self.scaler.unscale_(self.optimizer)
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, max_norm=10.0)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad()
+            if self.ema:
+                self.ema.update(self.model)
+
+    return GroupOrderClip
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +84,7 @@ def _train(task: str, data: str, project: Path, trainer=None, model_file: str | 
     model.train(data=data, epochs=2, imgsz=64 if task != "classify" else 32, batch=4, nbs=8, workers=0,
                 device="cpu", plots=False, val=True, seed=0, deterministic=True, verbose=False,
                 optimizer="AdamW", lr0=0.002, project=str(project),
-                name=f"{Path(model_file or MODELS[task]).stem}-{trainer is not None}",
+                name=f"{Path(model_file or MODELS[task]).stem}-{trainer.__name__ if trainer else 'stock'}",
                 exist_ok=True, **gains, **({"trainer": trainer} if trainer else {}))
     return model, losses
 
@@ -78,10 +100,14 @@ def runs(datasets, tmp_path_factory):
     project = tmp_path_factory.mktemp("task-runs")
     made = {}
 
-    def get(task: str, fused: bool):
-        if (task, fused) not in made:
-            made[task, fused] = _train(task, datasets[task], project, STOCK_LOSS[task] if fused else None)
-        return made[task, fused]
+    def get(task: str, fused: bool, group_order_clip: bool = False):
+        key = (task, fused, group_order_clip)
+        if key not in made:
+            trainer = STOCK_LOSS[task] if fused else None
+            if group_order_clip:
+                trainer = _group_order_clip(STOCK_TRAINERS[task])
+            made[key] = _train(task, datasets[task], project, trainer)
+        return made[key]
 
     return get
 
@@ -89,13 +115,13 @@ def runs(datasets, tmp_path_factory):
 @pytest.mark.cpu_training
 @pytest.mark.parametrize("task", list(MODELS))
 def test_each_task_trains_with_the_fused_optimizer_phase_exactly_like_stock(runs, task):
-    (stock, stock_losses), (fused, fused_losses) = runs(task, False), runs(task, True)
+    (stock, stock_losses), (fused, fused_losses) = runs(task, False, task in CLIPS), runs(task, True)
     trainer = fused.trainer
     assert isinstance(trainer, TRAINERS[task])
     assert isinstance(trainer.optimizer, trainfuse.FusedAdamW) and trainer.fused_reason == ""
     assert isinstance(trainer.ema, trainfuse.FusedEMA)
     assert len(fused_losses) == len(stock_losses) == 4
-    tol = CLIPPED if task in CLIPS else {"rtol": 0, "atol": 0}
+    tol = {"rtol": 0, "atol": 0}
     torch.testing.assert_close(fused_losses, stock_losses, **tol)
     assert fused_losses[0] == stock_losses[0]  # before any step: the same model, batch and loss
     assert trainer.ema.updates == stock.trainer.ema.updates
