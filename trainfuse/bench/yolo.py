@@ -85,6 +85,8 @@ def _parser():
                         "photo-like JPEGs (2,048 unless --images), each run a fresh process, cold and warm "
                         "caches: wall clock and its parts (bench.yolo_default)")
     parser.add_argument("--stock-warm", action="store_true", help="with --default-run: stock a second time")
+    parser.add_argument("--parallel-plots", action="store_true",
+                        help="with --default-run: ours with parallel_plots=True (figures drawn by workers)")
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "trainfuse-bench-shapes"),
                         help="where the synthetic dataset is generated (reused when it matches)")
     return parser

@@ -13,6 +13,8 @@ validation, epoch ends, final evaluation). Runs, in this order:
 - ``trainfuse-warm``: ours again, the caches as the cold run left them;
 - with ``--stock-warm``, ``stock-warm``: stock again (its label caches there).
 
+``--parallel-plots`` runs ours with ``parallel_plots=True`` (the figures drawn by worker processes).
+
 Machine-wide caches neither trainer owns (matplotlib's font list) are built before the first run.
 
 Goals: the wall clock at least 3x stock's cold and 3.5x warm, the time to the first step at most
@@ -21,6 +23,7 @@ stock's plus 5 s cold and plus 1 s warm.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -36,7 +39,8 @@ GOALS = {"cold_speedup": 3.0, "warm_speedup": 3.5, "first_step_cold_extra_s": 5.
 PARTS = ("setup", "first_step", "train", "validation", "epoch_ends", "final")
 
 
-def one_run(kind: str, data: str, epochs: int, project: str, name: str, seed: int = 0) -> dict:
+def one_run(kind: str, data: str, epochs: int, project: str, name: str, seed: int = 0,
+            parallel_plots: bool = False) -> dict:
     """One default ``train()`` of ``kind`` (``stock`` or ``trainfuse``) in this process: its
     :meth:`~trainfuse.bench.timeline.Timeline.parts`, final mAPs and what it compiled ahead."""
     from ultralytics import YOLO
@@ -50,7 +54,8 @@ def one_run(kind: str, data: str, epochs: int, project: str, name: str, seed: in
     if kind == "trainfuse":
         from trainfuse.ultralytics import FusedDetectionTrainer
 
-        kwargs["trainer"] = FusedDetectionTrainer
+        kwargs["trainer"] = (functools.partial(FusedDetectionTrainer, parallel_plots=True) if parallel_plots
+                             else FusedDetectionTrainer)
     timeline.start()
     model.train(**kwargs)
     timeline.stop()
@@ -59,11 +64,12 @@ def one_run(kind: str, data: str, epochs: int, project: str, name: str, seed: in
             "map50_95": metrics.get("metrics/mAP50-95(B)")}
 
 
-def _spawn(kind: str, data: str, epochs: int, project: Path, name: str, env: dict, seed: int) -> dict:
+def _spawn(kind: str, data: str, epochs: int, project: Path, name: str, env: dict, seed: int,
+           parallel_plots: bool) -> dict:
     result = project / f"{name}.json"
     result.unlink(missing_ok=True)
     command = [sys.executable, "-m", "trainfuse.bench.yolo_default", kind, data, str(epochs), str(project),
-               name, str(seed)]
+               name, str(seed), str(int(parallel_plots))]
     subprocess.run(command, env=env, check=True)
     return json.loads(result.read_text())
 
@@ -92,7 +98,7 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
         for kind, name, cold in plan:
             if cold:
                 _forget_labels(data)
-            runs[name] = _spawn(kind, data, args.epochs, project, name, env, args.seed)
+            runs[name] = _spawn(kind, data, args.epochs, project, name, env, args.seed, args.parallel_plots)
             print(f"{name}: {runs[name]['wall']:.1f} s", flush=True)
     finally:
         shutil.rmtree(caches, ignore_errors=True)
@@ -135,10 +141,11 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
     report["runs"] = runs
     report["settings"] = {"model": "yolov5n.yaml", "epochs": args.epochs, "images": args.images,
                           "val_images": args.val_images, "seed": args.seed, "ultralytics": version,
-                          "defaults": "val=True, plots=True, cache=False, workers=8, batch=16, imgsz=640"}
+                          "defaults": "val=True, plots=True, cache=False, workers=8, batch=16, imgsz=640",
+                          "parallel_plots": args.parallel_plots}
 
 
 if __name__ == "__main__":
-    kind, data, epochs, project, name, seed = sys.argv[1:7]
-    result = one_run(kind, data, int(epochs), project, name, int(seed))
+    kind, data, epochs, project, name, seed, plots = sys.argv[1:8]
+    result = one_run(kind, data, int(epochs), project, name, int(seed), plots == "1")
     Path(project, f"{name}.json").write_text(json.dumps(result))

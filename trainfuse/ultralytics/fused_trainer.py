@@ -19,7 +19,8 @@ from typing import ClassVar
 from typing_extensions import override
 from ultralytics.cfg import get_cfg
 from ultralytics.engine.trainer import BaseTrainer
-from ultralytics.utils import DEFAULT_CFG, LOGGER, colorstr
+from ultralytics.models.yolo.detect import DetectionTrainer
+from ultralytics.utils import DEFAULT_CFG, LOGGER, RANK, colorstr
 from ultralytics.utils.torch_utils import unwrap_model
 
 from trainfuse.clients import ON, SWAPPED, AppliedChanges, Report, Row
@@ -30,11 +31,13 @@ from trainfuse.ultralytics.changes.loss import takes_fused_loss
 from trainfuse.ultralytics.changes.optimizer import TorchLayoutOptimizer, fused_phase
 from trainfuse.ultralytics.checkpoint import CheckpointWriter
 from trainfuse.ultralytics.loading import BatchLoading
+from trainfuse.ultralytics.plots import PlotWorkers, deferring, label_arrays
 from trainfuse.ultralytics.tasks import check_task
 from trainfuse.ultralytics.warm_start import KernelsAhead
 
 _PREFIX = colorstr("trainfuse:")
-OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks", "prefetch")
+OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks", "prefetch",
+           "parallel_plots")
 
 
 class FusedTrainer(compat.TrainerHooks, BaseTrainer):
@@ -59,12 +62,15 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         fuse_blocks: each ``Conv`` block's BatchNorm2d and SiLU as one op (default False:
             :mod:`trainfuse.nn.conv_block`).
         prefetch: on CUDA, the training batches copied to the GPU one ahead (default True).
+        parallel_plots: with ``plots=True``, the figures drawn in worker processes while the run
+            goes on (default False: :mod:`trainfuse.ultralytics.plots`).
 
     Attributes:
         report: what the trainer changed and what it left stock, with why (rows of
             :class:`trainfuse.clients.Row`; each is also logged).
         loading: the training batches' loading (``augment_reason``, ``jpeg_decoder``).
         checkpoints: writes its checkpoints in the background (a :class:`CheckpointWriter`).
+        plotted_in_workers: the figures the last run's plot workers wrote (``parallel_plots``).
     """
 
     task: ClassVar[str]  # the ultralytics task it trains ("detect", "segment", ...)
@@ -75,6 +81,7 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
     fold_stem = True
     fuse_blocks = False
     prefetch = True
+    parallel_plots = False
 
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, **kwargs):
         options = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
@@ -95,6 +102,8 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         self.report = Report(type(self).__name__)
         self.loading = BatchLoading(self.gpu_augment, self.prefetch)
         self.checkpoints = CheckpointWriter()
+        self._plots: PlotWorkers | None = None
+        self.plotted_in_workers: list[str] = []
         self._run: Run | None = None
         self._applied: AppliedChanges[Run] = AppliedChanges(self.report, self._log)
         # first in line, so that every other epoch-end callback sees the exact loss means; the
@@ -204,13 +213,64 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
                             f"{stats.capture_s:.1f} s (each shape's first batch ran eagerly: {stats.eager} "
                             "batches)")
         self.checkpoints.close(raise_error=not failed)  # a failed run raises its own error
+        self._close_plots(raise_error=not failed)
 
     def notify(self, event: str) -> None:
         """A moment of the loop (``epoch_starts``, ``epoch_ends``) for the applied changes."""
         if event == "epoch_ends":  # ultralytics updates the EMA's attributes next, then validates it
             self.checkpoints.wait_copied()
+        if event == "epoch_starts" and self._plots is not None and (
+                self.epoch == self.epochs - 1 or self.stopper.possible_stop):
+            self._plots.ready()  # this epoch's validation plots (ultralytics' rule): importing ahead
         for change in self._applied:
             getattr(change, event)(self._run)
+
+    # ---- the figures ---------------------------------------------------------------------------------
+    def plot_workers(self) -> PlotWorkers | None:
+        """The processes drawing this run's figures (``parallel_plots``, ``plots=True``, the rank
+        that plots), started on first use; else None."""
+        if not (self.parallel_plots and self.args.plots and RANK in {-1, 0}):
+            return None
+        if self._plots is None:
+            self._plots = PlotWorkers()
+        return self._plots
+
+    def plots_in_workers(self, validator):
+        """``validator`` drawing its figures in :meth:`plot_workers` where there are any."""
+        return deferring(validator, self.plot_workers())
+
+    @override
+    def get_validator(self):
+        return self.plots_in_workers(super().get_validator())
+
+    @override
+    def plot_training_labels(self):
+        """The detection tasks' figure of the labels, drawn by a worker (waited for in
+        ``plot_metrics``); else ultralytics' own."""
+        workers = self.plot_workers()
+        if workers is None or not isinstance(self, DetectionTrainer):
+            return super().plot_training_labels()
+        boxes, cls = label_arrays(self.train_loader.dataset.labels)
+        workers.call("ultralytics.utils.plotting", "plot_labels", (boxes, cls),
+                     {"names": self.data["names"], "save_dir": self.save_dir}, on_plot=self.on_plot)
+
+    @override
+    def plot_metrics(self):
+        super().plot_metrics()
+        self._close_plots(raise_error=True)  # every figure is on disk before on_train_end
+
+    def _close_plots(self, *, raise_error: bool) -> None:
+        workers, self._plots = self._plots, None
+        if workers is None:
+            return
+        try:
+            workers.close()
+        except RuntimeError:
+            if raise_error:
+                raise
+        finally:
+            self.plotted_in_workers = workers.files
+        LOGGER.info(f"{_PREFIX} {len(workers.files)} figures drawn by worker processes (parallel_plots)")
 
     # ---- the step ------------------------------------------------------------------------------------
     @override

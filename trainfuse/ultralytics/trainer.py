@@ -30,7 +30,7 @@ class FusedDetectionTrainer(FusedTrainer, DetectionTrainer):
         validator = FusedDetectionValidator(self.test_loader, save_dir=self.save_dir, args=copy(self.args),
                                             _callbacks=self.callbacks)
         validator.cuda_graphs = self.cuda_graphs
-        return validator
+        return self.plots_in_workers(validator)
 
 
 __all__ = ["OPTIONS", "FusedDetectionTrainer"]
