@@ -84,15 +84,6 @@ def _program(CB, BC: tl.constexpr):
 
 
 @triton.jit
-def _welford_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    """Chan's merge of two (mean, summed squared deviations, count) partials."""
-    n = n_a + n_b
-    frac = n_b / tl.maximum(n, 1.0)
-    delta = mean_b - mean_a
-    return mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac, n
-
-
-@triton.jit
 def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, CB, S, NSB, Q, sN, sC, sS, tiles_per_program,
                     BR: tl.constexpr, BC: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
@@ -135,21 +126,29 @@ def bn_finalize_kernel(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rva
                        HAS_W: tl.constexpr, UPDATE: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
     """Channel block ``j``: the ``P`` partials merged in a fixed order (``BP`` rows at a time, then
     across the block) -> the batch's mean and 1/std, ``s`` and ``t``, and the running statistics
-    moved by ``momentum`` (``UPDATE``)."""
+    moved by ``momentum`` (``UPDATE``). Two passes over the partials (a few KB): the mean of the
+    partial means weighted by their counts, then each partial's squared deviations plus its count
+    times its mean's squared distance from that mean (Chan's merge, summed at once: plain sums,
+    which the interpreter runs as numpy where a custom ``tl.reduce`` runs element by element)."""
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     cm = c < C
-    mean = tl.zeros([BP, BC], tl.float32)
-    m2 = tl.zeros([BP, BC], tl.float32)
-    count = tl.zeros([BP, BC], tl.float32)
+    weighted = tl.zeros([BP, BC], tl.float32)
     for p0 in range(0, P, BP):
         p = p0 + tl.arange(0, BP)
         m = (p < P)[:, None] & cm[None, :]
         offsets = p[:, None] * C + c[None, :]
         n = tl.load(count_ptr + offsets, mask=m, other=0.0)
-        pmean = tl.load(mean_ptr + offsets, mask=m, other=0.0)
-        pm2 = tl.load(m2_ptr + offsets, mask=m, other=0.0)
-        mean, m2, count = _welford_merge(mean, m2, count, pmean, pm2, n)
-    mean, m2, count = tl.reduce((mean, m2, count), 0, _welford_merge)
+        weighted += n * tl.load(mean_ptr + offsets, mask=m, other=0.0)
+    mean = tl.sum(weighted, 0) / M
+    deviations = tl.zeros([BP, BC], tl.float32)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        m = (p < P)[:, None] & cm[None, :]
+        offsets = p[:, None] * C + c[None, :]
+        n = tl.load(count_ptr + offsets, mask=m, other=0.0)
+        d = tl.load(mean_ptr + offsets, mask=m, other=0.0) - mean[None, :]
+        deviations += tl.load(m2_ptr + offsets, mask=m, other=0.0) + n * d * d
+    m2 = tl.sum(deviations, 0)
     invstd = 1.0 / tl.sqrt(m2 / M + eps)
     if HAS_W:
         scale = tl.load(w_ptr + c, mask=cm, other=1.0).to(tl.float32) * invstd
