@@ -25,6 +25,7 @@ from ultralytics.data.utils import check_det_dataset  # noqa: E402
 from tests.ultralytics._augment import seeded_batch  # noqa: E402
 from trainfuse.losses.detection.targets import PADDED_KEY, add_padded_targets  # noqa: E402
 from trainfuse.ultralytics.augment import deferred  # noqa: E402
+from trainfuse.ultralytics.augment import kernel as augment_kernel  # noqa: E402
 from trainfuse.ultralytics.augment.batch import finish_batch, is_deferred  # noqa: E402
 from trainfuse.ultralytics.augment.color import hsv_luts, opencv_vector_block  # noqa: E402
 from trainfuse.ultralytics.augment.decode import JpegDecoder  # noqa: E402
@@ -65,7 +66,7 @@ def _matrices(n, perspective):
 ])
 @pytest.mark.parametrize("perspective", [False, True])
 @pytest.mark.parametrize("hsv", [False, 0, 4, 32])  # no HSV; HSV with no, 4- and 32-column vector blocks
-def test_kernel_equals_its_torch_reference(dims, size, perspective, hsv, kernels, device):
+def test_kernel_equals_its_torch_reference(dims, size, perspective, hsv, kernels, device, monkeypatch):
     crops = _crops(dims)
     n = len(crops)
     g = torch.Generator().manual_seed(n)
@@ -81,6 +82,9 @@ def test_kernel_equals_its_torch_reference(dims, size, perspective, hsv, kernels
     assert out.shape == (n, 3, size[1], size[0]) and out.dtype == torch.uint8 and out.device == packed.device
     if device.type == "cpu":  # the interpreter: the reference's arithmetic, op for op
         assert torch.equal(out, ref)
+        # in blocks of 64 pixels too (the interpreter's are whole images, the GPU's 256 pixels)
+        monkeypatch.setattr(augment_kernel, "INTERPRETER_BLOCK", 64)
+        assert torch.equal(augment_images(packed, table, luts, size, perspective, block), ref)
     else:  # compiled, the multiply-adds fuse: a channel rounded down may land a level lower
         diff = (out.int() - ref.int()).abs()
         assert not diff.numel() or (int(diff.max()) <= 1 and (diff == 0).float().mean() > 0.99)

@@ -43,11 +43,14 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime import precompile
-from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.backend import interpreting, use_triton
 from trainfuse.ultralytics.augment.color import _tables, bgr_to_hsv, hsv_to_bgr
 
 BORDER = 114
 _BLOCK = 256
+# under the Triton interpreter a program's every operation costs Python overhead whatever its size:
+# whole images a program (numpy does the pixels), where the GPU takes 256 pixels a program
+INTERPRETER_BLOCK = 16384
 TILES = 4  # tiles per output image at most (ultralytics' mosaic of four)
 TILE = 9  # per tile: source start, height, width; canvas x1a, y1a, x2a, y2a; source x1b, y1b
 TABLE = 12 + TILES * TILE  # per image: inverse (9), flip v, flip h, swap to RGB, then the tiles
@@ -355,11 +358,12 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
     if out.numel() == 0:
         return out
     sdiv, hdiv = _hsv_tables(packed.device)
-    grid = (triton.cdiv(h_out * w_out, _BLOCK), n)
+    block = INTERPRETER_BLOCK if interpreting() else _BLOCK
+    grid = (triton.cdiv(h_out * w_out, block), n)
     args = (packed.reshape(-1) if packed.numel() else packed.new_zeros(1), table.contiguous(),
             luts.contiguous() if luts is not None else packed.new_zeros(1), sdiv, hdiv, out,
             h_out, w_out, w_out - w_out % vector_block if vector_block > 0 else 0)
-    consts = {"TABLE": TABLE, "HSV": luts is not None, "PERSPECTIVE": bool(perspective), "BLOCK": _BLOCK}
+    consts = {"TABLE": TABLE, "HSV": luts is not None, "PERSPECTIVE": bool(perspective), "BLOCK": block}
     with precompile.first_launch(_augment_kernel, args, 4, consts):  # a 2-d grid: no CachedLauncher
         _augment_kernel[grid](*args, num_warps=4, **consts)
     return out
