@@ -20,7 +20,7 @@ from ultralytics import YOLO  # noqa: E402
 from ultralytics.utils.plotting import plot_results  # noqa: E402
 
 from trainfuse.ultralytics import FusedDetectionTrainer  # noqa: E402
-from trainfuse.ultralytics.plots import WORKER, PlotWorkers  # noqa: E402
+from trainfuse.ultralytics.plots import WORKER, DeferredPlots, PlotWorkers  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 
 GAIN = 0.1  # loss gains scaled down: no step clips, so the two runs train identically (test_trainer.py)
@@ -86,6 +86,10 @@ def test_a_run_with_parallel_plots_writes_stocks_figures_byte_for_byte(data, tmp
     matrices = ["confusion_matrix_normalized.png", "confusion_matrix.png"]
     curves = ["BoxPR_curve.png", "BoxF1_curve.png", "BoxP_curve.png", "BoxR_curve.png"]
     assert drawn == ["labels.jpg", *curves, *matrices, *curves, *matrices]
+    assert isinstance(ours.validator, DeferredPlots)
+    assert type(ours.validator).__name__ == "FusedDetectionValidator"  # as reports and logs name it
+    rows = {r.kind: r for r in ours.report}
+    assert rows["validator"].name == "FusedDetectionValidator"
     for name, path in figures.items():
         assert (Path(ours.save_dir) / name).read_bytes() == path.read_bytes(), name
     assert {p.name for p in ours.plots} == {p.name for p in stock.plots}

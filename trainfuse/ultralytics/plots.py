@@ -216,8 +216,9 @@ def deferring(validator: Any, workers: PlotWorkers | None) -> Any:
         return validator
     cls = type(validator)
     if not isinstance(validator, DeferredPlots):
-        if cls not in _DEFERRED:
-            _DEFERRED[cls] = type(f"Deferred{cls.__name__}", (DeferredPlots, cls), {"__module__": __name__})
+        if cls not in _DEFERRED:  # named as the validator it extends: reports and logs read the same
+            _DEFERRED[cls] = type(cls.__name__, (DeferredPlots, cls),
+                                  {"__module__": __name__, "__qualname__": cls.__qualname__})
         validator.__class__ = _DEFERRED[cls]
     validator.plot_workers = workers
     return validator
