@@ -260,3 +260,77 @@ def test_ahead_compiles_once_per_cache_then_starts_nothing(tmp_path, monkeypatch
     if precompile._triton_cache().is_dir() and any(precompile._triton_cache().iterdir()):
         second = precompile.ahead("t", workers=1)
         assert second.workers == 0 and second.compiled_before == 1
+
+
+# Triton's cache key of each compile, in parts, appended to $KEY_LOG (the processes below run it
+# first): which part differs where a stand-in misses the launch's cache entry
+_KEY_LOG = """
+import json, os, triton.compiler.compiler as _c
+_key = _c.get_cache_key
+def _logged(src, backend, options, env_vars):
+    fn = src.fn
+    consts = {str(k): getattr(v, "cache_key", None) or str(v) for k, v in sorted(src.constants.items())}
+    parts = {"fn": fn.cache_key, "attrs": str(src.attrs), "constants": consts, "backend": backend.hash(),
+             "signature": str([v for _, v in sorted(src.signature.items())]), "options": options.hash(),
+             "env": str(sorted(env_vars.items()))}
+    with open(os.environ["KEY_LOG"], "a") as f:
+        f.write(json.dumps({"name": fn.fn.__qualname__, "parts": parts}) + "\\n")
+    return _key(src, backend, options, env_vars)
+_c.get_cache_key = _logged
+"""
+_STEP = """
+import torch, trainfuse
+torch.manual_seed(0)
+ps = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (1000, 4096, 17)]
+opt = trainfuse.FusedSGD(ps, lr=0.01, momentum=0.9, nesterov=True, max_grad_norm=10.0)
+for p in ps:
+    p.grad = torch.randn_like(p)
+opt.step()
+torch.cuda.synchronize()
+"""
+
+
+def _keys(path: Path) -> dict[str, list[dict]]:
+    keys: dict[str, list[dict]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        record = json.loads(line)
+        keys.setdefault(record["name"], []).append(record["parts"])
+    return keys
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiling ahead needs CUDA")
+def test_stand_ins_of_an_optimizer_step_hit_its_cache_entries_but_for_no_stand_in_kernels(
+        tmp_path, monkeypatch):
+    """The kernels of a FusedSGD step with clipping, each recorded, compiled from its entry by a
+    worker, then launched by a fresh process: each finds the worker's cache entry (the same
+    Triton key, part for part), but those of NO_STAND_IN, which must still miss (else they belong
+    back in the manifests); the differing parts are printed (``pytest -rP``)."""
+    no_stand_in = precompile.NO_STAND_IN
+    monkeypatch.setattr(precompile, "_recorded", {})
+    monkeypatch.setattr(precompile, "NO_STAND_IN", frozenset())  # record every kernel
+    exec(compile(_STEP, "step", "exec"), {})
+    entries = precompile.recorded()
+    names = {e["fn"] for e in entries}
+    assert "trainfuse._multi_tensor.kernels:update_kernel" in names
+    (tmp_path / "entries.json").write_text(json.dumps(entries))
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": str(ROOT)}
+    compile_all = ("import json, sys; from trainfuse._runtime import precompile\n"
+                   f"for e in json.load(open({str(tmp_path / 'entries.json')!r})):\n"
+                   "    precompile.compile_entry(e)\n")
+    for log, code in (("worker", compile_all), ("launch", _STEP)):
+        subprocess.run([sys.executable, "-c", _KEY_LOG + code], env={**env, "KEY_LOG": str(tmp_path / log)},
+                       check=True, cwd=ROOT, timeout=600)
+    worker, launch = _keys(tmp_path / "worker"), _keys(tmp_path / "launch")
+    for name in sorted(names):
+        qualname = name.partition(":")[2]
+        assert launch.get(qualname), f"{name}: the fresh process compiled nothing of it"
+        for parts in launch[qualname]:
+            hit = parts in worker.get(qualname, [])
+            if not hit:
+                nearest = min(worker.get(qualname, [{}]),
+                              key=lambda w, parts=parts: sum(w.get(k) != v for k, v in parts.items()))
+                differ = {k: [nearest.get(k), v] for k, v in parts.items() if nearest.get(k) != v}
+                print(f"{name}: the stand-in's key (first) differs from the launch's in {json.dumps(differ)}")
+            listed = name in no_stand_in
+            verdict = f"{'hits' if hit else 'misses'} the launch's cache entry"
+            assert hit != listed, f"{name}: {verdict}, NO_STAND_IN {'lists' if listed else 'omits'} it"
