@@ -20,6 +20,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    from tests import _interpreter
+
+    INTERPRETER_KEPT = _interpreter.install()
 
 # xdist sets this in each worker: N workers with torch's default thread count each would run N
 # times more threads than there are cores
