@@ -57,13 +57,37 @@ def test_a_device_function_constexpr_is_named():
     named = json.loads(json.dumps(precompile._const(chunk_fn)))
     assert named == {"jit": f"{chunk_fn.fn.__module__}:{chunk_fn.fn.__qualname__}"}
     assert precompile._unconst(named) is chunk_fn
-    # the update kernel that takes it has no stand-in (NO_STAND_IN): no entry, and none loaded
     t = torch.zeros(64)
-    assert precompile.entry(kernels.update_kernel, (t,), 4, {"CHUNK_FN": chunk_fn}) is None
+    constexprs = {"CHUNK_FN": chunk_fn, "HAS_CLIP": kernels.CLIP_NORM}
+    e = precompile.entry(kernels.update_kernel, (t,), 4, constexprs)
+    assert e["constexprs"] == {"CHUNK_FN": named, "HAS_CLIP": {"constexpr": 1}}
 
 
-def test_kernels_without_a_stand_in_are_dropped_from_manifests(tmp_path):
-    (name,) = precompile.NO_STAND_IN
+def test_a_named_constant_passed_as_a_constexpr_object_stays_one():
+    """A module's ``tl.constexpr`` constant passed as a launch's constexpr (the update kernel's
+    ``HAS_CLIP``) has an entry, and its stand-in passes the same object again."""
+    from trainfuse._multi_tensor import kernels
+
+    for constant in (kernels.CLIP_NONE, kernels.CLIP_NORM, kernels.CLIP_VALUE, tl.constexpr(True)):
+        named = json.loads(json.dumps(precompile._const(constant)))
+        assert named == {"constexpr": constant.value}
+        back = precompile._unconst(named)
+        assert type(back) is type(constant) and str(back) == str(constant) and back.value == constant.value
+    assert precompile._const(tl.constexpr(object())) is None
+    assert precompile._const(tl.constexpr(tl.float32)) is None  # not worth a JSON form yet
+    t = torch.zeros(64)
+    e = precompile.entry(bce._scale_kernel, (t, t, 5), 4, {"CD": tl.float32, "BLOCK": tl.constexpr(64)})
+    assert e["constexprs"]["BLOCK"] == {"constexpr": 64}
+
+
+def test_kernels_without_a_stand_in_are_dropped_from_manifests(tmp_path, monkeypatch):
+    name = "trainfuse._multi_tensor.kernels:update_kernel"
+    monkeypatch.setattr(precompile, "NO_STAND_IN", frozenset({name}))
+    t = torch.zeros(64)
+    assert precompile.entry(bce._scale_kernel, (t,), 4, {}) is not None
+    monkeypatch.setattr(precompile, "NO_STAND_IN", frozenset({"trainfuse.losses.bce:_scale_kernel"}))
+    assert precompile.entry(bce._scale_kernel, (t,), 4, {}) is None
+    monkeypatch.setattr(precompile, "NO_STAND_IN", frozenset({name}))
     path = tmp_path / "m.json"
     precompile.save(path, [{"fn": name, "args": [], "num_warps": 4, "constexprs": {}},
                            {"fn": "trainfuse.losses.bce:_scale_kernel", "args": [], "num_warps": 4,

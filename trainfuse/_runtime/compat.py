@@ -204,11 +204,19 @@ def triton_allocator_is_null() -> bool:
     return isinstance(current, _allocation.NullAllocator)
 
 
+def jit_key_pending(value: Any) -> bool:
+    """Whether ``value`` is a ``@triton.jit`` function whose cache key this process has not
+    computed yet (``JITFunction.hash``, filled by its ``cache_key`` property)."""
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(value, JITFunction) and value.hash is None
+
+
 __all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "STEP_SUPPORTS_AMP_SCALING",
            "addmm_activation", "compiled_original", "current_device_index", "current_raw_stream",
            "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
            "global_step_post_hooks", "global_step_pre_hooks", "has_step_hooks", "inner_schedulers",
-           "local_tensor", "mark_step_for_schedulers", "module_hooks", "parameters_of", "profiler_enabled",
-           "record_step_call", "run_optimizer_step_code", "scalar_dtype", "scaler_optimizer_states",
-           "set_zero_grad_profile_name", "step_hooks", "tensor_grad_hooks", "triton_allocator_is_null",
-           "will_engine_execute_node"]
+           "jit_key_pending", "local_tensor", "mark_step_for_schedulers", "module_hooks", "parameters_of",
+           "profiler_enabled", "record_step_call", "run_optimizer_step_code", "scalar_dtype",
+           "scaler_optimizer_states", "set_zero_grad_profile_name", "step_hooks", "tensor_grad_hooks",
+           "triton_allocator_is_null", "will_engine_execute_node"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainfuse._runtime import compat, precompile
+from trainfuse._runtime import compat, jit_keys, precompile
 from trainfuse._runtime.backend import interpreting
 
 _NOTHING = contextlib.nullcontext()
@@ -80,6 +80,8 @@ class CachedLauncher:
                  key: Any = None, stream: int | None = None, **constexprs) -> None:
         device = args[0].device
         self.last = None
+        if compat.jit_key_pending(fn) or any(compat.jit_key_pending(v) for v in constexprs.values()):
+            jit_keys.settle(fn, *constexprs.values())  # before anything hashes them (the key below)
         if not self._usable or device.type != "cuda" or len(grid) != 1:
             # the cached launch takes a 1-d grid: a grid of more axes goes through Triton each time
             fn[grid](*args, num_warps=num_warps, **constexprs)

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from trainfuse._runtime import jit_keys
+
 VERSION = 1
 _SHIPPED = Path(__file__).with_name("manifests")
 _lock = threading.Lock()
@@ -72,9 +74,14 @@ def mock_arg(spec: list, device: str | torch.device = "cuda") -> Any:
 
 def _const(value: Any) -> Any:
     """A constexpr as JSON: a Triton dtype as ``{"tl.dtype": name}``, a JIT function (a kernel's
-    device-function argument) as ``{"jit": "module:qualname"}``; None where JSON cannot hold it."""
+    device-function argument) as ``{"jit": "module:qualname"}``, a ``tl.constexpr`` object (a
+    module's named constant passed as is: Triton keys it apart from its bare value) as
+    ``{"constexpr": value}``; None where JSON cannot hold it."""
     if isinstance(value, (bool, int, float, str)):
         return value
+    if type(value).__name__ == "constexpr" and type(value).__module__.startswith("triton"):
+        inner = _const(value.value)
+        return None if inner is None or isinstance(inner, dict) else {"constexpr": inner}
     inner = getattr(value, "fn", None)
     if inner is not None and hasattr(value, "arg_names"):
         return {"jit": f"{inner.__module__}:{inner.__qualname__}"}
@@ -90,14 +97,17 @@ def _unconst(value: Any) -> Any:
     if isinstance(value, dict):
         import triton.language as tl
 
+        if "constexpr" in value:
+            return tl.constexpr(value["constexpr"])
         return tl.dtype(value["tl.dtype"])
     return value
 
 
 # kernels whose stand-in launch compiles to another Triton cache entry than the launch it was
-# recorded from (measured on an H200: the multi-tensor update kernel, same options, another source
-# hash): compiling them ahead only costs a worker and makes the run wait for it
-NO_STAND_IN = frozenset({"trainfuse._multi_tensor.kernels:update_kernel"})
+# recorded from ("module:qualname"): compiling them ahead would only cost a worker and make the run
+# wait for it. None now: the one there was (the multi-tensor update kernel) differed by the order
+# Triton up to 3.6 hashed its helpers in, which jit_keys settles in the run and the workers alike.
+NO_STAND_IN: frozenset[str] = frozenset()
 
 
 def entry(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | None = None) -> dict | None:
@@ -124,6 +134,7 @@ def entry(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | Non
 def _note(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | None) -> tuple[str, bool]:
     """Record a launch's entry (:func:`recorded`): its JSON text (the kernel's name where it has no
     stand-in) and whether this process sees it for the first time."""
+    jit_keys.settle(fn, *constexprs.values())
     e = entry(fn, args, num_warps, constexprs, options)
     if e is None:
         inner = getattr(fn, "fn", fn)
@@ -415,8 +426,10 @@ def resolve(e: dict):
 def compile_entry(e: dict) -> None:
     """Compile one entry into Triton's cache, its launcher too."""
     fn = resolve(e)
+    constexprs = {k: _unconst(v) for k, v in e["constexprs"].items()}
+    jit_keys.settle(fn, *constexprs.values())  # the keys the run's launch computes (jit_keys)
     kernel = fn.warmup(*[mock_arg(s) for s in e["args"]], grid=(1,), num_warps=e["num_warps"],
-                       **{k: _unconst(v) for k, v in e["constexprs"].items()}, **e.get("options", {}))
+                       **constexprs, **e.get("options", {}))
     if hasattr(kernel, "result"):
         kernel = kernel.result()
     kernel.run  # noqa: B018 - loads the module and builds the launcher, cached beside the kernel
