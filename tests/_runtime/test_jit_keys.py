@@ -84,7 +84,7 @@ def test_a_kernels_key_is_the_same_whatever_was_hashed_first(fresh):
     (as the launcher does), and bottom-up by hand: one set of keys. (Triton up to 3.6 alone gives
     another key to ``kern`` hashed first: its callees' globals G and H left out.)"""
     by_hand = fresh()
-    for fn in (by_hand.leaf, by_hand.mid, by_hand.kern, by_hand.other):
+    for fn in (by_hand.leaf, by_hand.mid, by_hand.kern, by_hand.helpers.twice, by_hand.other):
         fn.cache_key  # noqa: B018 - callees first
     expected = _keys(by_hand)
     top = fresh()

@@ -166,7 +166,30 @@ def test_worker_counts_entries_it_could_not_compile_and_lists_none_of_them(tmp_p
     assert kernel == "trainfuse.no_such_module:kernel" and error.startswith("ModuleNotFoundError")
     line = precompile.summary(failures=[(kernel, error)])
     assert line == f"the compile workers failed on 1 (first: {kernel}: {error})"
-    assert precompile.main([str(path), "1", "2"]) == 0  # not this worker's share
+    assert precompile.main([str(path), "1", "2"]) == 0  # claimed by worker 0 already: left alone
+
+
+def test_workers_each_compile_what_no_other_claimed(tmp_path):
+    """Worker i starts at entry i, then takes what is left after it, wrapping around: every entry
+    once over all workers, however many there are and in whatever order they run."""
+    entries = [{"fn": f"trainfuse.no_such_module:kernel{i}", "args": [], "num_warps": 4, "constexprs": {}}
+               for i in range(5)]
+    for count, order in ((1, [0]), (2, [1, 0]), (3, [0, 1, 2]), (8, [7, 2, 0, 1, 3, 4, 5, 6])):
+        path, done = tmp_path / f"m{count}.json", tmp_path / f"done{count}.txt"
+        precompile.save(path, entries)
+        failed = [precompile.main([str(path), str(i), str(count), str(done)]) for i in order]
+        assert failed == [5] + [0] * (count - 1)  # one after the other: the first takes them all
+        names = [k for k, _ in precompile.worker_failures(done)]
+        start = min(order[0], 5)
+        assert names == [entries[k]["fn"] for k in [*range(start, 5), *range(start)]]
+    # at once: each entry once, the first ones in the workers' own order
+    path, done = tmp_path / "m.json", tmp_path / "done.txt"
+    precompile.save(path, entries)
+    command = [sys.executable, "-m", "trainfuse._runtime.precompile", str(path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    workers = [subprocess.Popen([*command, str(i), "3", str(done)], env=env, cwd=ROOT) for i in range(3)]
+    assert sum(w.wait(timeout=300) for w in workers) == 5
+    assert sorted(k for k, _ in precompile.worker_failures(done)) == sorted(e["fn"] for e in entries)
 
 
 def test_a_launch_waits_for_the_worker_compiling_it_and_no_longer(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -360,6 +361,7 @@ class Ahead:
             p.wait()
         if self._manifest is not None:
             Path(self._manifest).unlink(missing_ok=True)
+            shutil.rmtree(_claims(self._manifest), ignore_errors=True)
             self._manifest = None
         self.failures = worker_failures(self._done_path)
         _failed_log(self._done_path).unlink(missing_ok=True)
@@ -436,14 +438,24 @@ def compile_entry(e: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m trainfuse._runtime.precompile MANIFEST INDEX COUNT [DONE]``: compile every
-    COUNT-th entry from INDEX, each appended to the file DONE once compiled (one line of JSON, in
-    one write), and each that failed to ``DONE.failed`` (its JSON and the error, one line); the
-    number of entries that failed is the exit status (capped at 100)."""
-    path, index, count = argv[0], int(argv[1]), int(argv[2])
+    """``python -m trainfuse._runtime.precompile MANIFEST INDEX COUNT [DONE]``: worker INDEX of
+    COUNT. It compiles entry INDEX first, then each entry after it (wrapping around) that no other
+    worker has claimed (a file per entry in ``MANIFEST.claims``, made exclusively): a worker whose
+    first entry is a long compile holds up no other. Each compiled entry is appended to the file
+    DONE (one line of JSON, in one write), each that failed to ``DONE.failed`` (its JSON and the
+    error, one line); the number of entries that failed is the exit status (capped at 100)."""
+    path, index = argv[0], int(argv[1])
     done = Path(argv[3]) if len(argv) > 3 else None
+    entries = load(Path(path))
+    claims = _claims(path)
+    claims.mkdir(exist_ok=True)
     failed = 0
-    for e in load(Path(path))[index::count]:
+    for k in [*range(index, len(entries)), *range(min(index, len(entries)))]:
+        try:
+            os.close(os.open(claims / str(k), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue  # another worker's
+        e = entries[k]
         try:
             compile_entry(e)
         except Exception as error:  # noqa: BLE001 - a stale entry must not stop the others
@@ -457,6 +469,10 @@ def main(argv: list[str]) -> int:
             with open(done, "a") as f:  # O_APPEND: lines of concurrent workers never interleave
                 f.write(json.dumps(e, sort_keys=True) + "\n")
     return min(failed, 100)
+
+
+def _claims(manifest: str | Path) -> Path:
+    return Path(f"{manifest}.claims")
 
 
 def _failed_log(done: Path) -> Path:
