@@ -19,6 +19,7 @@ from itertools import compress
 import torch
 
 from trainfuse._multi_tensor import kernels, stats
+from trainfuse._runtime import compat, jit_keys
 from trainfuse._runtime.launch import CachedLauncher
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -308,6 +309,8 @@ def launch_update(launcher: CachedLauncher, chunk_fn, plan: Plan, hp: torch.Tens
     dummy = plan.rows  # stands in for absent pointers; never read (the HAS_* flags are off)
     launch = plan.launch
     ema_ptr = isinstance(ema_w, torch.Tensor)
+    if compat.jit_key_pending(chunk_fn):  # its cache key, callees first, before the key below hashes it
+        jit_keys.settle(chunk_fn)
     key = ("update", chunk_fn, wide16, kernel_key(plan), plan.codes, _ptr_class(hp), _ptr_class(grad_scale),
            _ptr_class(clip), mode, _ptr_class(found_inf), width, ema_ptr)
     launcher(

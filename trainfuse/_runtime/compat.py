@@ -204,12 +204,19 @@ def triton_allocator_is_null() -> bool:
     return isinstance(current, _allocation.NullAllocator)
 
 
+_JIT_FUNCTION: type | None = None
+
+
 def jit_key_pending(value: Any) -> bool:
     """Whether ``value`` is a ``@triton.jit`` function whose cache key this process has not
-    computed yet (``JITFunction.hash``, filled by its ``cache_key`` property)."""
-    from triton.runtime.jit import JITFunction
+    computed yet (``JITFunction.hash``, filled by its ``cache_key`` property). Cheap: launchers
+    ask it on every launch."""
+    global _JIT_FUNCTION
+    if _JIT_FUNCTION is None:
+        from triton.runtime.jit import JITFunction
 
-    return isinstance(value, JITFunction) and value.hash is None
+        _JIT_FUNCTION = JITFunction
+    return isinstance(value, _JIT_FUNCTION) and value.hash is None
 
 
 __all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "STEP_SUPPORTS_AMP_SCALING",

@@ -80,8 +80,8 @@ class CachedLauncher:
                  key: Any = None, stream: int | None = None, **constexprs) -> None:
         device = args[0].device
         self.last = None
-        if compat.jit_key_pending(fn) or any(compat.jit_key_pending(v) for v in constexprs.values()):
-            jit_keys.settle(fn, *constexprs.values())  # before anything hashes them (the key below)
+        if compat.jit_key_pending(fn):  # before anything hashes it (the key below); a caller that
+            jit_keys.settle(fn, *constexprs.values())  # keys on a JIT constexpr settles it itself
         if not self._usable or device.type != "cuda" or len(grid) != 1:
             # the cached launch takes a 1-d grid: a grid of more axes goes through Triton each time
             fn[grid](*args, num_warps=num_warps, **constexprs)
