@@ -9,8 +9,9 @@ launches it hash in different orders and file one kernel under two keys; the lau
 worker's cache entry and compiles it again.
 
 :func:`settle` hashes a kernel's JIT callees before the kernel, callees' callees first: the key
-newer Triton gives in any order. The launcher, the precompile hooks and the workers settle each
-kernel (and the JIT functions passed to it as constexprs) before its first launch or compile.
+newer Triton gives in any order. The launcher settles each kernel before its first launch (with
+its constexprs), ``launch_update`` the chunk function it passes as a constexpr, the precompile
+hooks each first launch, and the workers each kernel before they compile it.
 """
 
 from __future__ import annotations
