@@ -54,3 +54,30 @@ def test_one_run_reports_its_parts_and_maps(tmp_path, monkeypatch):
     json.dumps(result)  # what the child process hands the parent
     assert set(PARTS) <= set(result) and {"map50", "map50_95"} <= set(result)
     assert math.isclose(sum(result[p] for p in PARTS), result["wall"], rel_tol=1e-9)
+
+
+def test_a_cut_off_default_run_bench_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    """The runs' parts are written as each finishes: a bench stopped by a time limit during its
+    third run leaves the first two (the table and report come only at the end)."""
+    import argparse
+    import json
+
+    from trainfuse.bench import yolo_default
+
+    finished = []
+
+    def spawn(kind, data, epochs, project, name, *rest):
+        if len(finished) == 2:
+            raise KeyboardInterrupt("time limit")
+        finished.append(name)
+        return {"wall": 10.0 + len(finished), **{p: 1.0 for p in PARTS}, "map50_95": 0.5}
+
+    monkeypatch.setattr(yolo_default, "_spawn", spawn)
+    monkeypatch.setattr(yolo_default, "_forget_labels", lambda data: None)
+    args = argparse.Namespace(epochs=1, images=4, val_images=2, seed=0, stock_warm=False,
+                              parallel_plots=False)
+    with pytest.raises(KeyboardInterrupt):
+        yolo_default.run({}, args, str(tmp_path / "data.yaml"), tmp_path / "out", "8")
+    runs = json.loads((tmp_path / "out" / yolo_default.PARTIAL).read_text())
+    assert list(runs) == ["stock", "trainfuse-cold"] == finished
+    assert runs["trainfuse-cold"]["wall"] == 12.0 and runs["stock"]["setup"] == 1.0

@@ -37,6 +37,7 @@ from trainfuse.bench._common import add_row, note, print_table
 GOALS = {"cold_speedup": 3.0, "warm_speedup": 3.5, "first_step_cold_extra_s": 5.0,
          "first_step_warm_extra_s": 1.0}
 PARTS = ("setup", "first_step", "train", "validation", "epoch_ends", "final")
+PARTIAL = "yolo-default-run.partial.json"  # under --out: the runs finished so far, rewritten after each
 
 
 def one_run(kind: str, data: str, epochs: int, project: str, name: str, seed: int = 0,
@@ -100,6 +101,9 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
                 _forget_labels(data)
             runs[name] = _spawn(kind, data, args.epochs, project, name, env, args.seed, args.parallel_plots)
             print(f"{name}: {runs[name]['wall']:.1f} s", flush=True)
+            # each finished run's parts at once: a bench cut off later (a time limit) keeps them
+            out.mkdir(parents=True, exist_ok=True)
+            (out / PARTIAL).write_text(json.dumps(runs, indent=1))
     finally:
         shutil.rmtree(caches, ignore_errors=True)
     stock_warm = runs.get("stock-warm", runs["stock"])
