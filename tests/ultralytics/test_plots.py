@@ -5,6 +5,7 @@ itself (CPU: the fused optimizer phase with ultralytics' loss trains exactly as 
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from ultralytics import YOLO  # noqa: E402
 from ultralytics.utils.plotting import plot_results  # noqa: E402
 
 from trainfuse.ultralytics import FusedDetectionTrainer  # noqa: E402
-from trainfuse.ultralytics.plots import WORKER, DeferredPlots, PlotWorkers  # noqa: E402
+from trainfuse.ultralytics.plots import WORKER, DeferredPlots, PlotWorkers, framed, read_framed  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 
 GAIN = 0.1  # loss gains scaled down: no step clips, so the two runs train identically (test_trainer.py)
@@ -54,6 +55,44 @@ def test_a_failing_figure_raises_its_error_on_wait_and_the_others_still_register
         workers.wait()
     workers.close()  # nothing left to wait for, no worker left running
     assert names == []
+
+
+def test_a_job_is_answered_while_a_forked_process_holds_the_workers_pipes(tmp_path):
+    """A data loader's worker forked after the plot workers started inherits their pipes' ends: the
+    job must still reach its worker and the answer come back (read to their lengths, not to the
+    ends of the streams, which come only when that process exits)."""
+    import multiprocessing
+    import time
+
+    workers = PlotWorkers(1)
+    workers.ready()
+    holder = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    holder.start()
+    try:
+        names = []
+        start = time.perf_counter()
+        workers.call("pathlib", "Path", (str(tmp_path),), on_plot=names.append)
+        workers.wait()
+        assert time.perf_counter() - start < 30  # not held until the forked process ends
+    finally:
+        holder.kill()
+        holder.join()
+        workers.close()
+
+
+def test_framed_messages_are_read_to_their_length():
+    read, write = os.pipe()
+    try:
+        os.write(write, framed(b"abc") + framed(b"") + framed(b"x" * 70000)[:100])
+        assert read_framed(read) == b"abc" and read_framed(read) == b""
+        os.close(write)
+        write = None
+        with pytest.raises(EOFError, match="ended after 100 of 70008 bytes"):
+            read_framed(read)
+    finally:
+        os.close(read)
+        if write is not None:
+            os.close(write)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import subprocess
 import sys
 import threading
@@ -39,6 +40,30 @@ def default_workers() -> int:
     return max(1, min(CURVE_PARTS + 2, (os.cpu_count() or 2) // 2))
 
 
+def framed(data: bytes) -> bytes:
+    """``data`` behind its length (8 bytes, little-endian): how jobs and answers travel."""
+    return len(data).to_bytes(8, "little") + data
+
+
+def read_framed(fd: int, alive: Callable[[], bool] = lambda: True) -> bytes:
+    """One :func:`framed` message from file descriptor ``fd``, read to its length, not to the end of
+    the stream: a process forked from ours (a data loader's worker) may hold the pipe's other end
+    open, so the end may never come. ``alive`` says whether the writer still runs; it is asked
+    while nothing arrives, and a message cut off by its end raises ``EOFError``."""
+    data, need = b"", 8
+    for size in (8, None):
+        while len(data) < need:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            chunk = os.read(fd, min(need - len(data), 1 << 20)) if ready else None
+            if chunk == b"" or (chunk is None and not alive() and not select.select([fd], [], [], 0)[0]):
+                raise EOFError(f"the message ended after {len(data)} of {need} bytes")
+            data += chunk or b""
+        if size is None:
+            return data[8:]
+        need = 8 + int.from_bytes(data[:8], "little")
+    raise AssertionError("unreachable")
+
+
 class _Job:
     """One figure job in its worker process; a thread feeds it and reads its answer."""
 
@@ -51,11 +76,18 @@ class _Job:
         self._thread.start()
 
     def _talk(self, payload: bytes) -> None:
+        process = self._process
         try:
-            out, _ = self._process.communicate(payload)
-            status, value = pickle.loads(out) if out else ("error", f"exit code {self._process.returncode}")
+            process.stdin.write(framed(payload))
+            process.stdin.close()
+            status, value = pickle.loads(read_framed(process.stdout.fileno(), lambda: process.poll() is None))
+        except EOFError:
+            status, value = "error", f"the worker ended without an answer (exit code {process.wait()})"
         except Exception as error:  # noqa: BLE001 - reported by wait(), on the training thread
             status, value = "error", f"{type(error).__name__}: {error}"
+        finally:
+            process.stdout.close()
+        process.wait()  # it exits right after its answer
         if status == "ok":
             self.names = value
         else:
