@@ -208,6 +208,7 @@ def test_a_launch_waits_for_the_worker_compiling_it_and_no_longer(tmp_path, monk
     try:
         precompile.launching(bce._scale_kernel, (t, t, 64), 4, {"CD": tl.float32, "BLOCK": 64})
         assert 0.2 < ahead.waited < 20 and text not in ahead.pending
+        assert ahead.waits == {"_scale_kernel": ahead.waited}
         assert precompile.recorded() == [mine]
         waited = ahead.waited
         precompile.launching(bce._scale_kernel, (t, t, 64), 4, {"CD": tl.float32, "BLOCK": 64})
@@ -237,7 +238,9 @@ def test_first_launches_are_timed_once_and_summarized(monkeypatch):
     assert len(precompile.first_launches()) == 2 and len(precompile.recorded()) == 1
     line = precompile.summary(waited=1.25)
     assert line.startswith("2 kernel specializations first launched in ") and "_scale_kernel" in line
-    assert "launches waited 1.2 s for the compile workers" in line
+    assert "launches waited 1.2 s for the compile workers;" in line
+    line = precompile.summary(waited=1.25, waits={"update_kernel": 0.9, "a": 0.3, "b": 0.04, "c": 0.01})
+    assert "launches waited 1.2 s for the compile workers (update_kernel 0.9 s, a 0.3 s);" in line
     assert "no manifest entry): trainfuse.losses" in line
     assert precompile.summary(since=2) is None
 

@@ -192,11 +192,13 @@ def unrecordable() -> list[str]:
         return sorted(_unrecordable)
 
 
-def summary(waited: float = 0.0, since: int = 0, failures: list[tuple[str, str]] = ()) -> str | None:
+def summary(waited: float = 0.0, since: int = 0, failures: list[tuple[str, str]] = (),
+            waits: dict[str, float] | None = None) -> str | None:
     """A line for a log: how many specializations were first launched in this process (after the
     first ``since`` of :func:`first_launches`) and how long that took, the slowest named; how long
-    launches ``waited`` for the compile workers; the kernels no manifest entry describes; the
-    ``failures`` of the workers (:attr:`Ahead.failures`). None where there is nothing to say."""
+    launches ``waited`` for the compile workers, the longest ``waits`` per kernel
+    (:attr:`Ahead.waits`) named; the kernels no manifest entry describes; the ``failures`` of the
+    workers (:attr:`Ahead.failures`). None where there is nothing to say."""
     firsts = first_launches()[since:]
     parts = []
     if firsts:
@@ -205,7 +207,9 @@ def summary(waited: float = 0.0, since: int = 0, failures: list[tuple[str, str]]
         parts.append(f"{len(firsts)} kernel specializations first launched in {total:.1f} s "
                      f"(slowest: {slowest})")
     if waited:
-        parts.append(f"launches waited {waited:.1f} s for the compile workers")
+        longest = sorted(((s, name) for name, s in (waits or {}).items() if s >= 0.05), reverse=True)[:3]
+        named = f" ({', '.join(f'{name} {s:.1f} s' for s, name in longest)})" if longest else ""
+        parts.append(f"launches waited {waited:.1f} s for the compile workers{named}")
     if firsts and (missing := unrecordable()):
         parts.append(f"not compiled ahead (no manifest entry): {', '.join(missing)}")
     if failures:
@@ -330,6 +334,7 @@ class Ahead:
         self.processes: list[subprocess.Popen] = []
         self.started = time.perf_counter()
         self.waited = 0.0  # seconds launches spent waiting for the workers
+        self.waits: dict[str, float] = {}  # of them, per kernel (its qualified name)
         self.failures: list[tuple[str, str]] = []  # (kernel, error) the workers failed on, once stopped
         self._done_path, self._done, self._manifest = done, set(), None
 
@@ -350,7 +355,10 @@ class Ahead:
             time.sleep(0.01)
             self._done = _read_done(self._done_path)
         self.pending.discard(text)
-        self.waited += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.waited += seconds
+        name = _kernel_name(text)
+        self.waits[name] = self.waits.get(name, 0.0) + seconds
 
     def stop(self) -> None:
         """End the workers still running (what they had left compiles in the run, if launched)."""
@@ -469,6 +477,14 @@ def main(argv: list[str]) -> int:
             with open(done, "a") as f:  # O_APPEND: lines of concurrent workers never interleave
                 f.write(json.dumps(e, sort_keys=True) + "\n")
     return min(failed, 100)
+
+
+def _kernel_name(text: str) -> str:
+    """The kernel's name (its qualified name) in an entry's JSON text."""
+    try:
+        return json.loads(text)["fn"].partition(":")[2] or "?"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "?"
 
 
 def _claims(manifest: str | Path) -> Path:

@@ -45,11 +45,11 @@ class KernelsAhead:
         """End the workers; a line for the log saying which kernels the run launched first and
         how long that took, and how long the run waited for the workers (None off CUDA)."""
         ahead, self._ahead = self._ahead, None
-        waited, failures = 0.0, []
+        waited, failures, waits = 0.0, [], {}
         if ahead is not None and ahead.workers:
             ahead.stop()
-            waited, failures = ahead.waited, ahead.failures
-        return precompile.summary(waited, self._since, failures) if self._cuda else None
+            waited, failures, waits = ahead.waited, ahead.failures, ahead.waits
+        return precompile.summary(waited, self._since, failures, waits) if self._cuda else None
 
     def remember(self) -> None:
         """Add the specializations this run launched to this machine's manifest."""
