@@ -41,6 +41,11 @@ def test_a_worker_draws_the_figure_ultralytics_draws_and_names_its_file(tmp_path
     assert names == []  # registered once waited for
     workers.close()
     assert names == [str(tmp_path / "results.png")]
+    (drawing, turnaround), = workers.times
+    assert 0 < drawing < turnaround
+    assert workers.timing() == (f": each {drawing:.1f}-{drawing:.1f} s to draw, {turnaround:.1f}-"
+                                f"{turnaround:.1f} s from sent to answered")
+    assert PlotWorkers(1).timing() == ""
     assert (tmp_path / "results.png").read_bytes() == here
 
 

@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> dict | None:
 
         yolo_default.run(report, args, data, out, ultralytics.__version__)
         report["_bench"] = "yolo"
-        save_report(report, args.out, "yolo-default-run")
+        # parallel_plots (off by default) changes the runs measured: a family of its own
+        save_report(report, args.out,
+                    "yolo-default-run-parallel-plots" if args.parallel_plots else "yolo-default-run")
         return report
     if args.photo:
         from trainfuse.bench import yolo_photo

@@ -13,7 +13,8 @@ validation, epoch ends, final evaluation). Runs, in this order:
 - ``trainfuse-warm``: ours again, the caches as the cold run left them;
 - with ``--stock-warm``, ``stock-warm``: stock again (its label caches there).
 
-``--parallel-plots`` runs ours with ``parallel_plots=True`` (the figures drawn by worker processes).
+``--parallel-plots`` runs ours with ``parallel_plots=True`` (the figures drawn by worker processes),
+saved as the family ``yolo-default-run-parallel-plots``.
 
 Machine-wide caches neither trainer owns (matplotlib's font list) are built before the first run.
 
@@ -111,6 +112,8 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
     first_stock_warm = first.get("stock-warm", first["stock"])
     workload = (f"yolov5n default train(): {args.epochs} epochs, {args.images} photo-like JPEGs, "
                 f"{args.val_images} to validate each epoch")
+    if args.parallel_plots:
+        workload += ", ours with parallel_plots=True"
     rows = [[name, f"{r['wall']:.1f}", f"{first[name]:.1f}", *(f"{r[p]:.2f}" for p in PARTS),
              "-" if r["map50_95"] is None else f"{r['map50_95']:.3f}"] for name, r in runs.items()]
     print_table(workload, ["run", "wall s", "to first step s", *(f"{p} s" for p in PARTS), "mAP50-95"], rows)

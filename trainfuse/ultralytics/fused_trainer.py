@@ -63,7 +63,8 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
             :mod:`trainfuse.nn.conv_block`).
         prefetch: on CUDA, the training batches copied to the GPU one ahead (default True).
         parallel_plots: with ``plots=True``, the figures drawn in worker processes while the run
-            goes on (default False: :mod:`trainfuse.ultralytics.plots`).
+            goes on (default False: on an H200 a default run's final evaluation took longer with
+            them; :mod:`trainfuse.ultralytics.plots`).
 
     Attributes:
         report: what the trainer changed and what it left stock, with why (rows of
@@ -270,7 +271,8 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
                 raise
         finally:
             self.plotted_in_workers = workers.files
-        LOGGER.info(f"{_PREFIX} {len(workers.files)} figures drawn by worker processes (parallel_plots)")
+        LOGGER.info(f"{_PREFIX} {len(workers.files)} figures drawn by worker processes (parallel_plots)"
+                    f"{workers.timing()}")
 
     # ---- the step ------------------------------------------------------------------------------------
     @override

@@ -5,7 +5,8 @@ It imports matplotlib and ultralytics' plotting first (the slow part, done befor
 asked for), reads one pickled job from stdin (behind its length:
 :func:`~trainfuse.ultralytics.plots.framed`), ``(target, name, args, kwargs, notify, curves)``,
 calls ``getattr(target, name)(*args, **kwargs)`` (``target`` a module's name or an object), with
-``on_plot`` collecting the files written where ``notify``, and writes ``("ok", files)`` or
+``on_plot`` collecting the files written where ``notify``, and writes ``("ok", files, seconds)``
+(the call's time) or
 ``("error", traceback)`` to stdout, pickled and framed the same way, then exits at once
 (``os._exit``: no interpreter teardown). ultralytics logs to stdout: the process's stdout goes to
 stderr, the answer through a copy of the original descriptor.
@@ -17,6 +18,7 @@ import importlib
 import os
 import pickle
 import sys
+import time
 import traceback
 
 
@@ -76,8 +78,9 @@ def main() -> int:
         files: list[str] = []
         if notify:
             kwargs["on_plot"] = lambda path, data=None: files.append(str(path))
+        start = time.perf_counter()
         getattr(target, name)(*args, **kwargs)
-        result = ("ok", files)
+        result = ("ok", files, time.perf_counter() - start)
     except BaseException:  # noqa: BLE001 - the parent raises it
         result = ("error", traceback.format_exc())
     answer.write(framed(pickle.dumps(result)))
