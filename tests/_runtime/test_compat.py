@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainfuse._runtime import compat
@@ -351,3 +352,17 @@ def test_local_tensor_is_the_shard_the_dtensor_holds(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_local_tensor_worker, args=(str(tmp_path),), nprocs=1, join=True)
+
+
+def _kernel_source(x, n, m, BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr naming
+    pass
+
+
+@pytest.mark.parametrize("given", [["n"], [1]])
+def test_unspecialized_args_read_the_decorator_compiled_and_interpreted(given):
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for kind in (JITFunction, InterpretedFunction):
+        assert compat.unspecialized_args(kind(_kernel_source, do_not_specialize=given)) == {"n"}, kind
+        assert compat.unspecialized_args(kind(_kernel_source)) == frozenset(), kind

@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton.language as tl
 
-from trainfuse._runtime import precompile
+from trainfuse._runtime import compat, precompile
 from trainfuse._runtime.launch import CachedLauncher
 from trainfuse.losses import bce
 
@@ -47,6 +47,30 @@ def test_an_odd_constexpr_has_no_entry_an_unaligned_view_has_one():
     assert precompile.arg_spec(2.5) == ["float"]
     with pytest.raises(TypeError, match="constexpr"):
         precompile.arg_spec(True)
+
+
+def test_an_int_triton_does_not_specialize_is_recorded_by_its_width_alone():
+    from trainfuse.losses.detection import assigner
+
+    t = torch.zeros(64, dtype=torch.float32)
+    args = [t] * 7
+    entries = [precompile.entry(assigner.resolve_kernel, (*args, 8400, m), 4, {"BLOCK": 1024})
+               for m in (1, 8, 16, 17)]
+    assert all(e == entries[0] for e in entries)  # the capacity: one compile serves 1, 8, 16, 17
+    assert entries[0]["args"][-1] == ["int", False, False, False]
+    assert entries[0]["args"][-2] == ["int", False, True, False]  # the anchors still specialize
+    wide = precompile.entry(assigner.resolve_kernel, (*args, 8400, 2**33), 4, {"BLOCK": 1024})
+    assert wide["args"][-1] == ["int", False, False, True]
+
+
+def test_the_label_capacity_specializes_no_detection_kernel():
+    # a run's capacity changes (16, then 8 once mosaic closes): each would be a compile mid-run
+    from trainfuse.losses.detection import assigner, box_loss
+
+    kernels = [assigner.metric_kernel, assigner.resolve_kernel, assigner.topk2_kernel,
+               assigner.scores_kernel, box_loss.box_loss_fwd_kernel, box_loss.box_loss_bwd_kernel]
+    for fn in kernels:
+        assert "M" in fn.arg_names and "M" in compat.unspecialized_args(fn), fn.fn.__qualname__
 
 
 def test_a_device_function_constexpr_is_named():

@@ -219,6 +219,17 @@ def jit_key_pending(value: Any) -> bool:
     return isinstance(value, _JIT_FUNCTION) and value.hash is None
 
 
+def unspecialized_args(fn: Any) -> frozenset[str]:
+    """The names of ``@triton.jit`` function ``fn``'s arguments given in its ``do_not_specialize``
+    (Triton keys such an int on its width alone). A compiled function lists them in ``params``;
+    the interpreter's (``TRITON_INTERPRET=1``) only keeps the decorator's arguments."""
+    params = getattr(fn, "params", None)
+    if params is not None:
+        return frozenset(p.name for p in params if p.do_not_specialize)
+    given = getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    return frozenset(n for i, n in enumerate(fn.arg_names) if i in given or n in given)
+
+
 __all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "STEP_SUPPORTS_AMP_SCALING",
            "addmm_activation", "compiled_original", "current_device_index", "current_raw_stream",
            "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
@@ -226,4 +237,4 @@ __all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "STEP_SUPPORTS_
            "jit_key_pending", "local_tensor", "mark_step_for_schedulers", "module_hooks", "parameters_of",
            "profiler_enabled", "record_step_call", "run_optimizer_step_code", "scalar_dtype",
            "scaler_optimizer_states", "set_zero_grad_profile_name", "step_hooks", "tensor_grad_hooks",
-           "triton_allocator_is_null", "will_engine_execute_node"]
+           "triton_allocator_is_null", "unspecialized_args", "will_engine_execute_node"]

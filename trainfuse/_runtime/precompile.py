@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from trainfuse._runtime import jit_keys
+from trainfuse._runtime import compat, jit_keys
 
 VERSION = 1
 _SHIPPED = Path(__file__).with_name("manifests")
@@ -122,6 +122,10 @@ def entry(fn, args: tuple, num_warps: int, constexprs: dict, options: dict | Non
         specs = [arg_spec(a) for a in args]
     except TypeError:
         return None
+    unspecialized = compat.unspecialized_args(fn)
+    for spec, name in zip(specs, fn.arg_names):
+        if spec[0] == "int" and name in unspecialized:
+            spec[1:3] = [False, False]  # Triton keys such an int on its width alone
     consts = {k: _const(v) for k, v in constexprs.items()}
     if any(v is None for v in consts.values()):
         return None

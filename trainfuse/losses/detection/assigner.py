@@ -21,10 +21,12 @@ Four launches on a GPU: ``metric`` (per anchor block: the decode of the predicte
 over the ground truths the in-box test, the CIoU, the score gather and the metric), ``topk`` (a
 row of anchors per program: k rounds of argmax), ``resolve`` (positives, the multi-assignment
 fix, the per-gt maxima by float atomic max, which is order-free) and ``scores`` (t, labels and
-``tss`` in one launch). A second k (``topk2 != topk``: the one-to-one branch of YOLOv10 and
-YOLO26 trains with 7 and 1) adds ``topk2`` between the last two: a ground truth's row per program,
-k2 rounds of argmax over its positives, which drops the others and writes the maxima anew. The
-torch path (CPU) runs the same math densely.
+``tss`` in one launch). The capacity ``M`` changes as a run's batches do (a power of two: 16, then
+8 after mosaic closes), and only ever scales row indices, so the kernels that take it do not
+specialize on it: one compile serves every capacity. A second k (``topk2 != topk``: the
+one-to-one branch of YOLOv10 and YOLO26 trains with 7 and 1) adds ``topk2`` between the last two:
+a ground truth's row per program, k2 rounds of argmax over its positives, which drops the others
+and writes the maxima anew. The torch path (CPU) runs the same math densely.
 
 Ties: where several anchors of a ground truth share the k-th largest metric, the top-k kernel
 keeps the lowest anchor indices; ultralytics (and the torch path) keep whichever ``torch.topk``
@@ -93,7 +95,7 @@ def power_steps(p: float) -> int:
     return int(p) if p == int(p) and 1 <= p <= 8 else 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def metric_kernel(boxes, scores, gt_ptr, anc_ptr, stride_ptr, align_ptr, ov_ptr, cand_ptr, pos_align, pos_ov,
                   A, M, NC, W, H, stride_val, eps, ciou_eps, R: tl.constexpr, ALPHA: tl.constexpr,
                   ALPHA_N: tl.constexpr, BETA: tl.constexpr, BETA_N: tl.constexpr, BLOCK: tl.constexpr):
@@ -164,7 +166,7 @@ def topk_kernel(align_ptr, sel_ptr, A, K: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(sel_ptr + row + offs, sel.to(tl.int8), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def resolve_kernel(sel_ptr, cand_ptr, align_ptr, ov_ptr, gidx_ptr, pos_align, pos_ov, A, M,
                    BLOCK: tl.constexpr):
     """Program ``b * cdiv(A, BLOCK) + block``: each anchor's ground truth (or -1), and the per-gt
@@ -194,7 +196,7 @@ def resolve_kernel(sel_ptr, cand_ptr, align_ptr, ov_ptr, gidx_ptr, pos_align, po
     tl.store(gidx_ptr + b * A + offs, gidx, mask=am)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def topk2_kernel(gidx_ptr, align_ptr, ov_ptr, pos_align, pos_ov, A, M, K: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``row = b * M + g``: of the anchors assigned to ``g``, keep the ``K`` of largest
     metric (the lowest anchor index on ties), set the others' ``gidx`` to -1, and write ``g``'s
@@ -221,7 +223,7 @@ def topk2_kernel(gidx_ptr, align_ptr, ov_ptr, pos_align, pos_ov, A, M, K: tl.con
     tl.store(pos_ov + row, tl.max(tl.where(kept, tl.load(ov_ptr + at, mask=kept, other=0.0), 0.0), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def scores_kernel(gidx_ptr, align_ptr, pos_align, pos_ov, gt_ptr, t_ptr, label_ptr, tss_ptr, partials,
                   counter, A, M, n, eps, BLOCK: tl.constexpr):
     """Per anchor: ``t`` and the label; the last program writes ``tss = max(sum t, 1)``."""

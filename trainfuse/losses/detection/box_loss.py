@@ -110,7 +110,7 @@ def _load_anchor(gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, b, offs, A, M, W,
     return am, fg, t, ax, ay, s, X1 / s, Y1 / s, X2 / s, Y2 / s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def box_loss_fwd_kernel(boxes, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss_ptr, out_ptr, items_ptr,
                         partials, counter, A, M, W, H, nparts, hi, eps, box_gain, dfl_gain, batch,
                         R: tl.constexpr, BLOCK: tl.constexpr):
@@ -179,7 +179,7 @@ def _side_l1_grad(g_base, k, offs, am, fg, g_dist, c_l1, d, y, s, n, A):
     tl.store(g_base + k * A + offs, g.to(g_base.dtype.element_ty), mask=am)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss_ptr, go_ptr, go_stride,
                         A, M, W, H, hi, eps, box_gain, dfl_gain, batch, R: tl.constexpr, BLOCK: tl.constexpr):
     """The grad of ``go . out`` (``out`` from :func:`box_loss_fwd_kernel`) for the box outputs;
