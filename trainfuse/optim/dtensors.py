@@ -10,6 +10,7 @@ per-rank statistics over :func:`shard_group`'s process group with one all-reduce
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -17,21 +18,27 @@ from torch import nn
 
 from trainfuse._runtime.compat import local_tensor
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # torch built without distributed
-    DTensor = Shard = FSDPModule = None
+
+def _loaded(module: str, name: str) -> Any:
+    """Class ``name`` of ``module`` where something has imported that module, else None. A DTensor
+    or an FSDP2 module exists only once its module is loaded, and importing
+    ``torch.distributed.fsdp`` costs about a second: a process that never shards never pays it."""
+    return getattr(sys.modules.get(module), name, None)
+
+
+def _dtensor_class() -> Any:
+    return _loaded("torch.distributed.tensor", "DTensor")
 
 
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor."""
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t``'s local shard where it is a DTensor, else ``t`` (None stays None)."""
-    if DTensor is not None and isinstance(t, DTensor):
+    if is_dtensor(t):
         return local_tensor(t)
     return t
 
@@ -44,7 +51,8 @@ def locals_of(tensors: list) -> list:
 def is_fully_sharded(module: nn.Module) -> bool:
     """Whether ``fully_shard`` (FSDP2) was applied to ``module`` or a submodule of it (such a
     module refuses ``copy.deepcopy``)."""
-    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in module.modules())
+    cls = _loaded("torch.distributed.fsdp", "FSDPModule")
+    return cls is not None and any(isinstance(m, cls) for m in module.modules())
 
 
 def tensor_copy(module: nn.Module) -> nn.Module:
@@ -87,7 +95,8 @@ def shard_group(params: list[torch.Tensor], owner: str) -> Any:
     for i, p in enumerate(params):
         if not is_dtensor(p):
             continue
-        sharded = tuple(d for d, pl in enumerate(p.placements) if isinstance(pl, Shard))
+        shard = _loaded("torch.distributed.tensor", "Shard")
+        sharded = tuple(d for d, pl in enumerate(p.placements) if isinstance(pl, shard))
         if mesh is None:
             mesh, dims = p.device_mesh, sharded
         elif p.device_mesh != mesh or sharded != dims:
