@@ -209,11 +209,29 @@ def test_workers_each_compile_what_no_other_claimed(tmp_path):
     # at once: each entry once, the first ones in the workers' own order
     path, done = tmp_path / "m.json", tmp_path / "done.txt"
     precompile.save(path, entries)
-    command = [sys.executable, "-m", "trainfuse._runtime.precompile", str(path)]
+    command = [sys.executable, "-c", precompile._WORKER, str(path)]  # as ahead() starts them
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     workers = [subprocess.Popen([*command, str(i), "3", str(done)], env=env, cwd=ROOT) for i in range(3)]
     assert sum(w.wait(timeout=300) for w in workers) == 5
     assert sorted(k for k, _ in precompile.worker_failures(done)) == sorted(e["fn"] for e in entries)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the priority from /proc")
+def test_a_worker_runs_below_the_runs_priority(tmp_path):
+    path = tmp_path / "m.json"
+    precompile.save(path, [])
+    worker = subprocess.Popen([sys.executable, "-c", precompile._WORKER, str(path), "0", "1"],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    seen = set()
+    while worker.poll() is None:  # its imports take a second or more: it is seen niced before it ends
+        try:
+            stat = Path(f"/proc/{worker.pid}/stat").read_text()
+        except OSError:
+            break
+        seen.add(int(stat.rpartition(")")[2].split()[16]) - os.nice(0))  # field 19: nice
+        time.sleep(0.005)
+    assert worker.wait(timeout=300) == 0
+    assert 10 in seen
 
 
 def test_a_launch_waits_for_the_worker_compiling_it_and_no_longer(tmp_path, monkeypatch):

@@ -4,12 +4,14 @@ when ultralytics changes what the entry relies on."""
 from __future__ import annotations
 
 import inspect
+import os
 import random
 import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("ultralytics")
 
@@ -135,3 +137,39 @@ def test_resized_shape_and_kept_images_are_load_images(tmp_path, rect_mode, resi
         assert ours.buffer == stock.buffer
         assert [x is None for x in ours.ims] == [x is None for x in stock.ims]
         assert ours.im_hw0 == stock.im_hw0 and ours.im_hw == stock.im_hw
+
+
+class _Priority(torch.utils.data.Dataset):
+    """Item i: (i, the niceness of the process that loads it)."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        return i, os.nice(0)
+
+
+def test_start_workers_forks_an_infinite_loaders_workers_and_its_passes_read_them():
+    from ultralytics.data.build import InfiniteDataLoader
+
+    inits = []
+
+    def loader(workers: int, dataset=None):
+        return InfiniteDataLoader(dataset=dataset or list(range(10)), batch_size=3, num_workers=workers,
+                                  worker_init_fn=inits.append)
+
+    stock, early = loader(2), loader(2)
+    assert early.iterator is None  # ultralytics forks at the first iteration
+    assert compat.start_workers(early) and early.iterator is not None
+    assert not compat.start_workers(early)  # running already
+    for _ in range(2):  # two passes (epochs) over the one iterator, as ultralytics' own
+        assert [b.tolist() for b in early] == [b.tolist() for b in stock]
+    niced = loader(2, _Priority())
+    assert compat.start_workers(niced, nice=3) and niced.worker_init_fn == inits.append
+    items, priority = (torch.cat(x).tolist() for x in zip(*niced))
+    assert items == list(range(10)) and set(priority) == {os.nice(0) + 3}
+    niced.close()
+    for other in (loader(0), torch.utils.data.DataLoader(list(range(4)), num_workers=2)):
+        assert not compat.start_workers(other)
+    for running in (stock, early):
+        running.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -163,6 +164,42 @@ def keep_loaded(dataset: Any, i: int, im: Any, hw0: tuple[int, int], hw: tuple[i
         dataset.ims[j], dataset.im_hw0[j], dataset.im_hw[j] = None, None, None
 
 
+# ---- the validation loader's workers -------------------------------------------------------------
+class _Niced:
+    """A DataLoader ``worker_init_fn``: the loader's own (None: none), then ``os.nice(by)``."""
+
+    def __init__(self, init: Callable[[int], None] | None, by: int) -> None:
+        self.init, self.by = init, by
+
+    def __call__(self, worker_id: int) -> None:
+        if self.init is not None:
+            self.init(worker_id)
+        if hasattr(os, "nice"):
+            os.nice(self.by)
+
+
+def start_workers(loader: Any, nice: int = 0) -> bool:
+    """Fork the workers of ultralytics' ``InfiniteDataLoader`` ``loader`` now, each lowered in
+    priority by ``nice`` (``os.nice``, after the loader's own ``worker_init_fn``). The loader forks
+    them at its first iteration (its ``iterator`` is None until then) and keeps that iterator
+    across passes; the one made here is the one its ``__iter__`` then reads, through
+    ``DataLoader.__iter__``, as its own first iteration would. False (nothing done) for another
+    loader, one without workers, or one whose workers run already."""
+    from torch.utils.data import DataLoader
+    from ultralytics.data.build import InfiniteDataLoader
+
+    if not isinstance(loader, InfiniteDataLoader) or loader.num_workers == 0 or loader.iterator is not None:
+        return False
+    init = loader.worker_init_fn
+    if nice:
+        loader.worker_init_fn = _Niced(init, nice)
+    try:
+        loader.iterator = DataLoader.__iter__(loader)
+    finally:
+        loader.worker_init_fn = init  # a later reset() forks them as ultralytics would
+    return True
+
+
 __all__ = ["STEPPING_RULE", "TESTED_VERSIONS", "TrainerHooks", "flip_of", "keep_loaded", "mosaic_tiles",
-           "perspective_matrix", "perspective_size", "resized_shape", "retyped", "warn_if_untested",
-           "why_not_stepping_rule"]
+           "perspective_matrix", "perspective_size", "resized_shape", "retyped", "start_workers",
+           "warn_if_untested", "why_not_stepping_rule"]

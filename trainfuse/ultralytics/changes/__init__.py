@@ -13,7 +13,7 @@ from trainfuse.ultralytics.changes.graphs import Graphs, Phase
 from trainfuse.ultralytics.changes.loss import Augment, LossSwap
 from trainfuse.ultralytics.changes.optimizer import OptimizerSwap
 from trainfuse.ultralytics.changes.stem import FoldStem
-from trainfuse.ultralytics.changes.validator import Validation
+from trainfuse.ultralytics.changes.validator import Validation, ValidationWorkers
 
 
 def changes(options: Options) -> list[Change]:
@@ -21,13 +21,14 @@ def changes(options: Options) -> list[Change]:
     into the optimizer's step), the loss, how the batches load, the casts, the stem, the Conv
     blocks, then DDP's
     flat all-reduce, the graphs and the optimizer phase inside them, which need the ones before; and
-    the validator's row."""
+    the validator's row and its loader's workers."""
     made: list[Change] = [OptimizerSwap(), Scaler(), EMASwap(), LossSwap()]
     made += [Augment(), Casts(options.fuse_casts), FoldStem(options.fold_stem),
-             FuseBlocks(options.fuse_blocks), FlatGradsDDP(), Graphs(), Phase(), Validation()]
+             FuseBlocks(options.fuse_blocks), FlatGradsDDP(), Graphs(), Phase(), Validation(),
+             ValidationWorkers()]
     return made
 
 
 __all__ = ["CALLBACKS", "Augment", "Casts", "Change", "EMASwap", "FlatGradsDDP", "FoldStem", "FuseBlocks",
            "Graphs", "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run", "Scaler",
-           "Validation", "changes"]
+           "Validation", "ValidationWorkers", "changes"]
