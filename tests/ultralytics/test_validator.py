@@ -227,35 +227,51 @@ def test_model_val_gives_stock_metrics(path, datasets, tmp_path, photo):
 
 
 class StockLossTrainer(FusedDetectionTrainer):
-    """The fused trainer with ultralytics' loss: the run is short, the validation is the point."""
+    """The fused trainer with ultralytics' loss: the run is short, the validation is the point. The
+    validation batches are kept after their first pass, as on CUDA by default."""
 
     fused_loss = False
+    device_cache = True
 
 
 @pytest.mark.cpu_training
 def test_trainer_validates_as_stock_on_the_same_weights(datasets, tmp_path, monkeypatch):
-    """The epoch's validation of the EMA, and the final one of ``best.pt``, each repeated by stock."""
+    """Each epoch's validation of the EMA, and the final one of ``best.pt``, repeated by stock; after
+    the first pass the validator reads the batches it kept, not the loader."""
     # torch's path: the kernels are tested above; a run's optimizer kernels take minutes in the interpreter
     monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
     model = scored_yolo()
-    epochs = []
+    epochs, loads, counted = [], [0], [0]
+
+    def count_loads(trainer):
+        dataset = trainer.test_loader.dataset
+        load = dataset.load_image
+        dataset.load_image = lambda *a, **k: (loads.__setitem__(0, loads[0] + 1), load(*a, **k))[1]
 
     def validate_with_stock(trainer):
         if trainer.epoch < trainer.epochs:  # not the final validation (of best.pt, checked below)
+            ours = loads[0] - counted[0]
             stock = DetectionValidator(trainer.test_loader, save_dir=tmp_path / "stock",
                                        args=copy(trainer.args))
-            epochs.append((type(trainer.validator), dict(trainer.metrics), stock(trainer=trainer)))
+            epochs.append((type(trainer.validator), dict(trainer.metrics), stock(trainer=trainer), ours))
+            counted[0] = loads[0]
 
+    model.add_callback("on_pretrain_routine_end", count_loads)
     model.add_callback("on_fit_epoch_end", validate_with_stock)
-    model.train(data=datasets[False], epochs=1, imgsz=64, batch=4, workers=0, device="cpu", plots=False,
+    model.train(data=datasets[False], epochs=2, imgsz=64, batch=4, workers=0, device="cpu", plots=False,
                 val=True, seed=0, deterministic=True, verbose=False, max_det=MAX_DET, project=str(tmp_path),
                 name="run", trainer=StockLossTrainer)
-    ((validator, metrics, stock),) = epochs
-    assert validator is FusedDetectionValidator
-    stock.pop("fitness")
-    assert {k: metrics[k] for k in stock} == stock and metrics["val/cls_loss"] > 0
+    assert [e[3] for e in epochs] == [6, 0] and loads[0] == counted[0]  # the final validation read none
+    for validator, metrics, stock, _ in epochs:
+        assert validator is FusedDetectionValidator
+        stock.pop("fitness")
+        assert {k: metrics[k] for k in stock} == stock and metrics["val/cls_loss"] > 0
     best = YOLO(str(model.trainer.best))
     final = best.val(data=datasets[False], imgsz=64, batch=4, device="cpu", workers=0, plots=False,
                      verbose=False, max_det=MAX_DET, project=str(tmp_path), name="stock-final").results_dict
     final.pop("fitness")
     assert model.trainer.metrics == final
+    rows = {(r.kind, r.name): r for r in model.trainer.report}
+    assert rows["device cache", "validation batches"].action == "on"
+    assert rows["device cache", "decoded training images"].action == "skipped"
+    assert model.trainer.validator.dataloader is model.trainer.test_loader  # given back when training ended

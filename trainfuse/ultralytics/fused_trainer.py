@@ -37,7 +37,9 @@ from trainfuse.ultralytics.warm_start import KernelsAhead
 
 _PREFIX = colorstr("trainfuse:")
 OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks", "prefetch",
-           "parallel_plots")
+           "parallel_plots", "device_cache")
+# what None, the default, means for the options that take it
+_NONE_MEANS = {"gpu_augment": "on for CUDA where images are read from disk", "device_cache": "on for CUDA"}
 
 
 class FusedTrainer(compat.TrainerHooks, BaseTrainer):
@@ -65,6 +67,9 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         parallel_plots: with ``plots=True``, the figures drawn in worker processes while the run
             goes on (default False: on an H200 a default run's final evaluation took longer with
             them; :mod:`trainfuse.ultralytics.plots`).
+        device_cache: keep the training images the GPU decoded and the validation batches on the
+            device between epochs, within a tenth of its memory: True, False, or None (the default:
+            on for CUDA; :mod:`trainfuse.ultralytics.changes.cache`).
 
     Attributes:
         report: what the trainer changed and what it left stock, with why (rows of
@@ -83,13 +88,14 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
     fuse_blocks = False
     prefetch = True
     parallel_plots = False
+    device_cache: bool | None = None
 
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, **kwargs):
         options = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
         options = {name: value for name, value in options.items() if value is not None}
         for name, value in options.items():
             if not isinstance(value, bool):
-                default = "True" if name != "gpu_augment" else "on for CUDA where images are read from disk"
+                default = _NONE_MEANS.get(name, "True")
                 raise TypeError(f"{type(self).__name__}: {name} must be True, False or None (the default: "
                                 f"{default}), got {value!r}")
         compat.warn_if_untested()
@@ -181,7 +187,7 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         if line := self.kernels.started():
             LOGGER.info(f"{_PREFIX} {line}")
         self._run = Run(self, Options(self.fused_loss, self.fuse_casts, self.cuda_graphs, self.fold_stem,
-                                      self.fuse_blocks), self.loading)
+                                      self.fuse_blocks, self.device_cache), self.loading)
         self._applied.apply(changes(self._run.options), self._run)
 
     @override

@@ -14,7 +14,10 @@ cache) is decoded by ultralytics' ``load_image`` as before, in the worker.
 with ``decode_jpeg`` (nvJPEG on CUDA, libjpeg-turbo on the CPU), resizes them as
 ultralytics would have (bilinear), turns them to HWC BGR and keeps them by dataset index: the
 mosaic's other three images come from the workers' recent images, so most tiles of a batch are
-decoded already. It then packs the batch's sources, decoded and raw, into the flat buffer that
+decoded already. Images pushed out of those recent ones stay for the rest of the run where a
+:class:`~trainfuse.ultralytics.device_cache.CacheBudget` has room for them (the resident set): on a
+dataset that fits, every epoch after the first decodes nothing. It then packs the batch's sources,
+decoded and raw, into the flat buffer that
 :func:`~trainfuse.ultralytics.augment.kernel.augment_images` reads. ``decode_jpeg`` is TorchCodec's
 where it is installed, else torchvision's (deprecated from torchvision 0.29 for TorchCodec's).
 
@@ -30,6 +33,8 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+
+from trainfuse.ultralytics.device_cache import CacheBudget
 
 RAW, JPEG = 0, 1  # the kinds of a batch's sources
 SOURCE_COLUMNS = 8  # per source: kind, dataset index, offset, length, h, w (resized), h0, w0 (decoded)
@@ -154,21 +159,46 @@ class JpegDecoder:
     """Decodes the JPEG sources of deferred batches on their device and keeps the decoded images.
 
     Args:
-        capacity: decoded images kept (least recently used first out); ultralytics' workers keep
-            their last ``max_buffer_length`` images each for the mosaic, so about ``workers *
+        capacity: recent decoded images kept (least recently used first out); ultralytics' workers
+            keep their last ``max_buffer_length`` images each for the mosaic, so about ``workers *
             max_buffer_length`` keeps every tile decoded once.
+        budget: where images the recent ones push out stay for good while it has room (the
+            resident set); None keeps none.
 
     Attributes:
         decoded: images decoded so far; ``reused``: images a batch found decoded already.
+        kept: the recent images by dataset index; ``resident``: the images kept for good.
     """
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, budget: CacheBudget | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"JpegDecoder: capacity must be >= 0, got {capacity}")
         self.capacity = capacity
+        self.budget = budget
         self.kept: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.resident: dict[int, torch.Tensor] = {}
+        self.resident_bytes = 0
         self.decoded = 0
         self.reused = 0
+
+    def release(self) -> None:
+        """Drop every decoded image (the recent and the resident ones) and give their bytes back."""
+        self.kept.clear()
+        self.resident.clear()
+        if self.budget is not None:
+            self.budget.give(self.resident_bytes)
+        self.resident_bytes = 0
+
+    def _find(self, index: int, h: int, w: int) -> torch.Tensor | None:
+        """Image ``index`` decoded and resized to (h, w) before, or None."""
+        img = self.kept.get(index)
+        if img is not None:
+            self.kept.move_to_end(index)
+        else:
+            img = self.resident.get(index)
+        if img is None or tuple(img.shape[:2]) != (h, w):  # another size (a new image size): decoded again
+            return None
+        return img
 
     def pack(self, sources: HostTensor | torch.Tensor, raw: torch.Tensor, jpeg: HostTensor | torch.Tensor
              ) -> torch.Tensor:
@@ -189,9 +219,9 @@ class JpegDecoder:
             index = row[1]
             if row[0] != JPEG or index in ready or index in todo:
                 continue
-            if index in self.kept:  # taken before this batch's decodes may push it out
-                ready[index] = self.kept[index]
-                self.kept.move_to_end(index)
+            # taken before this batch's decodes may push it out
+            if (img := self._find(index, row[4], row[5])) is not None:
+                ready[index] = img
                 self.reused += 1
             else:
                 todo[index] = row
@@ -233,9 +263,16 @@ class JpegDecoder:
     def _keep(self, index: int, img: torch.Tensor) -> None:
         if self.capacity == 0:
             return
+        if (stale := self.resident.pop(index, None)) is not None:  # decoded again at another size
+            self.resident_bytes -= stale.nbytes
+            self.budget.give(stale.nbytes)
         self.kept[index] = img
+        self.kept.move_to_end(index)
         while len(self.kept) > self.capacity:
-            self.kept.popitem(last=False)
+            old_index, old = self.kept.popitem(last=False)
+            if self.budget is not None and self.budget.take(old.nbytes):
+                self.resident[old_index] = old
+                self.resident_bytes += old.nbytes
 
 
 def _to_hwc_bgr(img: torch.Tensor, h: int, w: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from trainfuse.ultralytics.changes.amp import Casts, Scaler
 from trainfuse.ultralytics.changes.averaging import EMASwap
 from trainfuse.ultralytics.changes.base import CALLBACKS, Change, Options, Results, Run
 from trainfuse.ultralytics.changes.blocks import FuseBlocks
+from trainfuse.ultralytics.changes.cache import DeviceCache
 from trainfuse.ultralytics.changes.ddp import FlatGradsDDP
 from trainfuse.ultralytics.changes.graphs import Graphs, Phase
 from trainfuse.ultralytics.changes.loss import Augment, LossSwap
@@ -21,14 +22,14 @@ def changes(options: Options) -> list[Change]:
     into the optimizer's step), the loss, how the batches load, the casts, the stem, the Conv
     blocks, then DDP's
     flat all-reduce, the graphs and the optimizer phase inside them, which need the ones before; and
-    the validator's row and its loader's workers."""
+    the validator's row and its loader's workers; what stays on the device between epochs."""
     made: list[Change] = [OptimizerSwap(), Scaler(), EMASwap(), LossSwap()]
     made += [Augment(), Casts(options.fuse_casts), FoldStem(options.fold_stem),
              FuseBlocks(options.fuse_blocks), FlatGradsDDP(), Graphs(), Phase(), Validation(),
-             ValidationWorkers()]
+             ValidationWorkers(), DeviceCache(options.device_cache)]
     return made
 
 
-__all__ = ["CALLBACKS", "Augment", "Casts", "Change", "EMASwap", "FlatGradsDDP", "FoldStem", "FuseBlocks",
-           "Graphs", "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run", "Scaler",
-           "Validation", "ValidationWorkers", "changes"]
+__all__ = ["CALLBACKS", "Augment", "Casts", "Change", "DeviceCache", "EMASwap", "FlatGradsDDP", "FoldStem",
+           "FuseBlocks", "Graphs", "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run",
+           "Scaler", "Validation", "ValidationWorkers", "changes"]

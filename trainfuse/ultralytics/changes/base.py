@@ -27,6 +27,7 @@ class Options:
     cuda_graphs: bool
     fold_stem: bool
     fuse_blocks: bool = False
+    device_cache: bool | None = None
 
 
 @dataclasses.dataclass
