@@ -77,3 +77,29 @@ def test_a_large_photo_set_copies_its_first_drawn_images(tmp_path):
                 == (root / "labels" / "train" / f"{i % 2:05d}.txt").read_text())
     with pytest.raises(ValueError, match="distinct=0; expected at least 1 or None"):
         make_shapes_dataset(tmp_path / "q", n_train=5, n_val=1, imgsz=64, photo=True, distinct=0)
+
+
+def test_an_unsynced_timer_times_the_host_and_reads_no_loss():
+    """The photo benchmark's loops run as a user's: no sync and no loss read at each iteration."""
+    import torch
+
+    from trainfuse.bench.yolo_harness import LoopTimer
+
+    class Trainer:
+        device, epoch, batch_size = torch.device("cpu"), 0, 8
+
+        @property
+        def loss(self):
+            raise LookupError("the loss was read")
+
+    trainer, timer = Trainer(), LoopTimer(sync=False)
+    timer.on_train_epoch_start(trainer)
+    for _ in range(3):
+        timer.on_train_batch_start(trainer)
+        timer.on_train_batch_end(trainer)
+    timer.on_train_epoch_end(trainer)
+    assert len(timer.starts) == len(timer.ends) == 3 and timer.losses == [] and len(timer.epoch_s) == 1
+    summary = timer.summary(batch=8, warmup=0)
+    assert summary["iterations"] == 3 and np.isnan(summary["images_per_s"])  # host times give no rate
+    with pytest.raises(LookupError, match="the loss was read"):  # the synced timer reads it
+        LoopTimer().on_train_batch_end(trainer)

@@ -32,13 +32,21 @@ def _sync(trainer) -> None:
 class LoopTimer:
     """Per-iteration loop time, data wait and loss, and per-epoch time, of one training run.
 
+    Args:
+        sync: wait for the GPU at each iteration's start and end, so that an iteration's time is
+            its GPU work and its loss is read as it ends (True); or only where an epoch starts and
+            ends (False): the loop runs as a user's does, the host queueing ahead and a background
+            thread's GPU work overlapping the step, its iteration and data-wait times are host
+            times, and no loss is read.
+
     Example:
         >>> timer = LoopTimer().attach(model)            # doctest: +SKIP
         >>> model.train(data=..., epochs=3)              # doctest: +SKIP
         >>> timer.summary(batch=16)["iter_ms"]           # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sync: bool = True) -> None:
+        self.sync = sync
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.epoch_of: list[int] = []
@@ -59,11 +67,15 @@ class LoopTimer:
         self._epoch_start = time.perf_counter()
 
     def on_train_batch_start(self, trainer) -> None:
-        _sync(trainer)
+        if self.sync:
+            _sync(trainer)
         self.starts.append(time.perf_counter())
         self.epoch_of.append(trainer.epoch)
 
     def on_train_batch_end(self, trainer) -> None:
+        if not self.sync:
+            self.ends.append(time.perf_counter())
+            return
         _sync(trainer)
         self.ends.append(time.perf_counter())
         # the GPU is idle here: reading the loss costs no stall. The loss of this iteration per
@@ -88,7 +100,8 @@ class LoopTimer:
 
         Returns:
             ``iterations``, ``iter_ms``, ``data_wait_ms``, ``epoch_s`` (median training time of
-            an epoch, validation excluded) and ``images_per_s`` (batch over loop time plus wait).
+            an epoch, validation excluded) and ``images_per_s`` (batch over loop time plus wait;
+            NaN unsynced).
         """
         keep = [i for i in range(warmup, len(self.ends)) if i not in self.skip]
         if not keep:
@@ -98,9 +111,11 @@ class LoopTimer:
                  if i + 1 < len(self.starts) and self.epoch_of[i + 1] == self.epoch_of[i]]
         it = statistics.median(loop) if loop else float("nan")
         wait = statistics.median(waits) if waits else 0.0
+        # unsynced, an iteration's time is its host time: no rate follows from it
+        rate = batch * 1e3 / (it + wait) if self.sync else float("nan")
         return {"iterations": len(self.ends), "iter_ms": it, "data_wait_ms": wait,
                 "epoch_s": statistics.median(self.epoch_s) if self.epoch_s else float("nan"),
-                "images_per_s": batch * 1e3 / (it + wait)}
+                "images_per_s": rate}
 
     def steady_images_per_s(self, batch: int) -> float:
         """Images per second after the first epoch, the epoch ends included: from the end of the
@@ -408,23 +423,27 @@ def plot_runs(runs: dict[str, dict], path: str | Path, title: str = "") -> Path:
 
 def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
               cache: str | bool = "ram", name: str | None = None, train_args: dict | None = None,
-              **trainer_kwargs) -> tuple[dict, object]:
+              unsynced: bool = False, **trainer_kwargs) -> tuple[dict, object]:
     """One timed training run of ``kind`` (``stock`` or ``trainfuse``, the latter built with
     ``trainer_kwargs``) in ``project/<name or kind>``: its summary and trainer. ``train_args``:
-    more of ``model.train``'s arguments."""
+    more of ``model.train``'s arguments. ``unsynced``: the loop runs as a user's does (a
+    :class:`LoopTimer` without per-iteration syncs, no profiled iterations, no loss read back), for
+    rates over whole epochs."""
     from ultralytics import YOLO
 
     from trainfuse.ultralytics import trainer_for
 
     model = YOLO(args.model)
     trainer_cls = trainer_for(model)
-    timer = LoopTimer().attach(model)
+    timer = LoopTimer(sync=not unsynced).attach(model)
     phase_timer = PhaseHostTimer().attach(model)
     # one accumulation cycle is profiled: after ultralytics' warmup ramp of accumulate (3 epochs),
     # or after 8 iterations in a run too short for that
     nb = -(-args.images // args.batch)
     ramp = round(min(3, args.epochs - 1) * nb)
-    counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer).attach(model)
+    counter = LaunchCounter(after=ramp + 8 if ramp + 16 <= args.epochs * nb else 8, timer=timer)
+    if not unsynced:
+        counter.attach(model)
     kept: dict[str, bool] = {}  # whether the graphs kept the grads, read before the trainer undoes them
     model.add_callback("on_train_end", lambda t: kept.setdefault("grads", getattr(t, "keeps_grads", False)))
     fused = functools.partial(trainer_cls, **trainer_kwargs) if trainer_kwargs else trainer_cls
