@@ -81,3 +81,59 @@ def test_a_cut_off_default_run_bench_keeps_the_runs_it_finished(tmp_path, monkey
     runs = json.loads((tmp_path / "out" / yolo_default.PARTIAL).read_text())
     assert list(runs) == ["stock", "trainfuse-cold"] == finished
     assert runs["trainfuse-cold"]["wall"] == 12.0 and runs["stock"]["setup"] == 1.0
+
+
+def _stub_runs(monkeypatch, walls):
+    from trainfuse.bench import yolo_default
+
+    def spawn(kind, data, epochs, project, name, *rest):
+        return {"wall": walls[name], **{p: 1.0 for p in PARTS}, "map50_95": 0.5}
+
+    monkeypatch.setattr(yolo_default, "_spawn", spawn)
+    monkeypatch.setattr(yolo_default, "_forget_labels", lambda data: None)
+    return yolo_default
+
+
+def _args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"epochs": 100, "images": 1024, "val_images": 256, "seed": 0,
+                                 "stock_warm": False, "parallel_plots": False, "runs": None, "previous": None,
+                                 **kw})
+
+
+def test_a_long_run_is_measured_in_parts_on_one_machine(tmp_path, monkeypatch):
+    """``--runs stock`` in one command, ``--runs trainfuse-cold --previous <partial>`` in the next:
+    the second report holds both runs and the cold ratio against the 100-epoch goal (4.5x)."""
+    import json
+
+    bench = _stub_runs(monkeypatch, {"stock": 450.0, "trainfuse-cold": 90.0, "trainfuse-warm": 80.0})
+    first: dict = {"rows": []}
+    bench.run(first, _args(runs="stock"), str(tmp_path / "data.yaml"), tmp_path / "a", "8")
+    partial = tmp_path / "a" / bench.PARTIAL
+    assert list(json.loads(partial.read_text())) == ["stock"] and "goals" not in first
+    assert any("only stock ran" in n for n in first["notes"])
+    second: dict = {"rows": []}
+    bench.run(second, _args(runs="trainfuse-cold", previous=str(partial)), str(tmp_path / "data.yaml"),
+              tmp_path / "b", "8")
+    assert list(second["runs"]) == ["stock", "trainfuse-cold"]
+    assert {r["machine"] for r in second["runs"].values()} == {bench.machine_id()}
+    assert second["goals"] == {"cold_speedup": True, "first_step_cold": True}
+    assert second["goal_values"]["cold_speedup"] == 4.5
+    assert [r["impl"] for r in second["rows"]] == ["ultralytics DetectionTrainer", "FusedDetectionTrainer"]
+    assert bench.family_of(_args()) == "yolo-default-run-100-epochs-1024-images"
+    assert bench.family_of(_args(epochs=20, images=2048, val_images=512)) == "yolo-default-run"
+
+
+def test_runs_of_another_machine_or_a_warm_run_alone_are_refused(tmp_path, monkeypatch):
+    import json
+
+    bench = _stub_runs(monkeypatch, {})
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"stock": {"wall": 1.0, "machine": "another-boot"}}))
+    with pytest.raises(SystemExit, match="holds runs of another machine or boot"):
+        bench.run({}, _args(runs="trainfuse-cold", previous=str(other)), "data.yaml", tmp_path / "o", "8")
+    with pytest.raises(SystemExit, match="trainfuse-warm runs after trainfuse-cold in the same command"):
+        bench.run({}, _args(runs="stock,trainfuse-warm"), "data.yaml", tmp_path / "o", "8")
+    with pytest.raises(SystemExit, match="--runs takes names among stock, trainfuse-cold"):
+        bench.run({}, _args(runs="stock,nope"), "data.yaml", tmp_path / "o", "8")

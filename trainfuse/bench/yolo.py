@@ -85,6 +85,13 @@ def _parser():
                         "photo-like JPEGs (2,048 unless --images), each run a fresh process, cold and warm "
                         "caches: wall clock and its parts (bench.yolo_default)")
     parser.add_argument("--stock-warm", action="store_true", help="with --default-run: stock a second time")
+    parser.add_argument("--runs", default=None,
+                        help="with --default-run: the runs to make, comma-separated among stock, "
+                        "trainfuse-cold, trainfuse-warm, stock-warm (default: the first three, and "
+                        "stock-warm with --stock-warm)")
+    parser.add_argument("--previous", default=None,
+                        help="with --default-run: the partial file of an earlier command's runs on this "
+                        "machine (the same boot), taken as done: a long run measured in parts")
     parser.add_argument("--parallel-plots", action="store_true",
                         help="with --default-run: ours with parallel_plots=True (figures drawn by workers)")
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "trainfuse-bench-shapes"),
@@ -241,8 +248,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         yolo_default.run(report, args, data, out, ultralytics.__version__)
         report["_bench"] = "yolo"
         # parallel_plots (off by default) changes the runs measured: a family of its own
-        save_report(report, args.out,
-                    "yolo-default-run-parallel-plots" if args.parallel_plots else "yolo-default-run")
+        save_report(report, args.out, yolo_default.family_of(args))
         return report
     if args.photo:
         from trainfuse.bench import yolo_photo
