@@ -462,6 +462,11 @@ def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
     assert "paced" in next(r.detail for r in gpu.report if r.kind == "graphs")
     assert "paced" not in next(r.detail for r in cpu.report if r.kind == "graphs")
     assert gpu.jpeg_decoder.decoded >= 32 and gpu.jpeg_decoder.reused > 0  # each image; the mosaic's kept
+    cached = {t: {r.name: r.action for r in trainers[t].report if r.kind == "device cache"} for t in trainers}
+    assert cached["gpu"]["decoded training images"] == "on"
+    assert cached["cpu"]["decoded training images"] == "skipped"
+    decoder = gpu.jpeg_decoder  # given back when training ended
+    assert not decoder.kept and not decoder.resident and decoder.budget is None
     for key in ("box_loss", "cls_loss", "dfl_loss"):  # the same labels; pixels a decoder's levels apart
         torch.testing.assert_close(gpu.tloss[key], cpu.tloss[key], rtol=0.15, atol=1e-3)
 

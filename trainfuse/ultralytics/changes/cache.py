@@ -68,14 +68,14 @@ class DeviceCache(Change):
             budget += f", leaving {gib(self.budget.reserve)} of the device free"
         rows = []
         if run.loading.jpeg_decoder is not None:
-            rows.append(Row(self.kind, "decoded training images", ON, f"kept after the recent ones "
-                            f"({budget}): once they are all kept, epochs decode nothing"))
+            rows.append(Row(self.kind, "decoded training images", ON, f"the training images the GPU decoded "
+                            f"stay after the recent ones ({budget}): once all stay, epochs decode nothing"))
         else:
             rows.append(Row(self.kind, "decoded training images", SKIPPED, "the loader's workers decode the "
                             "training images (no GPU decoding): nothing decoded on the device to keep"))
         if self.cached is not None:
-            rows.append(Row(self.kind, "validation batches", ON, f"kept on the device after the first pass "
-                            f"({budget}): later passes leave the loader alone"))
+            rows.append(Row(self.kind, "validation batches", ON, f"the validation batches stay on the device "
+                            f"after the first pass ({budget}): later passes leave the loader alone"))
         else:
             rows.append(Row(self.kind, "validation batches", SKIPPED, "no validator on this rank"))
         return rows
