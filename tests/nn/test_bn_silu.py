@@ -213,3 +213,50 @@ def test_a_replayed_graph_gives_the_eager_bits_without_host_syncs_in_six_kernels
     names = cuda_kernel_names(lambda: step(rm.clone(), rv.clone()))
     fused = [n for n in names if "bn_" in n]
     assert len(fused) == 6, names  # stats, finalize, apply; grad sums, their total, dx
+
+
+SPLIT_SHAPES = [(2, 6, 5, 7), (1, 4, 3, 3), (3, 70, 2, 3)]  # even channels; past a tile; batch 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_split_halves_are_the_ops_bits_each_dense(shape, dtype, channels_last, training):
+    """split_batch_norm_silu: the two channel halves of batch_norm_silu's output, bit for bit, each
+    dense in x's layout; the grads and running statistics bit for bit too (its backward runs the
+    same kernels on the halves' grads side by side); an unused half's grad counts as zeros."""
+    x, w, b, rm, rv, dy = make(shape, dtype, channels_last)
+    half = shape[1] // 2
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    wa, ba, wb, bb = (t.clone().requires_grad_() for t in (w, b, w, b))
+    rma, rva, rmb, rvb = rm.clone(), rv.clone(), rm.clone(), rv.clone()
+    y = batch_norm_silu(xa, rma, rva, wa, ba, training, 0.03, 1e-3)
+    y0, y1 = bn_silu.split_batch_norm_silu(xb, rmb, rvb, wb, bb, training, 0.03, 1e-3)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    for part, want in ((y0, y[:, :half]), (y1, y[:, half:])):
+        assert part.is_contiguous(memory_format=fmt) and part.dtype == dtype
+        assert torch.equal(part, want)
+    assert torch.equal(rma, rmb) and torch.equal(rva, rvb)
+    y.backward(dy)
+    torch.autograd.backward((y0, y1), (dy[:, :half], dy[:, half:]))
+    for a, c in ((xa, xb), (wa, wb), (ba, bb)):
+        assert torch.equal(a.grad, c.grad)
+    xc = x.clone().requires_grad_()
+    _, only = bn_silu.split_batch_norm_silu(xc, rm.clone(), rv.clone(), w, b, training, 0.03, 1e-3)
+    only.backward(dy[:, half:])
+    xa.grad = None
+    batch_norm_silu(xa, rm.clone(), rv.clone(), w, b, training, 0.03, 1e-3).backward(
+        torch.cat((torch.zeros_like(dy[:, :half]), dy[:, half:]), 1))
+    assert torch.equal(xc.grad, xa.grad)
+
+
+def test_split_refuses_what_has_no_two_halves():
+    x = torch.randn(2, 5, 3, 3, device=DEVICE)
+    with pytest.raises(ValueError, match=r"\(N, C, H, W\) with an even C; got shape \(2, 5, 3, 3\)"):
+        bn_silu.split_batch_norm_silu(x, None, None, training=True)
+    with pytest.raises(ValueError, match=r"even C; got shape \(2, 4, 3\)"):
+        bn_silu.split_batch_norm_silu(torch.randn(2, 4, 3, device=DEVICE), None, None, training=True)
+    cpu = torch.randn(2, 4, 3, 3, dtype=torch.float64)  # torch's path: chunk's halves
+    y0, y1 = bn_silu.split_batch_norm_silu(cpu, None, None, training=True)
+    assert torch.equal(torch.cat((y0, y1), 1), batch_norm_silu_torch(cpu, None, None, training=True))

@@ -1,9 +1,9 @@
 """trainfuse.nn.conv_block: a Conv2d-BatchNorm2d-SiLU block with its BatchNorm and SiLU as one op
 trains as the block does (outputs, grads, running statistics and the batch count over several
 steps, momentum=None's cumulative average, eval mode), keeps its state_dict, deep-copies to the
-plain block and comes off again; an ultralytics model with every Conv block fused takes the same
-training step as the stock model; a Sequential's BatchNorm2d + SiLU pairs fuse and come back.
-Kernels through the interpreter on CPU."""
+plain block and comes off again; an ultralytics model with every Conv block fused (and its C2f
+blocks' cv1 as two dense halves) takes the same training step as the stock model; a Sequential's
+BatchNorm2d + SiLU pairs fuse and come back. Kernels through the interpreter on CPU."""
 
 from __future__ import annotations
 
@@ -105,10 +105,13 @@ def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps(monk
     torch.manual_seed(0)
     # YOLOv8n's backbone and a classification head: 26 Conv blocks (the interpreter's launches are
     # what a CPU run of this test costs)
+    from trainfuse.ultralytics.changes.blocks import fuse_model, unfuse_model
+
     stock = ClassificationModel("yolov8n-cls.yaml", nc=2, verbose=False).to(DEVICE).train()
     fused = copy.deepcopy(stock)
-    blocks = [m for m in fused.modules() if type(m) is Conv]
-    assert sum(conv_block.install(m) for m in blocks) == len(blocks) > 20
+    # the ultralytics client's fusing: every Conv block, and the C2f blocks' cv1 as two dense halves
+    blocks, c2f = fuse_model(fused)
+    assert len(blocks) == sum(type(m) is Conv for m in fused.modules()) > 20 and len(c2f) == 4
     x = torch.rand(2, 3, 64, 64, device=DEVICE)
     for model in (stock, fused):
         (model(x).float() ** 2).mean().backward()
@@ -121,6 +124,8 @@ def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps(monk
         assert gap < 1e-3, f"{name}: relative gap {gap:.2e}"
     for (name, a), (_, b) in zip(stock.named_buffers(), fused.named_buffers()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    unfuse_model(blocks, c2f)
+    assert not any("forward" in m.__dict__ for m in fused.modules())
 
 
 def test_sequential_pairs_fuse_and_come_back():

@@ -170,9 +170,11 @@ def bn_finalize_kernel(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rva
 
 
 @triton.jit
-def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, CB, S, NSB, sN, sC, sS, yN, yC, yS,
+def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, CB, S, NSB, sN, sC, sS, yN, yC, yS, SPLIT, yP,
                          BR: tl.constexpr, BC: tl.constexpr):
-    """``y = silu(x s + t)`` over tile ``q`` of channel block ``j`` (program ``q * CB + j``)."""
+    """``y = silu(x s + t)`` over tile ``q`` of channel block ``j`` (program ``q * CB + j``). Channels
+    from ``SPLIT`` on go to a second part of ``y``, ``yP`` elements on, as its channels from 0 (C
+    and 0 for one part)."""
     q, c = _program(CB, BC)
     cm = c < C
     offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
@@ -182,8 +184,9 @@ def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, CB, S, NSB, sN, 
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
     u = x * s[None, :] + t[None, :]
     y = u * tl.sigmoid(u)
-    out, _ = _tile(q, c, S, NSB, yN, yC, yS, BR)
-    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=m)
+    part = (c >= SPLIT).to(tl.int32)
+    out, _ = _tile(q, c - part * SPLIT, S, NSB, yN, yC, yS, BR)
+    tl.store(y_ptr + out + part.to(tl.int64)[None, :] * yP, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -307,9 +310,23 @@ def _split(tiles: int, channel_blocks: int, device: torch.device, cfg: BNLaunch)
     return triton.cdiv(tiles, per), per
 
 
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Two dense ``(N, C / 2, H, W)`` tensors in ``x``'s memory format (channels_last or
+    contiguous), views of one buffer, and the elements from the first's start to the second's."""
+    N, C, H, W = x.shape
+    half = C // 2
+    buf = torch.empty(2 * N * half * H * W, device=x.device, dtype=x.dtype)
+    if x.stride(1) == 1 and C > 1:  # channels_last
+        strides = (H * W * half, 1, W * half, half)
+    else:
+        strides = (half * H * W, H * W, W, 1)
+    part = N * half * H * W
+    return (buf.as_strided((N, half, H, W), strides), buf.as_strided((N, half, H, W), strides, part), part)
+
+
 class _BatchNormSiLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, split=False):
         shape = x.shape
         x = _flat(x)
         N, C, S = x.shape
@@ -335,17 +352,24 @@ class _BatchNormSiLU(torch.autograd.Function):
             torch.rsqrt(running_var.float() + eps, out=invstd)
             scale.copy_(invstd * weight if has_w else invstd)
             shift.copy_((bias - mean * scale) if has_w else -mean * scale)
+        ctx.save_for_backward(x, weight, consts)
+        ctx.training, ctx.split = training, split
+        if split:  # two outputs, each dense: C2f's halves (split_batch_norm_silu)
+            y0, y1, part = _halves(x.view(shape))
+            launcher(bn_silu_apply_kernel, (N * nsb * cb,), x, y0, scale, shift, C, cb, S, nsb, *x.stride(),
+                     *_flat(y0).stride(), C // 2, part, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+            return y0, y1
         y = torch.empty_like(x)  # x's strides: channels_last stays channels_last
         launcher(bn_silu_apply_kernel, (N * nsb * cb,), x, y, scale, shift, C, cb, S, nsb, *x.stride(),
-                 *y.stride(), BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
-        ctx.save_for_backward(x, weight, consts)
-        ctx.training = training
+                 *y.stride(), C, 0, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
         return y.view(shape)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dy1=None):
         x, weight, consts = ctx.saved_tensors
         scale, shift, mean, invstd = consts.unbind(0)
+        if ctx.split:  # the halves' grads side by side, as chunk's backward makes them (an unused
+            dy = torch.cat((dy, dy1), 1)  # half's grad comes as zeros: the Function materializes it)
         shape = dy.shape
         dy = _flat(dy)
         N, C, S = x.shape
@@ -370,7 +394,7 @@ class _BatchNormSiLU(torch.autograd.Function):
             dx = dx.view(shape)
         dw = sums[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = sums[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 _apply = applier(_BatchNormSiLU)
@@ -435,6 +459,27 @@ def batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: Tensor 
     return _apply(x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps))
 
 
+def split_batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                          weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
+                          momentum: float = 0.1, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+    """:func:`batch_norm_silu` of a 4-d ``x`` with an even number of channels, as its two channel
+    halves (``y.chunk(2, 1)``), each a dense tensor of its own in ``x``'s memory format: what a C2f
+    block's ``cv1`` hands its bottlenecks, which would otherwise copy their strided half before
+    convolving it (channels_last). The statistics are the whole op's; the backward takes the two
+    halves' grads side by side. Where :func:`batch_norm_silu` takes torch's path, the halves are
+    ``chunk``'s views."""
+    _check(x, running_mean, running_var, weight, bias, training)
+    if x.dim() != 4 or x.shape[1] % 2:
+        raise ValueError(f"split_batch_norm_silu: x must be (N, C, H, W) with an even C; got shape "
+                         f"{tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.numel() == 0 or not use_triton(
+            x.device):
+        return tuple(batch_norm_silu_torch(x, running_mean, running_var, weight, bias, training, momentum,
+                                           eps).chunk(2, 1))
+    return _apply(x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
+                  True)
+
+
 __all__ = ["BNLaunch", "batch_norm_silu", "batch_norm_silu_torch", "bn_finalize_kernel",
            "bn_grad_finalize_kernel", "bn_silu_apply_kernel", "bn_silu_dx_kernel", "bn_silu_grad_sums_kernel",
-           "bn_stats_kernel"]
+           "bn_stats_kernel", "split_batch_norm_silu"]

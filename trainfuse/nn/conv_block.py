@@ -18,7 +18,7 @@ import types
 import torch
 from torch import nn
 
-from trainfuse.nn.bn_silu import batch_norm_silu
+from trainfuse.nn.bn_silu import batch_norm_silu, split_batch_norm_silu
 
 
 def fusable(block: nn.Module) -> bool:
@@ -30,8 +30,9 @@ def fusable(block: nn.Module) -> bool:
             and type(getattr(block, "act", None)) is nn.SiLU and "forward" not in block.__dict__)
 
 
-def batch_norm_silu_module(bn: nn.BatchNorm2d, x: torch.Tensor) -> torch.Tensor:
-    """``silu(bn(x))`` with ``bn``'s own bookkeeping, as ``nn.BatchNorm2d.forward`` does it."""
+def batch_norm_silu_module(bn: nn.BatchNorm2d, x: torch.Tensor, op=batch_norm_silu):
+    """``silu(bn(x))`` with ``bn``'s own bookkeeping, as ``nn.BatchNorm2d.forward`` does it;
+    ``op``: :func:`~trainfuse.nn.bn_silu.batch_norm_silu`, or its split form (two halves)."""
     factor = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)
@@ -39,25 +40,38 @@ def batch_norm_silu_module(bn: nn.BatchNorm2d, x: torch.Tensor) -> torch.Tensor:
             factor = 1.0 / float(bn.num_batches_tracked)
     batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
     keep = not bn.training or bn.track_running_stats
-    return batch_norm_silu(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight,
-                           bn.bias, batch_stats, factor, bn.eps)
+    return op(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight, bn.bias,
+              batch_stats, factor, bn.eps)
 
 
-class _FusedForward:
-    """The forward :func:`install` puts on a block; a deep copy of the block gets its class's."""
+def halves(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :func:`fusable` block's output (an even number of channels) as its two channel halves,
+    each a dense tensor (:func:`~trainfuse.nn.bn_silu.split_batch_norm_silu`): what
+    ``block(x).chunk(2, 1)`` holds, without the strided views."""
+    return batch_norm_silu_module(block.bn, block.conv(x), split_batch_norm_silu)
+
+
+class InstanceForward:
+    """A forward put on one module as an instance attribute (:func:`install`, and the ultralytics
+    client's C2f blocks); a deep copy of the module (an EMA, a checkpoint) gets its class's
+    forward. Subclasses define ``__call__``."""
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        block = self.block
-        return batch_norm_silu_module(block.bn, block.conv(x))
-
     def __deepcopy__(self, memo: dict) -> types.MethodType:
         twin = memo.get(id(self.block))
         if twin is None:
-            raise TypeError("fused conv block: copy the module, not its forward")
+            raise TypeError(f"{type(self).__name__}: copy the module, not its forward")
         return types.MethodType(type(twin).forward, twin)
+
+
+class _FusedForward(InstanceForward):
+    """The forward :func:`install` puts on a block."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.block
+        return batch_norm_silu_module(block.bn, block.conv(x))
 
 
 def install(block: nn.Module) -> bool:
@@ -119,5 +133,5 @@ def installed(block: nn.Module) -> bool:
     return isinstance(block.__dict__.get("forward"), _FusedForward)
 
 
-__all__ = ["BatchNormSiLU2d", "batch_norm_silu_module", "fusable", "fusable_pairs", "fuse_pairs", "install",
-           "installed", "uninstall", "unfuse_pairs"]
+__all__ = ["BatchNormSiLU2d", "InstanceForward", "batch_norm_silu_module", "fusable", "fusable_pairs",
+           "fuse_pairs", "halves", "install", "installed", "uninstall", "unfuse_pairs"]
