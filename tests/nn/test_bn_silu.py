@@ -224,8 +224,8 @@ SPLIT_SHAPES = [(2, 6, 5, 7), (1, 4, 3, 3), (3, 70, 2, 3)]  # even channels; pas
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_split_halves_are_the_ops_bits_each_dense(shape, dtype, channels_last, training):
     """split_batch_norm_silu: the two channel halves of batch_norm_silu's output, bit for bit, each
-    dense in x's layout; the grads and running statistics bit for bit too (its backward runs the
-    same kernels on the halves' grads side by side); an unused half's grad counts as zeros."""
+    dense in x's layout; the grads and running statistics bit for bit too (its backward reads the
+    halves' grads, strided views here, in place); an unused half's grad counts as zeros."""
     x, w, b, rm, rv, dy = make(shape, dtype, channels_last)
     half = shape[1] // 2
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -198,11 +198,21 @@ def _du(x, dy, s, t):
 
 
 @triton.jit
-def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr, sdux_ptr,
-                             C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, tiles_per_program,
-                             BR: tl.constexpr, BC: tl.constexpr):
+def _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR: tl.constexpr):
+    """The addresses of tile ``q``'s ``dy`` by channels ``c``: channels from ``SPLIT`` on in the
+    second part (``dy1``, strides ``h``), as its channels from 0."""
+    grads, _ = _tile(q, c, S, NSB, gN, gC, gS, BR)
+    second, _ = _tile(q, c - SPLIT, S, NSB, hN, hC, hS, BR)
+    return tl.where((c >= SPLIT)[None, :], dy1_ptr + second, dy_ptr + grads)
+
+
+@triton.jit
+def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr,
+                             sdux_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, hN, hC, hS, SPLIT,
+                             tiles_per_program, BR: tl.constexpr, BC: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel
-    at ``[i, c]``."""
+    at ``[i, c]``. ``dy``'s channels from ``SPLIT`` on are ``dy1``'s (C, and ``dy`` again, for one
+    part)."""
     i, c = _program(CB, BC)
     cm = c < C
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
@@ -214,10 +224,10 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, scale_ptr, shift_ptr, mean_ptr, invs
     for k in range(0, tiles_per_program):
         q = i * tiles_per_program + k
         offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-        grads, _ = _tile(q, c, S, NSB, gN, gC, gS, BR)
+        grads = _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR)
         m = (sm & (q < Q))[:, None] & cm[None, :]
         x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + grads, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(grads, mask=m, other=0.0).to(tl.float32)
         du = tl.where(m, _du(x, dy, s, t), 0.0)
         sdu += du
         sdux += du * (x - mean[None, :])
@@ -246,20 +256,20 @@ def bn_grad_finalize_kernel(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, P, C, BP: tl.cons
 
 
 @triton.jit
-def bn_silu_dx_kernel(x_ptr, dy_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, dw_ptr, db_ptr,
-                      M, C, CB, S, NSB, sN, sC, sS, gN, gC, gS, dN, dC, dS,
+def bn_silu_dx_kernel(x_ptr, dy_ptr, dy1_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, dw_ptr,
+                      db_ptr, M, C, CB, S, NSB, sN, sC, sS, gN, gC, gS, hN, hC, hS, SPLIT, dN, dC, dS,
                       TRAINING: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """``dx = s (du - db / M - xhat dw / M)`` (training) or ``s du`` over tile ``q`` of channel
-    block ``j`` (program ``q * CB + j``)."""
+    block ``j`` (program ``q * CB + j``); ``dy`` in two parts as in the grad sums."""
     q, c = _program(CB, BC)
     cm = c < C
     offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-    grads, _ = _tile(q, c, S, NSB, gN, gC, gS, BR)
+    grads = _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR)
     m = sm[:, None] & cm[None, :]
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
     x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + grads, mask=m, other=0.0).to(tl.float32)
+    dy = tl.load(grads, mask=m, other=0.0).to(tl.float32)
     du = _du(x, dy, s, t)
     if TRAINING:
         mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
@@ -353,7 +363,7 @@ class _BatchNormSiLU(torch.autograd.Function):
             scale.copy_(invstd * weight if has_w else invstd)
             shift.copy_((bias - mean * scale) if has_w else -mean * scale)
         ctx.save_for_backward(x, weight, consts)
-        ctx.training, ctx.split = training, split
+        ctx.training, ctx.split, ctx.shape = training, split, shape
         if split:  # two outputs, each dense: C2f's halves (split_batch_norm_silu)
             y0, y1, part = _halves(x.view(shape))
             launcher(bn_silu_apply_kernel, (N * nsb * cb,), x, y0, scale, shift, C, cb, S, nsb, *x.stride(),
@@ -368,19 +378,20 @@ class _BatchNormSiLU(torch.autograd.Function):
     def backward(ctx, dy, dy1=None):
         x, weight, consts = ctx.saved_tensors
         scale, shift, mean, invstd = consts.unbind(0)
-        if ctx.split:  # the halves' grads side by side, as chunk's backward makes them (an unused
-            dy = torch.cat((dy, dy1), 1)  # half's grad comes as zeros: the Function materializes it)
-        shape = dy.shape
-        dy = _flat(dy)
+        shape = ctx.shape
         N, C, S = x.shape
+        # the halves' grads read where they are (an unused half's comes as zeros: the Function
+        # materializes it); one part: the second is the first, from channel C on (none)
+        dy = _flat(dy)
+        dy1, split = (_flat(dy1), C // 2) if ctx.split else (dy, C)
         cfg = _config(x.stride(), C)
         cb = triton.cdiv(C, cfg.channels)
         nsb = triton.cdiv(S, cfg.rows)
         P, per = _split(N * nsb, cb, x.device, cfg)
         partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
-        launcher(bn_silu_grad_sums_kernel, (P * cb,), x, dy, scale, shift, mean, invstd, *partials, C, cb, S,
-                 nsb, N * nsb, *x.stride(), *dy.stride(), per, BR=cfg.rows, BC=cfg.channels,
-                 num_warps=cfg.num_warps)
+        launcher(bn_silu_grad_sums_kernel, (P * cb,), x, dy, dy1, scale, shift, mean, invstd, *partials, C,
+                 cb, S, nsb, N * nsb, *x.stride(), *dy.stride(), *dy1.stride(), split, per, BR=cfg.rows,
+                 BC=cfg.channels, num_warps=cfg.num_warps)
         sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
         launcher(bn_grad_finalize_kernel, (triton.cdiv(C, FINALIZE[1]),),
                  partials[0], partials[1], sums[0], sums[1], P, C, BP=FINALIZE[0], BC=FINALIZE[1],
@@ -388,9 +399,9 @@ class _BatchNormSiLU(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty_like(x)
-            launcher(bn_silu_dx_kernel, (N * nsb * cb,), x, dy, dx, scale, shift, mean, invstd, *sums, N * S,
-                     C, cb, S, nsb, *x.stride(), *dy.stride(), *dx.stride(), TRAINING=ctx.training,
-                     BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+            launcher(bn_silu_dx_kernel, (N * nsb * cb,), x, dy, dy1, dx, scale, shift, mean, invstd, *sums,
+                     N * S, C, cb, S, nsb, *x.stride(), *dy.stride(), *dy1.stride(), split, *dx.stride(),
+                     TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
             dx = dx.view(shape)
         dw = sums[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = sums[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
@@ -465,8 +476,9 @@ def split_batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: T
     """:func:`batch_norm_silu` of a 4-d ``x`` with an even number of channels, as its two channel
     halves (``y.chunk(2, 1)``), each a dense tensor of its own in ``x``'s memory format: what a C2f
     block's ``cv1`` hands its bottlenecks, which would otherwise copy their strided half before
-    convolving it (channels_last). The statistics are the whole op's; the backward takes the two
-    halves' grads side by side. Where :func:`batch_norm_silu` takes torch's path, the halves are
+    convolving it (channels_last). The statistics are the whole op's; the backward reads the two
+    halves' grads where they are, with no copy side by side (the kernels take the second part's
+    address and strides). Where :func:`batch_norm_silu` takes torch's path, the halves are
     ``chunk``'s views."""
     _check(x, running_mean, running_var, weight, bias, training)
     if x.dim() != 4 or x.shape[1] % 2:
