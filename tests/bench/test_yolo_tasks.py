@@ -70,3 +70,24 @@ def test_kernel_kinds_by_name(name, kind):
     from trainfuse.bench.yolo_harness import kernel_kind
 
     assert kernel_kind(name) == kind
+
+
+def test_top_kernels_add_up_by_name_longest_first():
+    """The bench's list of the longest kernels sums each name's GPU time and calls, leaves host
+    events out and cuts long names."""
+    import types
+
+    import torch
+
+    from trainfuse.bench.yolo_harness import top_kernels
+
+    def event(name, us, device=torch.autograd.DeviceType.CUDA):
+        return types.SimpleNamespace(name=name, device_type=device,
+                                     time_range=types.SimpleNamespace(elapsed_us=lambda: us))
+
+    long = "k" * 120
+    prof = types.SimpleNamespace(events=lambda: [
+        event("bn_stats_kernel", 300.0), event(long, 1000.0), event("bn_stats_kernel", 900.0),
+        event("aten::add", 5000.0, torch.autograd.DeviceType.CPU), event("silu", 100.0)])
+    assert top_kernels(prof) == [("bn_stats_kernel", 1.2, 2), ("k" * 90, 1.0, 1), ("silu", 0.1, 1)]
+    assert top_kernels(prof, n=1) == [("bn_stats_kernel", 1.2, 2)]

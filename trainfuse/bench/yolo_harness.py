@@ -165,6 +165,19 @@ def gpu_ms_by_kind(prof) -> dict[str, float]:
     return out
 
 
+def top_kernels(prof, n: int = 25) -> list[tuple[str, float, int]]:
+    """The ``n`` kernels of a ``torch.profiler`` run that took the most GPU time, by name: ``(name
+    cut to 90 characters, GPU ms, calls)``, longest first."""
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = by_name.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += e.time_range.elapsed_us() / 1e3
+            entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:n]
+    return [(name, ms, calls) for name, (ms, calls) in ranked]
+
+
 # the CUDA runtime and driver calls that put work on a stream
 _LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch", "Memcpy", "Memset")
 
@@ -196,6 +209,7 @@ class LaunchCounter:
         self.launches = 0
         self.host_launches: int | None = None
         self.gpu_ms: dict[str, float] = {}
+        self.top: list[tuple[str, float, int]] = []
         self._updates = None
         self._stepped = False
         self._prof = None
@@ -245,6 +259,7 @@ class LaunchCounter:
             self.launches = device_launches(self._prof)
             self.host_launches = host_launches(self._prof)
             self.gpu_ms = gpu_ms_by_kind(self._prof)
+            self.top = top_kernels(self._prof)
             self._prof = None
             self.done = True
 
@@ -463,6 +478,8 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     summary["profiled_iterations"] = counter.iterations
     if counter.iterations:
         summary["gpu_ms_by_kind"] = {k: v / counter.iterations for k, v in sorted(counter.gpu_ms.items())}
+        summary["top_kernels"] = [[name, ms / counter.iterations, calls / counter.iterations]
+                                  for name, ms, calls in counter.top]
     summary["optimizer"] = type(trainer.optimizer).__name__
     summary["kept_grads"] = kept.get("grads", False)
     summary["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
