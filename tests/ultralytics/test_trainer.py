@@ -441,6 +441,8 @@ def test_fuse_blocks_swaps_every_conv_block_and_gives_it_back(runs):
     count = sum(type(m).__name__ == "Conv" for m in blocks.trainer.model.modules())
     assert row.action == "on" and row.detail.startswith(f"{count} Conv blocks: BatchNorm2d and SiLU as one")
     assert not any("forward" in m.__dict__ for m in blocks.trainer.model.modules())  # given back
+    upsampling = {r.kind: r for r in blocks.trainer.report}["upsample"]  # AMP is off on the CPU
+    assert upsampling.action == "off" and upsampling.detail == "no AMP on CUDA: autocast casts nothing"
     off = {r.kind: r for r in plain.trainer.report}["blocks"]
     assert off.action == "off" and off.detail == "fuse_blocks=False"
 
@@ -455,6 +457,7 @@ def test_the_report_says_what_was_fused_and_what_stayed_stock(runs):
     assert rows["validator"].action == "on" and rows["validator"].name == "FusedDetectionValidator"
     assert rows["val workers"].action == "off" and rows["val workers"].detail.startswith("val=False")
     assert rows["device cache"].action == "off" and "on for CUDA devices only" in rows["device cache"].detail
+    assert rows["upsample"].action == "off" and rows["upsample"].detail == "fuse_blocks=False"
     off = {r.kind: r for r in step_only.trainer.report}["loss"]
     assert off.action == "off"
     assert off.detail == "fused_loss=False (fused_loss=True trains with FusedDetectionLoss)"

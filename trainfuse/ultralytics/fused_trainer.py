@@ -61,8 +61,9 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
             False keeps ultralytics' loss and fuses the optimizer phase only).
         fuse_casts: under AMP on CUDA, 16-bit weights with float32 masters (default True).
         fold_stem: on CUDA, the first convolution on the space-to-depth image (default True).
-        fuse_blocks: each ``Conv`` block's BatchNorm2d and SiLU as one op (default False:
-            :mod:`trainfuse.nn.conv_block`).
+        fuse_blocks: each ``Conv`` block's BatchNorm2d and SiLU as one op, and under AMP the neck's
+            nearest upsamplings in 16 bits where that changes no number (default False:
+            :mod:`trainfuse.nn.conv_block`, :mod:`trainfuse.nn.upsample`).
         prefetch: on CUDA, the training batches copied to the GPU one ahead (default True).
         parallel_plots: with ``plots=True``, the figures drawn in worker processes while the run
             goes on (default False: on an H200 a default run's final evaluation took longer with

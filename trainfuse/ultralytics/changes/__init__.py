@@ -14,22 +14,23 @@ from trainfuse.ultralytics.changes.graphs import Graphs, Phase
 from trainfuse.ultralytics.changes.loss import Augment, LossSwap
 from trainfuse.ultralytics.changes.optimizer import OptimizerSwap
 from trainfuse.ultralytics.changes.stem import FoldStem
+from trainfuse.ultralytics.changes.upsample import Upsampling
 from trainfuse.ultralytics.changes.validator import Validation, ValidationWorkers
 
 
 def changes(options: Options) -> list[Change]:
     """A run's changes, in the order they are made: the optimizer, the scaler and the EMA (folded
-    into the optimizer's step), the loss, how the batches load, the casts, the stem, the Conv
-    blocks, then DDP's
-    flat all-reduce, the graphs and the optimizer phase inside them, which need the ones before; and
-    the validator's row and its loader's workers; what stays on the device between epochs."""
+    into the optimizer's step), the loss, how the batches load, the casts, the upsamplings, the stem,
+    the Conv blocks, then DDP's flat all-reduce, the graphs and the optimizer phase inside them,
+    which need the ones before; and the validator's row and its loader's workers; what stays on the
+    device between epochs."""
     made: list[Change] = [OptimizerSwap(), Scaler(), EMASwap(), LossSwap()]
-    made += [Augment(), Casts(options.fuse_casts), FoldStem(options.fold_stem),
-             FuseBlocks(options.fuse_blocks), FlatGradsDDP(), Graphs(), Phase(), Validation(),
-             ValidationWorkers(), DeviceCache(options.device_cache)]
+    made += [Augment(), Casts(options.fuse_casts), Upsampling(options.fuse_blocks),
+             FoldStem(options.fold_stem), FuseBlocks(options.fuse_blocks), FlatGradsDDP(), Graphs(), Phase(),
+             Validation(), ValidationWorkers(), DeviceCache(options.device_cache)]
     return made
 
 
 __all__ = ["CALLBACKS", "Augment", "Casts", "Change", "DeviceCache", "EMASwap", "FlatGradsDDP", "FoldStem",
            "FuseBlocks", "Graphs", "LossSwap", "OptimizerSwap", "Options", "Phase", "Results", "Run",
-           "Scaler", "Validation", "ValidationWorkers", "changes"]
+           "Scaler", "Upsampling", "Validation", "ValidationWorkers", "changes"]

@@ -1,0 +1,97 @@
+"""The neck's nearest upsamplings in 16 bits (trainfuse.ultralytics.changes.upsample): which layers
+qualify in ultralytics' models, and on a GPU, a model's forward and backward under AMP bit for bit
+stock's with them changed."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trainfuse.ultralytics.offline import offline_env
+
+offline_env(Path(tempfile.gettempdir()) / "trainfuse-tests-yolo-config")
+pytest.importorskip("ultralytics")
+
+from ultralytics.nn.modules.conv import Concat  # noqa: E402
+from ultralytics.nn.tasks import ClassificationModel, DetectionModel  # noqa: E402
+
+from tests._helpers import cuda  # noqa: E402
+from trainfuse.nn import upsample  # noqa: E402
+from trainfuse.ultralytics.changes.upsample import exact_upsamplings  # noqa: E402
+
+
+@pytest.mark.parametrize("cfg,changed,total", [
+    ("yolov5n.yaml", 2, 2), ("yolo11n.yaml", 2, 2), ("yolo26n.yaml", 2, 2), ("yolov3-tinyu.yaml", 1, 1),
+    ("yolov9t.yaml", 0, 2),  # RepNCSPELAN4 reads the Concat: not a block the change knows
+])
+def test_the_necks_upsamplings_that_feed_a_concat_read_by_convolutions(cfg, changed, total):
+    model = DetectionModel(cfg, nc=3, verbose=False)
+    found, n = exact_upsamplings(model)
+    assert (len(found), n) == (changed, total)
+    assert all(type(m) is nn.Upsample for m in found)
+
+
+def test_an_upsampling_read_by_anything_but_a_concat_stays():
+    model = DetectionModel("yolo11n.yaml", nc=3, verbose=False)
+    found, _ = exact_upsamplings(model)
+    layers = model.model
+    first = found[0].i
+    assert type(layers[first + 1]) is Concat
+    layers[first + 1].f = [-1, -1]  # still a Concat: still changed
+    assert found[0] in exact_upsamplings(model)[0]
+    concat = layers[first + 1]
+    layers[first + 1] = nn.Identity()  # what reads it is no Concat now
+    layers[first + 1].f, layers[first + 1].i = concat.f, concat.i
+    assert found[0] not in exact_upsamplings(model)[0]
+
+
+def test_no_upsampling_in_a_classifier_or_a_plain_module():
+    assert exact_upsamplings(ClassificationModel("yolo11n-cls.yaml", nc=3, verbose=False)) == ([], 0)
+    assert exact_upsamplings(nn.Sequential(nn.Upsample(scale_factor=2))) == ([], 0)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors of a detection model's training output (a dict of tensors and lists of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    items = out.values() if isinstance(out, dict) else out
+    return [t for item in items for t in _tensors(item)]
+
+
+@cuda
+@pytest.mark.parametrize("cfg", ["yolo11n.yaml", "yolov5n.yaml"])
+def test_a_models_step_under_amp_is_stocks_bit_for_bit(cfg):
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        _check_step_bit_for_bit(cfg)
+
+
+def _check_step_bit_for_bit(cfg: str) -> None:
+    torch.manual_seed(0)
+    model = DetectionModel(cfg, nc=3, verbose=False).cuda().to(memory_format=torch.channels_last).train()
+    x = torch.randn(2, 3, 128, 128, device="cuda").to(memory_format=torch.channels_last)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = model(x)
+        outs = _tensors(out)
+        sum((o.float() * (i + 1)).square().mean() for i, o in enumerate(outs)).backward()
+        return [o.detach().clone() for o in outs], {k: p.grad.clone() for k, p in model.named_parameters()
+                                                    if p.grad is not None}
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_out, ref_grads = step()
+    model.load_state_dict(state)  # the BatchNorms' running statistics as before
+    found, _ = exact_upsamplings(model)
+    assert found and all(upsample.install(m) for m in found)
+    out, grads = step()
+    for m in found:
+        upsample.uninstall(m)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref_out))
+    assert grads.keys() == ref_grads.keys()
+    differ = [k for k in grads if not torch.equal(grads[k], ref_grads[k])]
+    assert not differ, differ
