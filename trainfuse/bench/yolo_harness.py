@@ -135,14 +135,15 @@ def device_launches(prof) -> int:
 
 
 # kinds of GPU work by kernel name, first match wins: BatchNorm (cuDNN's and the fused op), cuDNN's
-# convolutions (forward, data and weight grads: xmma/implicit-GEMM kernels), other matmuls, copies and
+# convolutions (forward, data and weight grads: xmma/implicit-GEMM kernels), other matmuls (cuBLAS's
+# nvjet kernels too, which run cuDNN's 1x1 convolutions in channels_last), copies and
 # concatenation, elementwise kernels (activations, adds, casts), reductions; the rest (trainfuse's
 # loss and optimizer kernels, ultralytics' own) is "other"
 KERNEL_KINDS = (
     ("batchnorm", ("batch_norm", "batchnorm", "bn_", "welford")),
     ("convolution", ("conv", "cudnn", "xmma", "implicit", "dgrad", "wgrad", "fprop", "nchwtonhwc",
                      "nhwctonchw")),
-    ("matmul", ("gemm", "cutlass", "cublas")),
+    ("matmul", ("gemm", "cutlass", "cublas", "nvjet")),
     ("copy/cat", ("copy", "catarray", "concat", "memcpy", "memset", "fill")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
     ("reduction", ("reduce",)),
