@@ -106,7 +106,7 @@ class FusedTraining(*_compat.callback_bases()):
             :attr:`graph_reasons`. Off on CPU. Under DDP the grads are averaged by one
             all-reduce of a flat buffer per optimizer step (DDP's reducer off).
         bn_silu: a BatchNorm2d followed by a SiLU in an ``nn.Sequential`` as one op (training
-            statistics, normalize and SiLU in three launches forward, three backward; off by
+            statistics, normalize and SiLU in two launches forward, two backward; off by
             default).
 
     Example::

@@ -1,5 +1,5 @@
-"""BatchNorm2d followed by SiLU, the tail of every ultralytics ``Conv`` block, in three launches
-forward and three backward, keeping only the convolution's output for the backward.
+"""BatchNorm2d followed by SiLU, the tail of every ultralytics ``Conv`` block, in two launches
+forward and two backward, keeping only the convolution's output for the backward.
 
 For channel ``c`` over the ``M = N H W`` values ``x`` of a batch (training)::
 
@@ -18,11 +18,13 @@ and backward, from ``dy``, with ``xhat = (x - mean_c) r_c`` and
 
 Forward: a program per (run of tiles, block of channels) folds its positions into a count, a mean
 and a sum of squared deviations per channel (Chan's merge of chunk statistics, no ``E[x^2] - E[x]^2``
-cancellation); one small program per channel block merges the partials in a fixed order, updates
-the running statistics and writes ``s`` and ``t``; a third pass writes ``y``. Backward: partial
-sums of ``du`` and ``du xhat``, their fixed-order total, then ``dx``, ``u`` recomputed from ``x``
-both times. No program adds into another's output: the same inputs give the same bits in every
-run, eager or replayed from a CUDA graph.
+cancellation); the last program of each channel block to arrive (an arrival counter per block)
+merges the block's partials in a fixed order, updates the running statistics and writes ``s`` and
+``t``; a second pass writes ``y``. Backward: partial sums of ``du`` and ``du xhat`` and, by the
+last to arrive, their fixed-order total, then ``dx``, ``u`` recomputed from ``x`` both times. No
+program adds into another's output, and the totals' order does not depend on which program
+arrives last: the same inputs give the same bits in every run, eager or replayed from a CUDA
+graph.
 
 Bytes per activation element: forward 2 reads and a write, backward 4 reads and a write, against
 torch's 3 reads and 2 writes (cuDNN's BatchNorm, then SiLU over its output) and 6 reads and 2
@@ -44,7 +46,8 @@ import triton.language as tl
 
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
-from trainfuse._runtime.launch import CachedLauncher
+from trainfuse._runtime.launch import CachedLauncher, stream_workspace
+from trainfuse._runtime.reduce import last_to_arrive
 
 
 @dataclasses.dataclass
@@ -84,15 +87,19 @@ def _program(CB, BC: tl.constexpr):
 
 
 @triton.jit
-def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, CB, S, NSB, Q, sN, sC, sS, tiles_per_program,
-                    BR: tl.constexpr, BC: tl.constexpr):
+def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr,
+                    scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr, C, CB, S, NSB, Q, sN, sC, sS,
+                    tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
+                    BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
     ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``. Each tile
     element sums ``x - k`` and its square on its own (no reduction and no division inside the
     loop, so the loads stream), reduced across the tile once at the end. The shift ``k`` is the
     channel's value at the program's first position: a sample of the channel, so the sums cancel
     only as much as the data's own spread around its mean (the summed squares minus the squared
-    sum lose ``((mean - k) / std)**2`` ulps of the variance, a few for any sample)."""
+    sum lose ``((mean - k) / std)**2`` ulps of the variance, a few for any sample). The last of
+    channel block ``j``'s ``P`` programs to arrive merges their partials (:func:`_finalize`) and
+    re-arms the block's arrival counter."""
     i, c = _program(CB, BC)
     cm = c < C
     q0 = i * tiles_per_program  # always a tile (the launch makes no program without one)
@@ -118,36 +125,41 @@ def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, C, CB, S, NSB, Q, sN, sC
     tl.store(mean_ptr + i * C + c, k + s1 * inv, mask=cm)
     tl.store(m2_ptr + i * C + c, tl.maximum(s2 - s1 * s1 * inv, 0.0), mask=cm)
     tl.store(count_ptr + i * C + c, n, mask=cm)
+    j = tl.program_id(0) - i * CB
+    tl.debug_barrier()  # every thread's partials are stored before the release below
+    if last_to_arrive(cnt_ptr + j, P):
+        _finalize(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
+                  save_mean_ptr, save_invstd_ptr, c, cm, P, M, C, momentum, eps, HAS_W, UPDATE, BP, BC)
+        tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
 
 
 @triton.jit
-def bn_finalize_kernel(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
-                       save_mean_ptr, save_invstd_ptr, P, M, C, momentum, eps,
-                       HAS_W: tl.constexpr, UPDATE: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
-    """Channel block ``j``: the ``P`` partials merged in a fixed order (``BP`` rows at a time, then
-    across the block) -> the batch's mean and 1/std, ``s`` and ``t``, and the running statistics
-    moved by ``momentum`` (``UPDATE``). Two passes over the partials (a few KB): the mean of the
-    partial means weighted by their counts, then each partial's squared deviations plus its count
-    times its mean's squared distance from that mean (Chan's merge, summed at once: plain sums,
-    which the interpreter runs as numpy where a custom ``tl.reduce`` runs element by element)."""
-    c = tl.program_id(0) * BC + tl.arange(0, BC)
-    cm = c < C
+def _finalize(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
+              save_mean_ptr, save_invstd_ptr, c, cm, P, M, C, momentum, eps,
+              HAS_W: tl.constexpr, UPDATE: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
+    """Channels ``c``: the ``P`` partials merged in a fixed order (``BP`` rows at a time, then
+    across the rows) -> the batch's mean and 1/std, ``s`` and ``t``, and the running statistics
+    moved by ``momentum`` (``UPDATE``). Two passes over the partials (a few KB, read past the
+    SM's cache: other programs wrote them): the mean of the partial means weighted by their
+    counts, then each partial's squared deviations plus its count times its mean's squared
+    distance from that mean (Chan's merge, summed at once: plain sums, which the interpreter runs
+    as numpy where a custom ``tl.reduce`` runs element by element)."""
     weighted = tl.zeros([BP, BC], tl.float32)
     for p0 in range(0, P, BP):
         p = p0 + tl.arange(0, BP)
         m = (p < P)[:, None] & cm[None, :]
         offsets = p[:, None] * C + c[None, :]
-        n = tl.load(count_ptr + offsets, mask=m, other=0.0)
-        weighted += n * tl.load(mean_ptr + offsets, mask=m, other=0.0)
+        n = tl.load(count_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
+        weighted += n * tl.load(mean_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
     mean = tl.sum(weighted, 0) / M
     deviations = tl.zeros([BP, BC], tl.float32)
     for p0 in range(0, P, BP):
         p = p0 + tl.arange(0, BP)
         m = (p < P)[:, None] & cm[None, :]
         offsets = p[:, None] * C + c[None, :]
-        n = tl.load(count_ptr + offsets, mask=m, other=0.0)
-        d = tl.load(mean_ptr + offsets, mask=m, other=0.0) - mean[None, :]
-        deviations += tl.load(m2_ptr + offsets, mask=m, other=0.0) + n * d * d
+        n = tl.load(count_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
+        d = tl.load(mean_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg") - mean[None, :]
+        deviations += tl.load(m2_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg") + n * d * d
     m2 = tl.sum(deviations, 0)
     invstd = 1.0 / tl.sqrt(m2 / M + eps)
     if HAS_W:
@@ -208,11 +220,13 @@ def _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR: tl.
 
 @triton.jit
 def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr,
-                             sdux_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, hN, hC, hS, SPLIT,
-                             tiles_per_program, BR: tl.constexpr, BC: tl.constexpr):
+                             sdux_ptr, cnt_ptr, dw_ptr, db_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, hN,
+                             hC, hS, SPLIT, tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr,
+                             BC: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel
-    at ``[i, c]``. ``dy``'s channels from ``SPLIT`` on are ``dy1``'s (C, and ``dy`` again, for one
-    part)."""
+    at ``[i, c]``; the last of channel block ``j``'s ``P`` programs to arrive adds them up in a
+    fixed order into ``dw`` and ``db``. ``dy``'s channels from ``SPLIT`` on are ``dy1``'s (C, and
+    ``dy`` again, for one part)."""
     i, c = _program(CB, BC)
     cm = c < C
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
@@ -233,22 +247,25 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_
         sdux += du * (x - mean[None, :])
     tl.store(sdu_ptr + i * C + c, tl.sum(sdu, 0), mask=cm)
     tl.store(sdux_ptr + i * C + c, tl.sum(sdux, 0) * invstd, mask=cm)
+    j = tl.program_id(0) - i * CB
+    tl.debug_barrier()  # every thread's partials are stored before the release below
+    if last_to_arrive(cnt_ptr + j, P):
+        _grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, c, cm, P, C, BP, BC)
+        tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
 
 
 @triton.jit
-def bn_grad_finalize_kernel(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, P, C, BP: tl.constexpr, BC: tl.constexpr):
-    """Channel block ``j``: the partial sums added in a fixed order -> ``dw = sum du xhat``,
+def _grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, c, cm, P, C, BP: tl.constexpr, BC: tl.constexpr):
+    """Channels ``c``: the ``P`` partial sums added in a fixed order -> ``dw = sum du xhat``,
     ``db = sum du``."""
-    c = tl.program_id(0) * BC + tl.arange(0, BC)
-    cm = c < C
     sdu = tl.zeros([BP, BC], tl.float32)
     sdux = tl.zeros([BP, BC], tl.float32)
     for p0 in range(0, P, BP):
         p = p0 + tl.arange(0, BP)
         m = (p < P)[:, None] & cm[None, :]
         offsets = p[:, None] * C + c[None, :]
-        sdu += tl.load(sdu_ptr + offsets, mask=m, other=0.0)
-        sdux += tl.load(sdux_ptr + offsets, mask=m, other=0.0)
+        sdu += tl.load(sdu_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
+        sdux += tl.load(sdux_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
     sdu = tl.sum(sdu, 0)
     sdux = tl.sum(sdux, 0)
     tl.store(db_ptr + c, sdu, mask=cm)
@@ -282,7 +299,7 @@ def bn_silu_dx_kernel(x_ptr, dy_ptr, dy1_ptr, dx_ptr, scale_ptr, shift_ptr, mean
     tl.store(dx_ptr + out, (du * s[None, :]).to(dx_ptr.dtype.element_ty), mask=m)
 
 
-FINALIZE = (64, 32)  # a finalize program's block: partials (rows) by channels
+FINALIZE_ROWS = 64  # the partials the last program to arrive reads at a time
 launcher = CachedLauncher()  # a launch from raw addresses: an eager step pays little host time a block
 
 
@@ -320,6 +337,17 @@ def _split(tiles: int, channel_blocks: int, device: torch.device, cfg: BNLaunch)
     return triton.cdiv(tiles, per), per
 
 
+COUNTERS = 256  # arrival counters asked for at least (4,096 channels in blocks of 16)
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` arrival counters at zero, the current stream's (kernels on a stream run in order, and
+    the last program of each channel block re-arms its counter). At least :data:`COUNTERS`, so
+    that the stream's set is made once, not grown layer by layer (a CUDA graph keeps the
+    addresses it was captured with)."""
+    return stream_workspace(device, None, torch.float32, 0, max(n, COUNTERS))[1]
+
+
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Two dense ``(N, C / 2, H, W)`` tensors in ``x``'s memory format (channels_last or
     contiguous), views of one buffer, and the elements from the first's start to the second's."""
@@ -349,14 +377,13 @@ class _BatchNormSiLU(torch.autograd.Function):
         if training:
             P, per = _split(N * nsb, cb, x.device, cfg)
             partials = torch.empty(3, P, C, device=x.device, dtype=torch.float32)  # mean, m2, count
-            launcher(bn_stats_kernel, (P * cb,), x, *partials, C, cb, S, nsb, N * nsb, *x.stride(), per,
-                     BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
             update = running_mean is not None
             affine = (weight, bias) if has_w else (consts, consts)  # (unread without HAS_W)
             running = (running_mean, running_var) if update else (consts, consts)  # (unread without UPDATE)
-            launcher(bn_finalize_kernel, (triton.cdiv(C, FINALIZE[1]),), *partials, *affine, *running,
-                     scale, shift, mean, invstd, P, N * S, C, momentum, eps, HAS_W=has_w, UPDATE=update,
-                     BP=FINALIZE[0], BC=FINALIZE[1], num_warps=4)
+            launcher(bn_stats_kernel, (P * cb,), x, *partials, _counters(x.device, cb), *affine, *running,
+                     scale, shift, mean, invstd, C, cb, S, nsb, N * nsb, *x.stride(), per, P, N * S, momentum,
+                     eps, HAS_W=has_w, UPDATE=update, BP=FINALIZE_ROWS, BR=cfg.rows, BC=cfg.channels,
+                     num_warps=cfg.num_warps)
         else:  # the running statistics' constants: a few (C,) operations
             mean.copy_(running_mean)
             torch.rsqrt(running_var.float() + eps, out=invstd)
@@ -389,13 +416,11 @@ class _BatchNormSiLU(torch.autograd.Function):
         nsb = triton.cdiv(S, cfg.rows)
         P, per = _split(N * nsb, cb, x.device, cfg)
         partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
-        launcher(bn_silu_grad_sums_kernel, (P * cb,), x, dy, dy1, scale, shift, mean, invstd, *partials, C,
-                 cb, S, nsb, N * nsb, *x.stride(), *dy.stride(), *dy1.stride(), split, per, BR=cfg.rows,
-                 BC=cfg.channels, num_warps=cfg.num_warps)
         sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
-        launcher(bn_grad_finalize_kernel, (triton.cdiv(C, FINALIZE[1]),),
-                 partials[0], partials[1], sums[0], sums[1], P, C, BP=FINALIZE[0], BC=FINALIZE[1],
-                 num_warps=4)
+        launcher(bn_silu_grad_sums_kernel, (P * cb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
+                 _counters(x.device, cb), *sums, C, cb, S, nsb, N * nsb, *x.stride(), *dy.stride(),
+                 *dy1.stride(), split, per, P, BP=FINALIZE_ROWS, BR=cfg.rows, BC=cfg.channels,
+                 num_warps=cfg.num_warps)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty_like(x)
@@ -492,6 +517,5 @@ def split_batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: T
                   True)
 
 
-__all__ = ["BNLaunch", "batch_norm_silu", "batch_norm_silu_torch", "bn_finalize_kernel",
-           "bn_grad_finalize_kernel", "bn_silu_apply_kernel", "bn_silu_dx_kernel", "bn_silu_grad_sums_kernel",
-           "bn_stats_kernel", "split_batch_norm_silu"]
+__all__ = ["BNLaunch", "batch_norm_silu", "batch_norm_silu_torch", "bn_silu_apply_kernel",
+           "bn_silu_dx_kernel", "bn_silu_grad_sums_kernel", "bn_stats_kernel", "split_batch_norm_silu"]

@@ -99,7 +99,7 @@ class FuseBlocks(Change):
         halves = (f"; {len(self._c2f)} C2f blocks: cv1's two halves written as two dense tensors (no copy "
                   "before the first bottleneck)") if self._c2f else ""
         return [Row(self.kind, self.name(run), ON, f"{len(self._blocks)} Conv blocks: BatchNorm2d and SiLU "
-                    "as one op (three launches forward, three backward; the BatchNorm's output is not kept)"
+                    "as one op (two launches forward, two backward; the BatchNorm's output is not kept)"
                     + halves)]
 
     @override
