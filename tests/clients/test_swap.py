@@ -29,9 +29,10 @@ from trainfuse.optim.registry import COUNTERPARTS
 ENTRIES = [c for c in COUNTERPARTS if c.stock_class is not None]
 
 
-def _model() -> nn.Module:
+def _model(bias: bool = True) -> nn.Module:
+    """Two linear layers (without biases for an optimizer of matrices only: Muon)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(6, 8, bias=bias), nn.ReLU(), nn.Linear(8, 3, bias=bias))
 
 
 def _train(opt, model, steps=3, sched=None):
@@ -48,7 +49,7 @@ def _train(opt, model, steps=3, sched=None):
 def test_a_swapped_optimizer_continues_the_stock_one_exactly(entry, monkeypatch):
     monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")  # torch's own math: equality is exact
     hp = random_hparams(entry.fused_class, random.Random(0))
-    ref, ours = _model(), _model()
+    ref, ours = _model(not entry.matrices), _model(not entry.matrices)
     a = entry.stock_class(ref.parameters(), **hp)
     b = entry.stock_class(ours.parameters(), **hp)
     _train(a, ref), _train(b, ours)

@@ -68,7 +68,8 @@ def test_prepare_step_needs_graph_safe(device):
 
 
 # each registered fused class and whether its step replays from a CUDA graph
-CAPTURABLE = {"FusedAdamW": True, "FusedAdam": True, "FusedSGD": True, "FusedMuSGD": False}
+CAPTURABLE = {"FusedAdamW": True, "FusedAdam": True, "FusedSGD": True, "FusedMuSGD": False,
+              "FusedMuon": False}
 
 
 def test_every_registered_class_declares_whether_its_step_is_capturable():

@@ -223,8 +223,10 @@ def main(argv=None):
                           only="run only workloads whose name contains this")
     parser.add_argument("--sweep", action="store_true", help="also sweep block, unroll and warps")
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep")
-    parser.add_argument("--optimizers", default=",".join(c.stock_name for c in COUNTERPARTS),
-                        help="stock names from trainfuse.optim.registry, comma-separated (default: all)")
+    vectors_too = [c.stock_name for c in COUNTERPARTS if not c.matrices]
+    parser.add_argument("--optimizers", default=",".join(vectors_too),
+                        help="stock names from trainfuse.optim.registry, comma-separated (default: all but "
+                        "Muon, which takes matrices only: python -m trainfuse.bench muon)")
     parser.add_argument("--configs", default="",
                         help="sweep these BLOCKxUNROLLxWARPS configurations, e.g. 512x8x4,512x16x2")
     started = parse_and_start(parser, argv, "optimizer")
@@ -233,10 +235,10 @@ def main(argv=None):
     args, report, bw = started
     wanted = [n for n in args.optimizers.split(",") if n]
     entries = [c for c in COUNTERPARTS if c.stock_name in wanted and c.stock_class is not None]
-    unknown = sorted(set(wanted) - {c.stock_name for c in COUNTERPARTS})
+    unknown = sorted(set(wanted) - set(vectors_too))
     if unknown:
-        parser.error(f"--optimizers: {', '.join(unknown)} not in trainfuse.optim.registry "
-                     f"({', '.join(c.stock_name for c in COUNTERPARTS)})")
+        parser.error(f"--optimizers: {', '.join(unknown)} not among this benchmark's optimizers "
+                     f"({', '.join(vectors_too)}; Muon: python -m trainfuse.bench muon)")
     workloads = [("GPT-2 124M", _params(gpt2_shapes())),
                  ("216-tensor YOLO-like", _params(yolo_like_shapes()))]
     bf16 = ("GPT-2 124M bf16", _params(gpt2_shapes(), torch.bfloat16))

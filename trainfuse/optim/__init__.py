@@ -1,7 +1,8 @@
 """Drop-in fused optimizers (torch.optim's arguments, defaults and state_dict layout) and FusedEMA.
 
 The fused optimizers are exported from :data:`trainfuse.optim.registry.COUNTERPARTS`:
-``FusedAdamW``, ``FusedAdam``, ``FusedSGD``, and whatever a new registry line adds.
+``FusedAdamW``, ``FusedAdam``, ``FusedSGD``, ``FusedMuSGD``, ``FusedMuon``, and whatever a new
+registry line adds.
 """
 
 from trainfuse.optim import registry

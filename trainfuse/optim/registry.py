@@ -24,7 +24,7 @@ def _load(path: str) -> Any:
     module, _, name = path.partition(":")
     try:
         return getattr(importlib.import_module(module), name)
-    except ImportError:
+    except (ImportError, AttributeError):  # no such package, or a version without the class
         return None
 
 
@@ -40,12 +40,15 @@ class Counterpart:
             constructor accepts is a valid draw); the first value of each is the benchmark's.
         attributes: constructor arguments the stock class keeps as attributes of the optimizer
             rather than in ``defaults`` (MuSGD's ``muon`` and ``sgd``): a swap carries them over.
+        matrices: the optimizer takes 2-dim params only (Muon): the tests and benchmarks that give
+            every optimizer vectors too leave it to its own.
     """
 
     stock: str
     fused: str
     examples: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     attributes: tuple[str, ...] = ()
+    matrices: bool = False
 
     @property
     def name(self) -> str:
@@ -82,12 +85,15 @@ _SGD = dict(lr=(1e-2, 1e-3, 0.05), momentum=(0.937, 0.0, 0.5), nesterov=(True, F
 # MuSGD's Muon part needs use_muon groups of matrices: its own tests build those (test_musgd.py)
 _MUSGD = dict(lr=(1e-2, 1e-3), momentum=(0.9, 0.937, 0.0), nesterov=(True, False),
               weight_decay=(5e-4, 0.0, 0.1), use_muon=(False,), muon=(0.2, 0.5), sgd=(1.0, 0.5))
+_MUON = dict(lr=(0.02, 1e-3), weight_decay=(0.1, 0.0), momentum=(0.95, 0.9), nesterov=(True, False),
+             ns_steps=(5, 3), adjust_lr_fn=(None, "original", "match_rms_adamw", "spectral_unclamped"))
 
 COUNTERPARTS: tuple[Counterpart, ...] = (
     Counterpart("torch.optim:AdamW", "trainfuse.optim.adam:FusedAdamW", _ADAM),
     Counterpart("torch.optim:Adam", "trainfuse.optim.adam:FusedAdam", _ADAM),
     Counterpart("torch.optim:SGD", "trainfuse.optim.sgd:FusedSGD", _SGD),
     Counterpart("ultralytics.optim:MuSGD", "trainfuse.optim.musgd:FusedMuSGD", _MUSGD, ("muon", "sgd")),
+    Counterpart("torch.optim:Muon", "trainfuse.optim.muon:FusedMuon", _MUON, matrices=True),
 )
 
 
