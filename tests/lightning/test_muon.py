@@ -1,6 +1,7 @@
-"""A LightningModule that pairs FusedMuon (its matrices) with AdamW (the rest), as Muon's users do,
-trains in a real Trainer.fit under FusedTraining exactly as with torch.optim.Muon (CPU: the torch
-path, Muon's own ops)."""
+"""A LightningModule that pairs Muon (its matrices) with AdamW (the rest), as Muon's users do, and
+steps both itself (manual optimization): FusedMuon built by the user, or torch.optim.Muon and AdamW
+that FusedTraining swaps, train in a real Trainer.fit exactly as stock does (CPU: the torch path,
+Muon's own ops); under 16-mixed's GradScaler the module's optimizers stay its own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._helpers import cuda
 from tests.lightning.helpers import package
 from trainfuse.lightning import FusedTraining
 from trainfuse.optim.muon import FusedMuon
@@ -17,7 +19,7 @@ from trainfuse.optim.muon import FusedMuon
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch 2.9+")
 
 
-def _fit(pl, muon_cls):
+def _fit(pl, muon_cls, fused=True, precision="32-true", accelerator="cpu"):
     class TwoOptimizers(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -38,6 +40,7 @@ def _fit(pl, muon_cls):
             for opt in opts:
                 opt.zero_grad()
             self.manual_backward(loss)
+            self.clip_gradients(opts[1], gradient_clip_val=0.5)  # Lightning's own clipping of the head
             for opt in opts:
                 opt.step()
 
@@ -49,18 +52,52 @@ def _fit(pl, muon_cls):
     data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g),
                                           torch.randint(0, 2, (32,), generator=g))
     module, cb = TwoOptimizers(), FusedTraining(verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         precision=precision, callbacks=[cb] if fused else [])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck|does not have many workers).*")
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    module.report = {r.name: r for r in cb.report if r.kind == "optimizer"}
+    module.optimizer_types = [type(o).__name__ for o in trainer.optimizers]
     return module
+
+
+def _assert_same_run(ours, ref) -> None:
+    assert torch.equal(torch.stack(ours.losses), torch.stack(ref.losses))
+    for (name, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), name
 
 
 def test_fused_muon_with_adamw_trains_like_torch_muon(monkeypatch):
     monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
     pl = package()
-    ours, ref = _fit(pl, FusedMuon), _fit(pl, torch.optim.Muon)
-    assert torch.equal(torch.stack(ours.losses), torch.stack(ref.losses))
-    for (name, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
-        assert torch.equal(a, b), name
+    _assert_same_run(_fit(pl, FusedMuon), _fit(pl, torch.optim.Muon, fused=False))
+
+
+def test_a_users_muon_and_adamw_are_both_swapped_under_manual_optimization(monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
+    pl = package()
+    ours, ref = _fit(pl, torch.optim.Muon), _fit(pl, torch.optim.Muon, fused=False)
+    assert ours.optimizer_types == ["FusedMuon", "FusedAdamW"] and ref.optimizer_types == ["Muon", "AdamW"]
+    assert [r.action for r in ours.report.values()] == ["swapped", "swapped"]
+    _assert_same_run(ours, ref)
+
+
+def test_under_bf16_mixed_both_are_swapped_and_the_modules_clipping_runs_as_stock(monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
+    pl = package()
+    ours = _fit(pl, torch.optim.Muon, precision="bf16-mixed")
+    ref = _fit(pl, torch.optim.Muon, fused=False, precision="bf16-mixed")
+    assert ours.optimizer_types == ["FusedMuon", "FusedAdamW"]
+    _assert_same_run(ours, ref)
+
+
+@cuda
+def test_manual_optimization_under_a_grad_scaler_keeps_the_modules_optimizers(monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")
+    pl = package()
+    ours = _fit(pl, torch.optim.Muon, precision="16-mixed", accelerator="gpu")
+    assert ours.optimizer_types == ["Muon", "AdamW"]
+    row = ours.report["optimizer 0 (Muon)"]
+    assert row.action == "skipped" and row.detail.startswith("manual optimization under a GradScaler")

@@ -55,7 +55,8 @@ class FusedTraining(*_compat.callback_bases()):
        one op (:mod:`trainfuse.nn.conv_block`; the Sequential's own modules back at the end);
     6. ``optimizer``: ``torch.optim.AdamW``/``Adam``/``SGD`` -> FusedAdamW/FusedAdam/FusedSGD
        (same param groups, state and schedulers), unless the step cannot take them (sparse
-       gradients, step hooks, manual optimization...);
+       gradients, step hooks, manual optimization under 16-mixed's GradScaler...); a
+       ``torch.optim.Muon`` -> FusedMuon, also under manual optimization beside an AdamW;
     7. ``clipping``: ``Trainer(gradient_clip_val=...)`` inside the fused step (by norm:
        ``max_grad_norm``; by value: ``max_grad_value``), the Trainer's own clipping off meanwhile;
     8. ``ema``: an EMA inside the optimizer step, with EMAWeightAveraging's semantics;

@@ -51,6 +51,9 @@ def why_not_flat(run: Run) -> str | None:
         return "not a DDP run"
     if not isinstance(run.trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
         return "the DDP strategy holds no DistributedDataParallel model: DDP's own reducer stays"
+    if not run.module.automatic_optimization:
+        return ("manual optimization: the module steps its optimizers itself, each step would all-reduce "
+                "again; DDP's own reducer stays")
     if run.precision == "16-mixed" and not run.all_swapped:
         return ("16-mixed with a stock optimizer: Lightning's GradScaler unscales and looks for inf in "
                 "each rank's grads before this all-reduce could run; DDP's own reducer stays")

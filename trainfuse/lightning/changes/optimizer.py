@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
+from trainfuse._runtime import compat
 from trainfuse.clients import ON, SKIPPED, SWAPPED, Row, repoint_schedulers, swap_optimizer, why_not_swappable
 from trainfuse.lightning import _compat
 from trainfuse.lightning.changes.base import Change, Run, describe
@@ -30,14 +31,31 @@ def clipping_of(trainer: pl.Trainer) -> tuple[float | None, str]:
     return (float(value) if value is not None and value > 0 else None), algorithm
 
 
+def _takes_no_grad_scaler(module: pl.LightningModule, swapped: list[FusedOptimizer]) -> None:
+    """Under manual optimization without a GradScaler (bf16-mixed: one is refused), the swapped
+    optimizers, and the wrappers ``module.optimizers()`` hands the module, say they take no scale
+    from one: Lightning's mixed precision then clips their grads in the module's
+    ``clip_gradients`` as it does a stock optimizer's, where it refuses an optimizer that unscales
+    inside its step (the fused class's own setting, for GradScaler)."""
+    wrappers = module.optimizers()
+    wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
+    ours = {id(o) for o in swapped}
+    for opt in [*swapped, *(w for w in wrappers if id(getattr(w, "optimizer", None)) in ours)]:
+        setattr(opt, compat.STEP_SUPPORTS_AMP_SCALING, False)
+
+
 class OptimizerSwap(Change):
     """Every optimizer of the run that the fused step can take -> its fused counterpart, clipping
     with the Trainer's setting inside the step; one row per optimizer.
 
-    Decided before anything is swapped: manual optimization and an overridden
-    ``configure_gradient_clipping`` clip through Lightning, which refuses optimizers that unscale
-    inside their step; :func:`trainfuse.clients.why_not_swappable` gives every other reason
-    (no counterpart, step hooks, options, sparse gradients from the module's embeddings).
+    Decided before anything is swapped: an overridden ``configure_gradient_clipping``, and manual
+    optimization under a GradScaler (16-mixed), clip through Lightning, which refuses optimizers
+    that unscale inside their step; manual optimization without one (32-true, bf16-mixed) is
+    swapped: the module's ``opt.step()`` steps the fused optimizer, and its ``clip_gradients``
+    clips the grads as before (under bf16-mixed the fused optimizer tells Lightning that it takes
+    no GradScaler's scale). Muon's users step Muon and AdamW that way: both are swapped.
+    :func:`trainfuse.clients.why_not_swappable` gives every other reason (no counterpart, step
+    hooks, options, sparse gradients from the module's embeddings).
 
     The fused optimizer stays in ``trainer.optimizers`` after the fit: it continues the user's
     (same groups, state and schedulers), its checkpoints are in torch.optim's layout, and the next
@@ -54,9 +72,10 @@ class OptimizerSwap(Change):
         return None if run.trainer.strategy.optimizers else "configure_optimizers returned no optimizer"
 
     def _why_not(self, run: Run, opt: torch.optim.Optimizer) -> str | None:
-        if not run.module.automatic_optimization:
-            return ("manual optimization: training_step steps and clips it through Lightning, which refuses "
-                    "to clip optimizers that unscale inside their step")
+        if not run.module.automatic_optimization and getattr(run.trainer.precision_plugin, "scaler",
+                                                             None) is not None:
+            return ("manual optimization under a GradScaler: training_step steps and clips it through "
+                    "Lightning, which refuses to clip optimizers that unscale inside their step")
         if _compat.is_overridden("configure_gradient_clipping", run.module):
             return ("configure_gradient_clipping is overridden: it clips through Lightning, which refuses to "
                     "clip optimizers that unscale inside their step")
@@ -89,6 +108,8 @@ class OptimizerSwap(Change):
             run.swapped.append(new)
         if run.swapped:
             strategy.optimizers = result  # rebuilds the LightningOptimizer wrappers the loop steps
+            if not run.module.automatic_optimization and run.precision.endswith("-mixed"):
+                _takes_no_grad_scaler(run.module, run.swapped)
         run.all_swapped = bool(run.swapped) and len(run.swapped) == len(result)
 
     @override
