@@ -168,3 +168,53 @@ def test_without_torchvisions_decode_jpeg_the_workers_decode(monkeypatch):
     assert why_not_gpu_decoding() == ""
     monkeypatch.delattr(torchvision.io, "decode_jpeg")
     assert why_not_gpu_decoding().startswith("torchvision.io has no decode_jpeg here")
+
+
+def test_resident_images_reach_the_batch_without_their_bytes_or_their_file(mixed, tmp_path):
+    """Images the decoder keeps for good are marked in the shared index: a load of one then
+    reads no file and sends a stand-in without bytes, which the decoder serves from what it
+    keeps; the same pixels as with the bytes. Release clears the index."""
+    from trainfuse.ultralytics.augment.decode import NO_BYTES, ResidentIndex
+    from trainfuse.ultralytics.device_cache import CacheBudget
+
+    stock, ours = _pair(mixed)
+    index = ResidentIndex(len(ours.im_files))
+    deferred.install(ours, get_cfg(overrides={"imgsz": 96}), pad=True, decode=True, resident=index)
+    ours.max_buffer_length = 1  # every load below reads its image again
+    jpgs = [i for i, f in enumerate(ours.im_files) if f.endswith(".jpg")]
+    decoder = JpegDecoder(capacity=1, budget=CacheBudget(2**30), index=index)
+    first, loaded = {}, {}
+    for i in jpgs:  # the budget has room: each kept for good, marked with its sizes
+        assert index.sizes(i) is None
+        loaded[i], hw0, hw = ours.load_image(i)
+        assert loaded[i].source[1].size > 0
+        first[i] = decoder.pack(*pack_sources([loaded[i]], index))
+    assert sorted(decoder.resident) == jpgs and not decoder.kept
+    for i in jpgs:
+        hw0, hw = stock.load_image(i)[1:]
+        assert index.sizes(i) == (*hw0, *hw)
+    # a stand-in loaded before (a worker's buffered one) still holds its bytes: they stay home now
+    table, raw, jpeg = pack_sources(list(loaded.values()), index)
+    assert jpeg.tensor.numel() == 0 and pack_sources(list(loaded.values()))[2].tensor.numel() > 0
+    assert torch.equal(decoder.pack(table, raw, jpeg), torch.cat([first[i] for i in jpgs]))
+
+    moved = tmp_path / "moved"  # the resident images' files gone: nothing reads them
+    moved.mkdir()
+    for i in jpgs:
+        Path(ours.im_files[i]).rename(moved / Path(ours.im_files[i]).name)
+    try:
+        for i in jpgs:
+            ours.buffer.clear()
+            ours.ims[i] = None
+            im, hw0, hw = ours.load_image(i)
+            assert isinstance(im, Encoded) and im.source[1] is NO_BYTES
+            assert (hw0, hw) == stock.load_image(i)[1:]
+            again = decoder.pack(*pack_sources([im]))
+            assert torch.equal(again, first[i])
+        decoder.release()
+        assert all(index.sizes(i) is None for i in jpgs)
+        with pytest.raises(ValueError, match=rf"image {jpgs[0]} came without its bytes, as one kept"):
+            decoder.pack(*pack_sources([stand_in(*hw, (jpgs[0], NO_BYTES, *hw0))]))
+    finally:
+        for i in jpgs:
+            (moved / Path(ours.im_files[i]).name).rename(ours.im_files[i])

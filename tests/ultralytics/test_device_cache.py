@@ -15,7 +15,13 @@ from trainfuse.ultralytics.validate.cached import CachedBatches
 cv2 = pytest.importorskip("cv2")
 pytest.importorskip("torchvision")
 
-from trainfuse.ultralytics.augment.decode import JpegDecoder, pack_sources, probe_jpeg, stand_in  # noqa: E402
+from trainfuse.ultralytics.augment.decode import (  # noqa: E402
+    JpegDecoder,
+    ResidentIndex,
+    pack_sources,
+    probe_jpeg,
+    stand_in,
+)
 
 
 def test_the_budget_holds_what_fits_and_refuses_the_rest():
@@ -63,26 +69,31 @@ def _pack(decoder, images, size=None):
     return decoder.pack(*pack_sources(stand_ins))
 
 
-def test_images_pushed_out_of_the_recent_ones_stay_while_the_budget_has_room(tmp_path):
+def test_decoded_images_stay_while_the_budget_has_room_and_the_latest_past_it(tmp_path):
     images = _jpegs(tmp_path, 4)
     nbytes = 48 * 64 * 3
     budget = CacheBudget(2 * nbytes)  # room for two of the four
-    decoder = JpegDecoder(capacity=1, budget=budget)
+    index = ResidentIndex(4)  # what the loader's workers read
+    decoder = JpegDecoder(capacity=1, budget=budget, index=index)
     first = [_pack(decoder, [im]) for im in images]
     assert decoder.decoded == 4 and list(decoder.kept) == [3]
     assert sorted(decoder.resident) == [0, 1] and decoder.resident_bytes == budget.used == 2 * nbytes
-    assert budget.refused == 1  # image 2 found no room
-    again = [_pack(decoder, [im]) for im in images]  # 0, 1 resident, 3 recent until 2 pushes it out
-    assert decoder.decoded == 6 and decoder.reused == 2
+    assert [index.sizes(k) for k in range(4)] == [(48, 64, 48, 64)] * 2 + [None] * 2
+    assert budget.refused == 2  # images 2 and 3 found no room: the latest of them stays recent
+    again = [_pack(decoder, [im]) for im in images]  # 0, 1 resident; 2 decoded again, pushing 3 out
+    assert decoder.decoded == 6 and decoder.reused == 2 and list(decoder.kept) == [3]
     for a, b, im in zip(first, again, images):
         want = torch.from_numpy(cv2.imread(im[4])).reshape(-1)
         assert torch.equal(a, want) and torch.equal(b, want)
     resized = _pack(decoder, images[:1], size=(24, 32))  # another size: decoded again, not the resident one
     assert resized.numel() == 24 * 32 * 3 and decoder.decoded == 7
-    # its resident copy gave its bytes back, and image 3, pushed out of the recent ones, took them
-    assert sorted(decoder.resident) == [1, 3] and budget.used == decoder.resident_bytes == 2 * nbytes
+    # its resident copy gave its bytes back, and the resized image took its place, marked at its size
+    small = 24 * 32 * 3
+    assert sorted(decoder.resident) == [0, 1] and budget.used == decoder.resident_bytes == nbytes + small
+    assert [index.sizes(k) for k in range(4)] == [(48, 64, 24, 32), (48, 64, 48, 64), None, None]
     decoder.release()
     assert not decoder.kept and not decoder.resident and budget.used == 0 and decoder.resident_bytes == 0
+    assert all(index.sizes(k) is None for k in range(4))
 
 
 def test_without_a_budget_only_the_recent_images_stay(tmp_path):

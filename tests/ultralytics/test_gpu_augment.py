@@ -441,17 +441,21 @@ def test_a_pose_run_augments_on_the_gpu_path_when_asked_and_tracks_the_cpu_path(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the JPEGs are decoded on the GPU on CUDA only")
 def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
     """The default on CUDA: the GPU decodes and augments the JPEGs read every epoch, with the
-    step's replays paced beside its thread; with the images cached in RAM the CPU path stays."""
+    step's replays paced beside its thread; once every image is kept on the device, the workers
+    send no JPEG bytes (the last epoch's batches are made after the first's were decoded); with
+    the images cached in RAM the CPU path stays."""
     from ultralytics import YOLO
 
     from trainfuse.ultralytics import FusedDetectionTrainer
 
     data_yaml = str(make_shapes_dataset(tmp_path / "data", n_train=32, n_val=4, imgsz=96, photo=True))
-    trainers = {}
+    trainers, received = {}, []
     for name, on, cache in (("cpu", False, False), ("gpu", None, False), ("ram", None, "ram")):
         model = YOLO("yolov5n.yaml")
+        if name == "gpu":
+            model.add_callback("on_train_epoch_end", lambda t: received.append(t.jpeg_decoder.received))
         trainer = functools.partial(FusedDetectionTrainer, gpu_augment=on)
-        model.train(data=data_yaml, epochs=1 if cache else 2, imgsz=96, batch=8, workers=2, device=0, seed=0,
+        model.train(data=data_yaml, epochs=1 if cache else 3, imgsz=96, batch=8, workers=2, device=0, seed=0,
                     deterministic=True, plots=False, val=False, close_mosaic=1, project=str(tmp_path),
                     name=name, exist_ok=True, verbose=False, trainer=trainer, cache=cache)
         trainers[name] = model.trainer
@@ -462,6 +466,7 @@ def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
     assert "paced" in next(r.detail for r in gpu.report if r.kind == "graphs")
     assert "paced" not in next(r.detail for r in cpu.report if r.kind == "graphs")
     assert gpu.jpeg_decoder.decoded >= 32 and gpu.jpeg_decoder.reused > 0  # each image; the mosaic's kept
+    assert len(received) == 3 and received[0] > 0 and received[2] == received[1], received
     cached = {t: {r.name: r.action for r in trainers[t].report if r.kind == "device cache"} for t in trainers}
     assert cached["gpu"]["decoded training images"] == "on"
     assert cached["cpu"]["decoded training images"] == "skipped"

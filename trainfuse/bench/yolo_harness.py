@@ -492,6 +492,7 @@ def train_run(kind: str, args, data: str, project: Path, device: int | str = 0,
     decoder = getattr(trainer, "jpeg_decoder", None)
     if decoder is not None:
         summary["jpeg_decoded"], summary["jpeg_reused"] = decoder.decoded, decoder.reused
+        summary["jpeg_received_mb"] = decoder.received / 2**20
     if getattr(trainer, "phase_stats", None) is not None:
         summary["phase_graph"] = trainer.phase_stats
     if getattr(trainer, "graph_stats", None) is not None:

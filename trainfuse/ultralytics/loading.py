@@ -107,16 +107,19 @@ class BatchLoading:
                 dataset.collate_fn = PadTargets(dataset.collate_fn)
             return dataset
         from trainfuse.ultralytics.augment import deferred
-        from trainfuse.ultralytics.augment.decode import JpegDecoder, why_not_gpu_decoding
+        from trainfuse.ultralytics.augment.decode import JpegDecoder, ResidentIndex, why_not_gpu_decoding
 
         decode = device.type == "cuda"
         if decode and (why := why_not_gpu_decoding()):
             decode = False
             self.rows.append(Row("augment", "JPEG decoding", OFF, f"JPEGs decoded by the workers: {why}"))
-        deferred.install(dataset, hyp, pad=pad, decode=decode)
+        # the images the decoder keeps for good, which the workers then send without their bytes
+        resident = ResidentIndex(len(dataset.im_files)) if decode else None
+        deferred.install(dataset, hyp, pad=pad, decode=decode, resident=resident)
         if decode:  # the workers' recent images, for the mosaic, stay decoded
             self.jpeg_decoder = JpegDecoder(capacity=max(4 * (batch or 16),
-                                                         (hyp.workers + 1) * dataset.max_buffer_length))
+                                                         (hyp.workers + 1) * dataset.max_buffer_length),
+                                            index=resident)
         how = ("JPEG decoding, then the random warp, HSV and flips in one kernel per batch, on the GPU "
                "(the loader's workers read the files and move the labels; the same random parameters)"
                if decode else "random warp, HSV and flips in one kernel per batch (the loader's workers "

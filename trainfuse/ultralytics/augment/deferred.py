@@ -280,15 +280,16 @@ class _DeferredBuild:
         return defer(type(self.dataset).build_transforms(self.dataset, hyp))
 
 
-def install(dataset, hyp, *, pad: bool, decode: bool = False) -> None:
+def install(dataset, hyp, *, pad: bool, decode: bool = False, resident=None) -> None:
     """Defer ``dataset``'s augmentation to the GPU: its transforms (now and when rebuilt) and its
     ``collate_fn`` (:class:`DeferredCollate`; ``pad``: followed by the padded labels); with
-    ``decode``, its plain JPEGs' decoding too (:func:`trainfuse.ultralytics.augment.decode.install`)."""
+    ``decode``, its plain JPEGs' decoding too (:func:`trainfuse.ultralytics.augment.decode.install`,
+    ``resident`` its :class:`~trainfuse.ultralytics.augment.decode.ResidentIndex`)."""
     dataset.build_transforms = _DeferredBuild(dataset)
     dataset.transforms = dataset.build_transforms(hyp)
-    dataset.collate_fn = DeferredCollate(pad)
+    dataset.collate_fn = DeferredCollate(pad, resident if decode else None)
     if decode:
-        decoding.install(dataset)
+        decoding.install(dataset, resident)
 
 
 @functools.cache
@@ -310,8 +311,9 @@ class DeferredCollate:
     three tensors instead (``aug_sources`` and ``aug_jpeg`` stay on the host, in
     :class:`~trainfuse.ultralytics.augment.decode.HostTensor`)."""
 
-    def __init__(self, pad: bool = False) -> None:
+    def __init__(self, pad: bool = False, resident=None) -> None:
         self.pad = pad
+        self.resident = resident  # the decoder's ResidentIndex: the bytes of what it keeps stay home
 
     def __call__(self, samples: list[dict]) -> dict:
         tiles = [s.pop("tiles") for s in samples]
@@ -335,7 +337,8 @@ class DeferredCollate:
         batch["aug_table"] = tile_table([s.shape[:2] for s in sources], rows, inverse,
                                         torch.tensor(flips).reshape(n, 2), torch.tensor(swaps).reshape(n))
         if any(isinstance(s, Encoded) for s in sources):
-            batch["aug_sources"], batch["aug_raw"], batch["aug_jpeg"] = decoding.pack_sources(sources)
+            batch["aug_sources"], batch["aug_raw"], batch["aug_jpeg"] = decoding.pack_sources(sources,
+                                                                                               self.resident)
         else:
             batch["aug_packed"] = (torch.cat([torch.from_numpy(s).reshape(-1) for s in sources]) if sources
                                    else torch.zeros(0, dtype=torch.uint8))

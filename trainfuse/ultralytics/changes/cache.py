@@ -69,7 +69,8 @@ class DeviceCache(Change):
         rows = []
         if run.loading.jpeg_decoder is not None:
             rows.append(Row(self.kind, "decoded training images", ON, f"the training images the GPU decoded "
-                            f"stay after the recent ones ({budget}): once all stay, epochs decode nothing"))
+                            f"stay ({budget}): once all stay, epochs decode nothing and the loader's workers "
+                            "read no image file"))
         else:
             rows.append(Row(self.kind, "decoded training images", SKIPPED, "the loader's workers decode the "
                             "training images (no GPU decoding): nothing decoded on the device to keep"))
