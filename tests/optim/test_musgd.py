@@ -329,3 +329,17 @@ def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov):
             torch.testing.assert_close(t, e, rtol=0, atol=2**-4 * largest,
                                        msg=lambda m, k=k: f"tensor {k}: {m}")
             assert float((t - e).abs().mean()) <= 2**-7 * largest, f"tensor {k}"
+
+
+def test_padding_joins_matrices_only_where_it_costs_less_than_a_batch():
+    """GPT-2's 48 hidden matrices, 768 rows by three widths: padded into one batch, the narrower
+    ones would cost more matmul work than their own batches' launches; one matrix of each width
+    pads for less, and small matrices share one batch."""
+    from trainfuse.optim.newton_schulz import BatchedNewtonSchulz
+
+    widths = [768] * 12 + [2304] * 12 + [3072] * 24
+    gpt2 = BatchedNewtonSchulz([torch.zeros(768, n) for n in widths])
+    assert [(M, N, len(m)) for M, N, m in gpt2.layout] == [(768, 768, 12), (768, 2304, 12), (768, 3072, 24)]
+    assert BatchedNewtonSchulz([torch.zeros(768, n) for n in (768, 2304, 3072)]).batches == 1
+    assert BatchedNewtonSchulz([torch.zeros(16, n) for n in (16, 40, 100)]).batches == 1
+    assert BatchedNewtonSchulz([torch.zeros(16, n) for n in (16, 200)]).batches == 2  # past 8x

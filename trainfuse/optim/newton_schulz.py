@@ -7,16 +7,17 @@
 - :class:`BatchedNewtonSchulz`: the kernels' path, for a fixed set of params. Every matrix is
   oriented wide (transposed when it has more rows than columns, as Newton-Schulz itself does)
   and zero-padded into a few batches by its smaller dimension (powers of two from 16; a batch's
-  column counts span at most 8x). Zero rows and columns stay zero through Newton-Schulz and leave
-  the Frobenius norm as it is, so the padding and the orientation change only the order the
-  matmuls sum in. MuSGD orients a whole batch by its padded shape where this orients each matrix
-  by its own, and pads the long side to the batch's: on CPU most matrices still come out with
-  MuSGD's bits (72 of 75 for yolov5n, 73 of 87 for yolo11n), the others within bfloat16 rounding
-  (the same distance from a float64 Newton-Schulz). The quintic iteration amplifies that rounding
-  along small singular directions, so on a GPU an element may differ from MuSGD's by a few
-  percent. One Triton launch gathers (and
-  casts) a batch, one scatters it back scaled: about 20 launches a batch, 9 batches for yolov5n and
-  yolo11n, 10 for yolo26n.
+  column counts span at most 8x), matrices of other long sides padded together only where the
+  padding's extra matmul work is smaller than another batch's launches (GPT-2's 768 x 768,
+  768 x 2304 and 768 x 3072 matrices run as three batches, not as one of 768 x 3072). Zero rows
+  and columns stay zero through Newton-Schulz and leave the Frobenius norm as it is, so the
+  padding and the orientation change only the order the matmuls sum in. MuSGD orients a whole
+  batch by its padded shape where this orients each matrix by its own, and pads the long side to
+  the batch's: on CPU most matrices still come out with MuSGD's bits, the others within bfloat16
+  rounding (the same distance from a float64 Newton-Schulz). The quintic iteration amplifies that
+  rounding along small singular directions, so on a GPU an element may differ from MuSGD's by a
+  few percent. One Triton launch gathers (and casts) a batch, one scatters it back scaled: about
+  20 launches a batch.
 
 The matrix of an update ``u`` is ``u`` flattened to ``(d[0], rest)`` in its own memory order (a
 view for contiguous and channels_last tensors, a row-major copy otherwise); its scale is
@@ -45,7 +46,17 @@ _ROW_SPAN = 16
 # BatchedNewtonSchulz: smallest padded short side, and the widest span of long sides in a batch
 _MIN_SHORT = 16
 _LONG_SPAN = 8
+# a batch's fixed cost as matmul work: about 20 launches of a few microseconds each, at the
+# bfloat16 matmul rate of an H100/H200 (~600 TFLOP/s): padding that costs more work than this
+# runs as a batch of its own
+_BATCH_FLOPS = 5e10
 _BLOCK = 1024
+
+
+def _ns_flops(count: int, M: int, N: int, steps: int) -> float:
+    """The matmul work of ``steps`` quintic iterations on ``count`` wide ``M x N`` matrices:
+    ``X X^T`` and ``B X`` (``2 M^2 N`` each), ``A^2`` (``2 M^3``)."""
+    return count * steps * (4 * M * M * N + 2 * M ** 3)
 
 
 def _iterate(X: torch.Tensor, coefficients: tuple[float, float, float] = _NS_COEFFS,
@@ -154,6 +165,32 @@ def _scatter(X, table, scales, out, M, N, BLOCK: tl.constexpr):
     tl.store(out + dst, x * tl.load(scales + k), mask=inside)
 
 
+def _batched(items: list, steps: int) -> list[list]:
+    """One short-side class's matrices (``(long side, ..., short side, ...)`` items) in batches:
+    by long side, a group per long side merged into the batch before it while the merged batch's
+    long sides span at most ``_LONG_SPAN`` and its padding costs less work than a batch of its
+    own (``_BATCH_FLOPS``)."""
+    groups: dict[int, list] = {}
+    for it in sorted(items, key=lambda it: it[0]):
+        groups.setdefault(it[0], []).append(it)
+
+    def work(batch: list) -> float:
+        M = max(it[3] for it in batch)
+        return _ns_flops(len(batch), M, max(M, max(it[0] for it in batch)), steps)
+
+    out: list[list] = []
+    for group in groups.values():
+        if out:
+            last = out[-1]
+            merged = last + group
+            if (group[0][0] <= _LONG_SPAN * last[0][0]
+                    and work(merged) - work(last) - work(group) <= _BATCH_FLOPS):
+                out[-1] = merged
+                continue
+        out.append(list(group))
+    return out
+
+
 def _memory_strides(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s strides where its memory order is the matrix MuSGD takes (contiguous, channels_last),
     else the row-major strides of its shape (MuSGD then takes a row-major copy)."""
@@ -207,13 +244,7 @@ class BatchedNewtonSchulz:
         self._batches = []
         self.layout: list[tuple[int, int, list[int]]] = []
         for items in classes.values():
-            items.sort(key=lambda it: it[0])
-            start = 0
-            for j in range(1, len(items) + 1):
-                if j < len(items) and items[j][0] <= _LONG_SPAN * items[start][0]:
-                    continue
-                batch = items[start:j]
-                start = j
+            for batch in _batched(items, steps):
                 M = max(it[3] for it in batch)
                 N = max(M, max(it[0] for it in batch))
                 table = torch.tensor([it[1] for it in batch], dtype=torch.int64, device=device)
