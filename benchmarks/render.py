@@ -39,14 +39,19 @@ MARKER = re.compile(r"<!-- results:([\w-]+):begin -->\n.*?<!-- results:\1:end --
 HEADLINE_GPU = "h200"
 _DEFAULT_RUN = ("yolov5n default train(): 20 epochs, 2048 photo-like JPEGs, 512 to validate each epoch: "
                 "wall clock of train()")
+_LONG_RUN = ("yolov5n default train(): 100 epochs, 1024 photo-like JPEGs, 256 to validate each epoch: "
+             "wall clock of train()")
 HEADLINE = (
     ("yolo-default-run", f"{_DEFAULT_RUN}, cold caches"),
     ("yolo-default-run", f"{_DEFAULT_RUN}, warm caches"),
+    ("yolo-default-run-100-epochs-1024-images", f"{_LONG_RUN}, cold caches"),
+    ("yolo-default-run-100-epochs-1024-images", f"{_LONG_RUN}, warm caches"),
     ("optim", "AdamW, GPT-2 124M (148 tensors, 124.5M params)"),
     ("optim", "AdamW, yolov5n (219 tensors, 2.7M params)"),
     ("lightning", "gpt: training step, cuda_graphs=True"),
     ("yolo", "yolov5n.yaml batch 16 imgsz 640: training-loop iteration"),
     ("yolo-yolo26n", "yolo26n.yaml batch 16 imgsz 640: training-loop iteration"),
+    ("yolo-yolo11m-fuse-blocks", "yolo11m.yaml batch 16 imgsz 640 fuse_blocks=True: training-loop iteration"),
     ("yolo-yolo11n-seg-fused-loss",
      "yolo11n-seg.yaml batch 16 imgsz 640 fused_loss=True: training-loop iteration"),
     ("yolo-yolo11n-pose-fused-loss",
