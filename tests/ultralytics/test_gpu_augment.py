@@ -449,11 +449,18 @@ def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
     from trainfuse.ultralytics import FusedDetectionTrainer
 
     data_yaml = str(make_shapes_dataset(tmp_path / "data", n_train=32, n_val=4, imgsz=96, photo=True))
-    trainers, received = {}, []
+    trainers, received, reloaded = {}, [], {}
+
+    def reload(t):  # ultralytics' NaN recovery: the changes undone around a checkpoint load, made again
+        before = (set(t.jpeg_decoder.resident), t.jpeg_decoder.budget)
+        t.around_checkpoint_load(lambda: None)
+        reloaded["kept"] = before == (set(t.jpeg_decoder.resident), t.jpeg_decoder.budget) and bool(before[0])
+
     for name, on, cache in (("cpu", False, False), ("gpu", None, False), ("ram", None, "ram")):
         model = YOLO("yolov5n.yaml")
         if name == "gpu":
             model.add_callback("on_train_epoch_end", lambda t: received.append(t.jpeg_decoder.received))
+            model.add_callback("on_train_end", reload)
         trainer = functools.partial(FusedDetectionTrainer, gpu_augment=on)
         model.train(data=data_yaml, epochs=1 if cache else 3, imgsz=96, batch=8, workers=2, device=0, seed=0,
                     deterministic=True, plots=False, val=False, close_mosaic=1, project=str(tmp_path),
@@ -467,6 +474,7 @@ def test_training_on_cuda_decodes_on_the_gpu_and_tracks_the_cpu_path(tmp_path):
     assert "paced" not in next(r.detail for r in cpu.report if r.kind == "graphs")
     assert gpu.jpeg_decoder.decoded >= 32 and gpu.jpeg_decoder.reused > 0  # each image; the mosaic's kept
     assert len(received) == 3 and received[0] > 0 and received[2] == received[1], received
+    assert reloaded["kept"]  # the decoded images stay around a checkpoint load
     cached = {t: {r.name: r.action for r in trainers[t].report if r.kind == "device cache"} for t in trainers}
     assert cached["gpu"]["decoded training images"] == "on"
     assert cached["cpu"]["decoded training images"] == "skipped"

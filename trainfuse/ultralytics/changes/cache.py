@@ -51,7 +51,8 @@ class DeviceCache(Change):
 
     @override
     def apply(self, run: Run) -> None:
-        self.budget = CacheBudget.for_device(run.device)
+        if self.budget is None:  # (kept with the decoded images around a checkpoint load)
+            self.budget = CacheBudget.for_device(run.device)
         decoder = run.loading.jpeg_decoder
         if decoder is not None:
             decoder.budget = self.budget
@@ -84,7 +85,10 @@ class DeviceCache(Change):
     @override
     def restore(self, run: Run, *, failed: bool) -> None:
         decoder = run.loading.jpeg_decoder
-        if decoder is not None and decoder.budget is self.budget:
+        # around a checkpoint load (NaN recovery) the decoded images stay: the files are the same,
+        # and batches the loader's workers made already name them without their bytes
+        keep = run.reloading and not failed and decoder is not None and decoder.budget is self.budget
+        if decoder is not None and decoder.budget is self.budget and not keep:
             decoder.release()
             decoder.budget = None
         validator = _validator(run)
@@ -92,7 +96,9 @@ class DeviceCache(Change):
             if validator is not None and validator.dataloader is self.cached:
                 validator.dataloader = self._loader
             self.cached.release()
-        self.cached, self._loader, self.budget = None, None, None
+        self.cached, self._loader = None, None
+        if not keep:
+            self.budget = None
 
 
 def _validator(run: Run):
