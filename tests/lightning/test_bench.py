@@ -24,7 +24,7 @@ def test_corpus_is_deterministic_and_does_not_repeat(tiny):
     assert a.min() >= 0 and a.max() < bench.V
 
 
-@pytest.mark.parametrize("workload", ["gpt", "tabular"])
+@pytest.mark.parametrize("workload", ["gpt", "tabular", "gpt-muon"])
 @pytest.mark.parametrize("breakdown", [False, True])
 def test_run_times_every_variant(tiny, workload, breakdown):
     pl = package()
@@ -40,7 +40,10 @@ def test_run_times_every_variant(tiny, workload, breakdown):
         else:
             assert r["step_ms"] > 0 and r["optimizer_ms"] > 0
     swapped = {row["kind"] for row in fused["report"] if row["action"] == "swapped"}
-    assert swapped == ({"optimizer"} if workload == "gpt" else {"optimizer", "mlp", "loss"})
+    assert swapped == ({"optimizer", "mlp", "loss"} if workload == "tabular" else {"optimizer"})
+    if workload == "gpt-muon":  # the module's two optimizers, both swapped
+        assert [row["name"] for row in fused["report"] if row["kind"] == "optimizer"] == [
+            "optimizer 0 (Muon)", "optimizer 1 (AdamW)"]
     # the torch path on CPU: the same training as stock; graphs are off on CPU, with the reason
     assert fused["losses"] == pytest.approx(stock["losses"], abs=1e-6)
     assert graphs["losses"] == fused["losses"]

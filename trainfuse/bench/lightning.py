@@ -8,6 +8,10 @@ Two workloads, each trained by ``Trainer.fit`` on one GPU, alternating stock and
   stream from a sparse random bigram language (every batch new, nothing repeats).
 - tabular: MLP 4 x 1024 GELU + head, BCEWithLogitsLoss, batch 8192, bf16-mixed, AdamW lr 1e-3,
   gradient_clip_val=1.0. Data: fresh Gaussian rows every batch, labels from their signs.
+- gpt-muon (``--only gpt-muon``, report ``lightning-gpt-muon``): the GPT-like model as Muon's users
+  train it: ``torch.optim.Muon`` (lr 0.02, wd 0.1) on the blocks' matrices and AdamW on the rest,
+  both stepped by the module (manual optimization), each clipped at 1.0 by ``clip_gradients``; no
+  EMA. Its optimizer phase is timed from the first optimizer's step.
 
 Three runs per pair: stock, ``FusedTraining()``, and ``FusedTraining(cuda_graphs=True)`` (the
 model's forward and backward replayed from CUDA graphs).
@@ -57,7 +61,7 @@ WARMUP = 10
 # graphs, the step per workload against stock, and peak reserved memory within 1.3x of the same
 # run without graphs
 GOALS = {"step": 1.2, "optimizer": 5.0, "loss": 0.01, "memory": 1.3}
-GRAPH_GOALS = {"gpt": 1.6, "tabular": 2.0}
+GRAPH_GOALS = {"gpt": 1.6, "tabular": 2.0, "gpt-muon": 5.0}
 # under DDP (--devices N): the step against stock DDP, without and with graphs
 DDP_GOALS = {"step": 1.6, "graphs": 4.0}
 VARIANTS = ("stock", "fused", "graphs")
@@ -92,18 +96,20 @@ def _device() -> str:
     return f"cuda:{_rank()}" if DEVICE == "cuda" and DEVICES > 1 else DEVICE
 
 
-def _trainer(pl, steps: int, callbacks: list):
+def _trainer(pl, steps: int, callbacks: list, muon: bool = False):
+    """A Trainer for ``steps`` batches; ``muon``: the gpt-muon module steps and clips its two
+    optimizers itself (no Trainer clipping, and Lightning counts both steps)."""
     ddp = {"strategy": "ddp", "use_distributed_sampler": False} if DEVICES > 1 else {}
     return pl.Trainer(accelerator="gpu" if DEVICE == "cuda" else "cpu", devices=DEVICES,
-                      precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
-                      callbacks=callbacks, **ddp)
+                      precision="bf16-mixed", max_steps=2 * steps if muon else steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      gradient_clip_val=None if muon else 1.0, callbacks=callbacks, **ddp)
 
 
 def _data(workload: str, steps: int, seed: int = 0) -> torch.utils.data.DataLoader:
     """``steps`` batches of the workload's data, on the device (this rank's, under DDP)."""
     device, rank = _device(), _rank()
-    if workload == "gpt":  # under DDP, rank r takes every DEVICES-th sequence of one corpus
+    if workload.startswith("gpt"):  # under DDP, rank r takes every DEVICES-th sequence of one corpus
         tokens = bigram_corpus(steps * GPT_BATCH * DEVICES, T + 1, seed=seed)[rank::DEVICES].to(device)
         return _batches((tokens[:, :-1], tokens[:, 1:]), GPT_BATCH)
     g = torch.Generator(device=device).manual_seed(1000 * seed + rank if DEVICES > 1 else seed)
@@ -114,7 +120,7 @@ def _data(workload: str, steps: int, seed: int = 0) -> torch.utils.data.DataLoad
 def _callbacks(pl, workload: str, variant: str, verbose: bool) -> list:
     """FusedTraining (with the EMA on the GPT; ``graphs``: with CUDA graphs) or, for stock,
     EMAWeightAveraging on the GPT."""
-    gpt = workload == "gpt"
+    gpt = workload == "gpt"  # (gpt-muon: two optimizers, no EMA)
     if variant != "stock":
         return [FusedTraining(ema_decay=0.999 if gpt else None, verbose=verbose,
                               cuda_graphs=variant == "graphs")]
@@ -128,10 +134,13 @@ def _batches(tensors: tuple[torch.Tensor, ...], batch: int) -> torch.utils.data.
     return torch.utils.data.DataLoader(ds, sampler=sampler, batch_size=None)
 
 
-def make_gpt(pl, seed: int = 0):
+def make_gpt(pl, seed: int = 0, muon: bool = False):
+    """The GPT-like module; ``muon``: Muon on the blocks' matrices and AdamW on the rest, stepped
+    and clipped by the module (manual optimization)."""
     class GPT(pl.LightningModule):
         def __init__(self):
             super().__init__()
+            self.automatic_optimization = not muon
             torch.manual_seed(seed)
             self.emb = nn.Embedding(V, D)
             self.blocks = nn.ModuleList([
@@ -152,10 +161,25 @@ def make_gpt(pl, seed: int = 0):
             x, y = batch
             loss = nn.functional.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
             self.losses.append(loss.detach())
-            return loss
+            if not muon:
+                return loss
+            opts = self.optimizers()
+            for opt in opts:
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in opts:
+                self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+                opt.step()
+            return None
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+            if not muon:
+                return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+            matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
+            taken = {id(p) for p in matrices}
+            rest = [p for p in self.parameters() if id(p) not in taken]
+            return [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.1),
+                    torch.optim.AdamW(rest, lr=3e-4, weight_decay=0.1)]
 
     return GPT()
 
@@ -213,6 +237,8 @@ def make_timer(pl, breakdown: bool):
                 self._mark("backward")
 
         def on_before_optimizer_step(self, *args):
+            if any(name == "before step" for name, _ in self.marks):  # a second optimizer's step
+                return
             if self.phase:
                 _sync()
             self._mark("before step")
@@ -250,10 +276,12 @@ def run(pl, workload: str, variant: str, steps: int, args, seed: int = 0) -> dic
     ``seed``; its timings, losses and peak memory."""
     loader = _data(workload, steps, seed)
     allocated, reserved = _memory_start()
-    module = (make_gpt if workload == "gpt" else make_tabular)(pl, seed)
+    muon = workload == "gpt-muon"
+    module = make_tabular(pl, seed) if workload == "tabular" else make_gpt(pl, seed, muon=muon)
     timer = make_timer(pl, args.breakdown)
     callbacks = _callbacks(pl, workload, variant, args.verbose)
-    trainer = _trainer(pl, steps, [*callbacks, timer])  # the timer last: its batch end follows the EMA
+    # the timer last: its batch end follows the EMA; manual optimization clips in the module
+    trainer = _trainer(pl, steps, [*callbacks, timer], muon=muon)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*(num_workers|bottleneck).*")
         trainer.fit(module, loader)
@@ -297,9 +325,10 @@ def profile(pl, workload: str, variant: str, out_dir: str) -> None:
             self.p.stop()
 
     prof = Prof()
-    module = make_gpt(pl) if workload == "gpt" else make_tabular(pl)
+    muon = workload == "gpt-muon"
+    module = make_tabular(pl) if workload == "tabular" else make_gpt(pl, muon=muon)
     steps = WARMUP + 8
-    trainer = _trainer(pl, steps, [*_callbacks(pl, workload, variant, False), prof])
+    trainer = _trainer(pl, steps, [*_callbacks(pl, workload, variant, False), prof], muon=muon)
     loader = _data(workload, steps)
     trainer.fit(module, loader)
     print(f"\ntorch.profiler, {name}: 5 steps")
@@ -371,7 +400,7 @@ def _goals(workload: str, med: dict[str, dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    parser = bench_parser("lightning", __doc__, only="gpt or tabular (default: both)")
+    parser = bench_parser("lightning", __doc__, only="gpt, tabular (default: both) or gpt-muon")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 40 steps each, one repeat")
     parser.add_argument("--gpt-steps", type=int, default=300)
     parser.add_argument("--tabular-steps", type=int, default=200)
@@ -389,10 +418,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     global DEVICES
     DEVICES = args.devices
     family = "lightning" if DEVICES == 1 else f"lightning-{DEVICES}gpus"
+    if args.only == "gpt-muon":
+        family = family.replace("lightning", "lightning-gpt-muon")
     report["_bench"] = "lightning"
     pl = installed()[0]
-    workloads = [w for w in ("gpt", "tabular") if args.only in ("", w)]
-    steps = {"gpt": 40 if args.quick else args.gpt_steps, "tabular": 40 if args.quick else args.tabular_steps}
+    workloads = ["gpt-muon"] if args.only == "gpt-muon" else [w for w in ("gpt", "tabular")
+                                                               if args.only in ("", w)]
+    gpt_steps = 40 if args.quick else args.gpt_steps
+    steps = {"gpt": gpt_steps, "gpt-muon": gpt_steps, "tabular": 40 if args.quick else args.tabular_steps}
     repeats = 1 if args.quick else args.repeats
     os.makedirs(args.out, exist_ok=True)
     if args.profile:
