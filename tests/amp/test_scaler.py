@@ -203,3 +203,37 @@ def test_step_and_update_follows_what_changes_between_steps(kernels, device, mon
                                        msg=lambda m, it=it: f"iteration {it}: {m}")
     assert sa.updates == 0
     assert (len(launches) >= 6) == (device.type == "cuda"), launches
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_musgd_steps_and_updates_in_two_launches_with_newton_schulz_between(clip, nesterov, kernels, device):
+    """FusedMuSGD with Muon groups: step_and_update runs the statistics pass, the Newton-Schulz
+    part on the grads divided by the scale that pass read (and clipped), then the update; the
+    same bits as torch's GradScaler step() then update() stepping the same optimizer, skipped
+    steps included."""
+    shapes = [(6, 5), (4, 3, 3, 3), (7, 4), (9,), (3,)]  # Muon matrices (the third takes the inf), vectors
+
+    def make():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+        groups = [{"params": ps[:3], "use_muon": True}, {"params": ps[3:]}]
+        return ps, trainfuse.FusedMuSGD(groups, lr=0.02, momentum=0.9, nesterov=nesterov,
+                                        weight_decay=1e-3, max_grad_norm=clip)
+
+    ours, a = make()
+    theirs, b = make()
+    sa = CountingScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    sb = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=2)
+    for it in range(STEPS):
+        set_scaled_twin_grads(ours, theirs, sa, sb, it, gain=4.0)
+        before = [p.detach().clone() for p in ours]
+        sa.step_and_update(a)
+        sb.step(b)
+        sb.update()
+        assert sa.get_scale() == sb.get_scale() and sa.state_dict() == sb.state_dict(), f"iteration {it}"
+        for k, (p, q, p0) in enumerate(zip(ours, theirs, before)):
+            if it in INF_STEPS:
+                assert torch.equal(p.detach(), p0)
+            assert torch.equal(p.detach(), q.detach()), f"iteration {it} param {k}"
+    assert sa.updates == 0  # every step in the two launches

@@ -27,9 +27,18 @@ def _net(device) -> torch.nn.Module:
     return net.to(device)
 
 
+def _groups(cls, net):
+    """FusedMuSGD: Muon on the matrices, SGD on the rest; any other class: one group."""
+    if cls is not trainfuse.FusedMuSGD:
+        return net.parameters()
+    ps = list(net.parameters())
+    return [{"params": [p for p in ps if p.ndim >= 2], "use_muon": True},
+            {"params": [p for p in ps if p.ndim < 2]}]
+
+
 def _run(device, cls, hp, graph_safe: bool):
     net = _net(device)
-    opt = cls(net.parameters(), max_grad_norm=0.5, **hp)
+    opt = cls(_groups(cls, net), max_grad_norm=0.5, **hp)
     ema = FusedEMA(net, decay=0.9, tau=3.0)  # a ramp: the weight changes every update
     opt.attach_ema(ema)
     opt.set_graph_safe(graph_safe)
@@ -40,16 +49,24 @@ def _lr(it: int) -> float:
     return 0.02 * (1 + it) / STEPS  # a warmup: the table is rewritten every step
 
 
+def _schedule(opt, it: int) -> None:
+    """This step's lr (and MuSGD's momentum, which ultralytics warms up too)."""
+    for g in opt.param_groups:
+        g["lr"] = _lr(it)
+        if "use_muon" in g:
+            g["momentum"] = 0.8 + 0.1 * it / STEPS
+
+
 @pytest.mark.parametrize("cls,hp", [(trainfuse.FusedAdamW, {"weight_decay": 0.05}),
-                                    (trainfuse.FusedSGD, {"momentum": 0.9, "nesterov": True})],
-                         ids=["adamw", "sgd"])
+                                    (trainfuse.FusedSGD, {"momentum": 0.9, "nesterov": True}),
+                                    (trainfuse.FusedMuSGD, {"momentum": 0.9, "nesterov": True})],
+                         ids=["adamw", "sgd", "musgd"])
 def test_prepared_steps_equal_the_usual_ones(cls, hp, kernels, device):
     plain, safe = _run(device, cls, hp, False), _run(device, cls, hp, True)
     for it in range(STEPS):
         set_scaled_twin_grads(list(plain[0].parameters()), list(safe[0].parameters()), plain[3], safe[3], it)
         for opt in (plain[1], safe[1]):
-            for g in opt.param_groups:
-                g["lr"] = _lr(it)
+            _schedule(opt, it)
         plain[3].step_and_update(plain[1])
         safe[1].prepare_step()
         safe[3].step_and_update(safe[1])
@@ -68,7 +85,7 @@ def test_prepare_step_needs_graph_safe(device):
 
 
 # each registered fused class and whether its step replays from a CUDA graph
-CAPTURABLE = {"FusedAdamW": True, "FusedAdam": True, "FusedSGD": True, "FusedMuSGD": False,
+CAPTURABLE = {"FusedAdamW": True, "FusedAdam": True, "FusedSGD": True, "FusedMuSGD": True,
               "FusedMuon": False}
 
 
@@ -100,8 +117,8 @@ def test_set_graph_safe_round_trips(name, device):
 
 def test_a_class_that_is_not_capturable_refuses_graph_safe_steps(device):
     weight = torch.nn.Parameter(torch.randn(4, 3, device=device))
-    opt = trainfuse.FusedMuSGD([{"params": [weight], "use_muon": True}], lr=0.01, momentum=0.9)
-    with pytest.raises(TypeError, match=r"FusedMuSGD\.set_graph_safe: .*FusedMuSGD\.capturable is False"):
+    opt = trainfuse.FusedMuon([weight], lr=0.01, momentum=0.9)
+    with pytest.raises(TypeError, match=r"FusedMuon\.set_graph_safe: .*FusedMuon\.capturable is False"):
         opt.set_graph_safe(True)
     assert opt.graph_safe is False
     opt.set_graph_safe(False)  # turning it off is always allowed
@@ -165,8 +182,9 @@ def test_the_generation_changes_with_the_tables(kernels, device):
 
 @cuda
 @pytest.mark.parametrize("cls,hp", [(trainfuse.FusedAdamW, {"weight_decay": 0.05}),
-                                    (trainfuse.FusedSGD, {"momentum": 0.9, "nesterov": True})],
-                         ids=["adamw", "sgd"])
+                                    (trainfuse.FusedSGD, {"momentum": 0.9, "nesterov": True}),
+                                    (trainfuse.FusedMuSGD, {"momentum": 0.9, "nesterov": True})],
+                         ids=["adamw", "sgd", "musgd"])
 def test_a_captured_step_replays_as_the_next_steps(cls, hp):
     """One step_and_update captured in a CUDA graph (the grads kept where they are, the lr and
     the EMA weight written by prepare_step before each replay) against the usual eager steps."""
@@ -179,8 +197,7 @@ def test_a_captured_step_replays_as_the_next_steps(cls, hp):
         for p, k in zip(safe[0].parameters(), kept):
             p.grad = k.copy_(p.grad)
         for opt in (plain[1], safe[1]):
-            for g in opt.param_groups:
-                g["lr"] = _lr(it)
+            _schedule(opt, it)
         plain[3].step_and_update(plain[1])
         safe[1].prepare_step()
         if it < 2:  # eager: the tables are built, the kernels compiled

@@ -207,10 +207,18 @@ def _same_training(eager: YOLO, graphed: YOLO, eager_rec: Record, graphed_rec: R
 
 @cuda
 @pytest.mark.parametrize("model,optimizer", [("yolov5n.yaml", "auto"), ("yolo26n.yaml", "auto"),
-                                             ("yolov5n.yaml", "MuSGD"), ("yolov5n.yaml", "NAdam")])
-def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimizer):
-    """A fused optimizer (auto: AdamW here; MuSGD, what auto picks past 10k iterations) or a stock
-    one (NAdam), a v8 head or an end-to-end one (FusedE2ELoss): the replay trains as eagerly."""
+                                             ("yolov5n.yaml", "MuSGD"), ("yolov5n.yaml", "MuSGD+phase"),
+                                             ("yolov5n.yaml", "NAdam")])
+def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, monkeypatch, model, optimizer):
+    """A fused optimizer (auto: AdamW here; MuSGD, what auto picks past 10k iterations, its phase
+    eager unless TRAINFUSE_GRAPH_MUSGD=1) or a stock one (NAdam), a v8 head or an end-to-end one
+    (FusedE2ELoss): the replay trains as eagerly."""
+    from trainfuse.ultralytics.changes.graphs import GRAPH_MUSGD
+
+    graphed_phase = optimizer in ("auto", "MuSGD+phase")
+    if optimizer == "MuSGD+phase":
+        monkeypatch.setenv(GRAPH_MUSGD, "1")
+        optimizer = "MuSGD"
     root = tmp_path_factory.mktemp("shapes200")
     data = str(make_shapes_dataset(root, n_train=40, n_val=8, imgsz=64, seed=1))
     project = tmp_path_factory.mktemp("runs")
@@ -228,7 +236,11 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimiz
     assert "forward" not in vars(tg.model.model[0].conv)  # and its own forward back after
     assert not tg.keeps_grads and tg.graphed_loss is None  # the graphs are dropped at the end...
     assert all(p.grad is None for p in tg.model.parameters())  # ... and the kept grads freed
-    if optimizer == "auto":  # AdamW: the phase inside the step's graphs, the steps equal all the same
+    if graphed_phase and optimizer == "MuSGD":  # its Newton-Schulz part inside the step's graphs too
+        phase = tg.phase_stats
+        assert phase["captures"] >= 1 and phase["folded"] >= 40, phase
+        assert not tg.optimizer.graph_safe
+    elif optimizer == "auto":  # AdamW: the phase inside the step's graphs, the steps equal all the same
         phase = tg.phase_stats
         # two steady eager steps, then one capture of its own graph (its kernels load), then every
         # later step runs inside the graph of the iteration the loop steps after (warmup included)

@@ -23,8 +23,11 @@ BatchedNewtonSchulz`: the Muon momentum and its blend, then every matrix padded 
 batches by size, a Triton gather and scatter around cuBLAS's batched matmuls), and writes
 :math:`\mathrm{NS}_5(u)` times its scale into a private per-param tensor; the one multi-tensor
 launch then does the rest of every param's update: the Muon momentum, applying the orthogonalized
-update, weight decay, the SGD momentum and step. The torch path orthogonalizes with MuSGD's own
-batching (:func:`~trainfuse.optim.newton_schulz.orthogonalized`), bit for bit.
+update, weight decay, the SGD momentum and step. Under GradScaler (``step_and_update``) the
+statistics pass runs first and the Newton-Schulz part reads the grads divided by the scale it read;
+graph-safe steps read the momentum from the device table, so the whole step replays from a CUDA
+graph. The torch path orthogonalizes with MuSGD's own batching
+(:func:`~trainfuse.optim.newton_schulz.orthogonalized`), bit for bit.
 """
 
 from __future__ import annotations
@@ -151,10 +154,31 @@ class MuonEngine(MultiTensorEngine):
         return self._views_of(self._stats_out(device))[1]
 
     def scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
-        # its statistics pass reads the scale on the device, after the Muon part would need it
-        if self.client.muon_grads():
+        """GradScaler's ``step`` and ``update`` with the Newton-Schulz part between the two
+        launches: the statistics pass (inf/NaN check, norm, the scale updated once read), then the
+        grads divided by the scale that pass read and scaled by its clip coefficient, orthogonalized,
+        then the update launch, skipped on inf/NaN. False, nothing launched, where the engine
+        cannot (see :meth:`MultiTensorEngine.scaled_step`)."""
+        client = self.client
+        if not client.muon_grads():
+            return super().scaled_step(scale, update)
+        self.plans.current_index()
+        if self._shard_group() is not None:
             return False
-        return super().scaled_step(scale, update)
+        found = self._kernel_plan()
+        if found is None:
+            return False
+        device, entry, _ = found
+        plan = entry.plan
+        if scale.device != device or plan.ngrad == 0:
+            return False
+        hp = self.hparams.on(device)  # validated before anything launches
+        _, clip, found_inf, read_scale = self._views_of(self._run_stats(device, plan, scale, update))
+        client.orthogonalize_for_kernels(read_scale.reshape(()),
+                                         clip if client.max_grad_norm is not None else None)
+        self._launch(device, plan, read_scale, found_inf, hp, stats_scale=read_scale)
+        entry.direct = None  # the cached two-launch step has no Newton-Schulz part
+        return True
 
 
 class FusedMuSGD(FusedOptimizer):
@@ -184,10 +208,11 @@ class FusedMuSGD(FusedOptimizer):
     """
 
     chunk_fn = _musgd_chunk
-    # Muon's Newton-Schulz part takes the momentum as a host number, picks its batches by which
-    # params have a grad, and needs the grads unscaled before the statistics pass would read the
-    # scale (scaled_step declines it): a step is not replayed from a CUDA graph
-    capturable = False
+    # graph-safe steps read the Newton-Schulz part's momentum from the device table, and the
+    # engine's scaled_step runs that part between its statistics pass and the update: the whole
+    # step replays from a CUDA graph (its batches fixed by which params had a grad at capture,
+    # which the graphs' checks hold)
+    capturable = True
     wide16 = True  # 16-bit rows in blocks twice as long: 16-byte accesses per thread
 
     def __init__(
@@ -364,7 +389,15 @@ class FusedMuSGD(FusedOptimizer):
         if plan is None or plan.key != BatchedNewtonSchulz.key_of(targets):
             plan = self._ns_plans[(gi, device)] = BatchedNewtonSchulz(targets)
         bufs = [self.state[p]["momentum_buffer"] for p in params]
-        plan.run(bufs, targets, group["momentum"], group["nesterov"], targets)
+        plan.run(bufs, targets, self._momentum_on(gi, group, device), group["nesterov"], targets)
+
+    def _momentum_on(self, gi: int, group: dict, device: torch.device) -> float | torch.Tensor:
+        """Group ``gi``'s momentum for the Newton-Schulz part: the number, or in graph-safe steps
+        its entry in the device table the update launch reads (``prepare_step`` writes it there:
+        a replayed step takes the current value, as during ultralytics' momentum warmup)."""
+        if not self.graph_safe:
+            return group["momentum"]
+        return self.engine.hparams.on(device)[gi * self.HP_WIDTH + _MOM.value]
 
     def torch_group_step(self, group, params, grads, weights):
         lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]

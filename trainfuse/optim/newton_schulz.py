@@ -262,16 +262,27 @@ class BatchedNewtonSchulz:
         """How many padded batches a step runs (each about 20 launches)."""
         return len(self._batches)
 
-    def run(self, bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum: float, nesterov: bool,
-            targets: list[torch.Tensor], lerp: bool = False) -> None:
+    def run(self, bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum: float | torch.Tensor,
+            nesterov: bool, targets: list[torch.Tensor], lerp: bool = False) -> None:
         """``targets[i] = scale_i * NS(u_i)`` with ``u = mu m + (1 - mu) g`` (``m`` the Muon
         momentum ``bufs``, read only), blended once more with ``g`` for Nesterov, MuSGD's ops in
         MuSGD's order; with ``lerp``, ``torch.optim.Muon``'s: ``u = m.lerp(g, 1 - mu)``, and
         ``g.lerp(u, mu)`` for Nesterov. ``grads`` (float32, unscaled and clipped) may be
-        ``targets`` themselves."""
+        ``targets`` themselves. ``momentum``: a number, or (MuSGD's ops) a 0-d device tensor, read
+        on the device (a step replayed from a CUDA graph then takes the value written there): the
+        same float32 factors as the number's."""
         u = self._stage_views
         torch._foreach_copy_(u, bufs)
-        if lerp:
+        if isinstance(momentum, torch.Tensor):
+            if lerp:
+                raise ValueError("BatchedNewtonSchulz.run: a device momentum takes MuSGD's ops (lerp=False)")
+            mu, rest = momentum.to(torch.float32), (1 - momentum).to(torch.float32)
+            torch._foreach_mul_(u, mu)
+            torch._foreach_addcmul_(u, grads, [rest] * len(u))
+            if nesterov:
+                torch._foreach_mul_(u, mu)
+                torch._foreach_addcmul_(u, grads, [rest] * len(u))
+        elif lerp:
             torch._foreach_lerp_(u, grads, 1 - momentum)
             if nesterov:
                 torch._foreach_copy_(u, torch._foreach_lerp(grads, u, momentum))
