@@ -145,12 +145,11 @@ def test_refuses_what_it_cannot_graph(device):
 
 
 def test_refuses_an_optimizer_whose_class_is_not_capturable(device):
-    """FusedMuSGD declares ``capturable = False`` (Muon's Newton-Schulz part): refused by the
-    declaration, before anything changes, whatever its groups hold."""
-    net = torch.nn.Linear(3, 2).to(device)
-    musgd = trainfuse.FusedMuSGD([{"params": [net.weight], "use_muon": True}, {"params": [net.bias]}],
-                                 lr=0.01, momentum=0.9)
-    assert type(musgd).capturable is False
-    with pytest.raises(TypeError, match=r"FusedMuSGD\.capturable is False"):
-        GraphedOptimizerStep(musgd, GradScaler(device.type))
-    assert not musgd.graph_safe
+    """FusedMuon declares ``capturable = False`` (its Newton-Schulz part takes the momentum as a
+    host number): refused by the declaration, before anything changes."""
+    net = torch.nn.Linear(3, 2, bias=False).to(device)
+    muon = trainfuse.FusedMuon([net.weight], lr=0.01)
+    assert type(muon).capturable is False
+    with pytest.raises(TypeError, match=r"FusedMuon\.capturable is False"):
+        GraphedOptimizerStep(muon, GradScaler(device.type))
+    assert not muon.graph_safe
