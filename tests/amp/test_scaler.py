@@ -207,16 +207,22 @@ def test_step_and_update_follows_what_changes_between_steps(kernels, device, mon
 
 @pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_musgd_steps_and_updates_in_two_launches_with_newton_schulz_between(clip, nesterov, kernels, device):
-    """FusedMuSGD with Muon groups: step_and_update runs the statistics pass, the Newton-Schulz
-    part on the grads divided by the scale that pass read (and clipped), then the update; the
-    same bits as torch's GradScaler step() then update() stepping the same optimizer, skipped
-    steps included."""
+@pytest.mark.parametrize("muon", [False, True], ids=["musgd", "muon"])
+def test_newton_schulz_steps_and_updates_in_two_launches(muon, clip, nesterov, kernels, device):
+    """FusedMuSGD with Muon groups, and FusedMuon: step_and_update runs the statistics pass, the
+    Newton-Schulz part on the grads divided by the scale that pass read (and clipped), then the
+    update; the same bits as torch's GradScaler step() then update() stepping the same optimizer,
+    skipped steps included."""
     shapes = [(6, 5), (4, 3, 3, 3), (7, 4), (9,), (3,)]  # Muon matrices (the third takes the inf), vectors
+    if muon:
+        shapes = [(6, 5), (3, 8), (7, 4)]
 
     def make():
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+        if muon:
+            return ps, trainfuse.FusedMuon(ps, lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=1e-3,
+                                           max_grad_norm=clip)
         groups = [{"params": ps[:3], "use_muon": True}, {"params": ps[3:]}]
         return ps, trainfuse.FusedMuSGD(groups, lr=0.02, momentum=0.9, nesterov=nesterov,
                                         weight_decay=1e-3, max_grad_norm=clip)

@@ -145,11 +145,11 @@ def test_refuses_what_it_cannot_graph(device):
 
 
 def test_refuses_an_optimizer_whose_class_is_not_capturable(device):
-    """FusedMuon declares ``capturable = False`` (its Newton-Schulz part takes the momentum as a
-    host number): refused by the declaration, before anything changes."""
-    net = torch.nn.Linear(3, 2, bias=False).to(device)
-    muon = trainfuse.FusedMuon([net.weight], lr=0.01)
-    assert type(muon).capturable is False
-    with pytest.raises(TypeError, match=r"FusedMuon\.capturable is False"):
-        GraphedOptimizerStep(muon, GradScaler(device.type))
-    assert not muon.graph_safe
+    """A fused class that declares ``capturable = False`` (every registered one declares True):
+    refused by the declaration, before anything changes."""
+    eager = type("EagerSGD", (trainfuse.FusedSGD,), {"capturable": False})
+    net = torch.nn.Linear(3, 2).to(device)
+    opt = eager(net.parameters(), lr=0.01, momentum=0.9)
+    with pytest.raises(TypeError, match=r"EagerSGD\.capturable is False"):
+        GraphedOptimizerStep(opt, GradScaler(device.type))
+    assert not opt.graph_safe

@@ -28,10 +28,13 @@ def _net(device) -> torch.nn.Module:
 
 
 def _groups(cls, net):
-    """FusedMuSGD: Muon on the matrices, SGD on the rest; any other class: one group."""
-    if cls is not trainfuse.FusedMuSGD:
-        return net.parameters()
+    """FusedMuSGD: Muon on the matrices, SGD on the rest; FusedMuon: the matrices (the rest left
+    alone); any other class: one group."""
     ps = list(net.parameters())
+    if cls is trainfuse.FusedMuon:
+        return [p for p in ps if p.ndim >= 2]
+    if cls is not trainfuse.FusedMuSGD:
+        return ps
     return [{"params": [p for p in ps if p.ndim >= 2], "use_muon": True},
             {"params": [p for p in ps if p.ndim < 2]}]
 
@@ -53,14 +56,15 @@ def _schedule(opt, it: int) -> None:
     """This step's lr (and MuSGD's momentum, which ultralytics warms up too)."""
     for g in opt.param_groups:
         g["lr"] = _lr(it)
-        if "use_muon" in g:
+        if "use_muon" in g or "ns_steps" in g:  # MuSGD's, Muon's
             g["momentum"] = 0.8 + 0.1 * it / STEPS
 
 
 @pytest.mark.parametrize("cls,hp", [(trainfuse.FusedAdamW, {"weight_decay": 0.05}),
                                     (trainfuse.FusedSGD, {"momentum": 0.9, "nesterov": True}),
-                                    (trainfuse.FusedMuSGD, {"momentum": 0.9, "nesterov": True})],
-                         ids=["adamw", "sgd", "musgd"])
+                                    (trainfuse.FusedMuSGD, {"momentum": 0.9, "nesterov": True}),
+                                    (trainfuse.FusedMuon, {"momentum": 0.9, "nesterov": True})],
+                         ids=["adamw", "sgd", "musgd", "muon"])
 def test_prepared_steps_equal_the_usual_ones(cls, hp, kernels, device):
     plain, safe = _run(device, cls, hp, False), _run(device, cls, hp, True)
     for it in range(STEPS):
@@ -86,7 +90,7 @@ def test_prepare_step_needs_graph_safe(device):
 
 # each registered fused class and whether its step replays from a CUDA graph
 CAPTURABLE = {"FusedAdamW": True, "FusedAdam": True, "FusedSGD": True, "FusedMuSGD": True,
-              "FusedMuon": False}
+              "FusedMuon": True}
 
 
 def test_every_registered_class_declares_whether_its_step_is_capturable():
@@ -102,7 +106,8 @@ def test_every_registered_class_declares_whether_its_step_is_capturable():
 
 @pytest.mark.parametrize("name", [n for n, on in CAPTURABLE.items() if on])
 def test_set_graph_safe_round_trips(name, device):
-    opt = registry.fused_classes()[name](_net(device).parameters(), lr=0.01)
+    cls = registry.fused_classes()[name]
+    opt = cls(_groups(cls, _net(device)), lr=0.01)
     assert opt.graph_safe is False
     opt.set_graph_safe(True)
     assert opt.graph_safe is True
@@ -115,10 +120,16 @@ def test_set_graph_safe_round_trips(name, device):
         opt.graph_safe = True  # the optimizer's own setting: set_graph_safe changes it
 
 
+class _Eager(trainfuse.FusedSGD):
+    """A fused class that declares its steps not capturable (every registered one is)."""
+
+    capturable = False
+
+
 def test_a_class_that_is_not_capturable_refuses_graph_safe_steps(device):
     weight = torch.nn.Parameter(torch.randn(4, 3, device=device))
-    opt = trainfuse.FusedMuon([weight], lr=0.01, momentum=0.9)
-    with pytest.raises(TypeError, match=r"FusedMuon\.set_graph_safe: .*FusedMuon\.capturable is False"):
+    opt = _Eager([weight], lr=0.01, momentum=0.9)
+    with pytest.raises(TypeError, match=r"_Eager\.set_graph_safe: .*_Eager\.capturable is False"):
         opt.set_graph_safe(True)
     assert opt.graph_safe is False
     opt.set_graph_safe(False)  # turning it off is always allowed
@@ -183,8 +194,9 @@ def test_the_generation_changes_with_the_tables(kernels, device):
 @cuda
 @pytest.mark.parametrize("cls,hp", [(trainfuse.FusedAdamW, {"weight_decay": 0.05}),
                                     (trainfuse.FusedSGD, {"momentum": 0.9, "nesterov": True}),
-                                    (trainfuse.FusedMuSGD, {"momentum": 0.9, "nesterov": True})],
-                         ids=["adamw", "sgd", "musgd"])
+                                    (trainfuse.FusedMuSGD, {"momentum": 0.9, "nesterov": True}),
+                                    (trainfuse.FusedMuon, {"momentum": 0.9, "nesterov": True})],
+                         ids=["adamw", "sgd", "musgd", "muon"])
 def test_a_captured_step_replays_as_the_next_steps(cls, hp):
     """One step_and_update captured in a CUDA graph (the grads kept where they are, the lr and
     the EMA weight written by prepare_step before each replay) against the usual eager steps."""

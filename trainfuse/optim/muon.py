@@ -143,9 +143,10 @@ class FusedMuon(FusedOptimizer):
     """
 
     chunk_fn = _muon_chunk
-    # the Newton-Schulz part takes the momentum as a host number and picks its batches by which
-    # params have a grad: a step is not replayed from a CUDA graph
-    capturable = False
+    # graph-safe steps read the Newton-Schulz part's momentum from the device table, and the
+    # engine's scaled_step runs that part between its statistics pass and the update: the whole
+    # step replays from a CUDA graph (its batches those of the params with a grad at capture)
+    capturable = True
     wide16 = True
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -297,7 +298,11 @@ class FusedMuon(FusedOptimizer):
             made = self._ns_plans[(gi, device)] = (key, plan)
         plan = made[1]
         bufs = [self.state[p]["momentum_buffer"] for p in params]
-        plan.run(bufs, targets, group["momentum"], group["nesterov"], targets, lerp=True)
+        # graph-safe steps: the momentum's entry in the device table prepare_step writes (a replayed
+        # step takes the current value)
+        momentum = (self.engine.hparams.on(device)[gi * self.HP_WIDTH + _MOM.value] if self.graph_safe
+                    else group["momentum"])
+        plan.run(bufs, targets, momentum, group["nesterov"], targets, lerp=True)
 
     def torch_group_step(self, group, params, grads, weights):
         lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]

@@ -268,14 +268,17 @@ class BatchedNewtonSchulz:
         momentum ``bufs``, read only), blended once more with ``g`` for Nesterov, MuSGD's ops in
         MuSGD's order; with ``lerp``, ``torch.optim.Muon``'s: ``u = m.lerp(g, 1 - mu)``, and
         ``g.lerp(u, mu)`` for Nesterov. ``grads`` (float32, unscaled and clipped) may be
-        ``targets`` themselves. ``momentum``: a number, or (MuSGD's ops) a 0-d device tensor, read
-        on the device (a step replayed from a CUDA graph then takes the value written there): the
-        same float32 factors as the number's."""
+        ``targets`` themselves. ``momentum``: a number, or a 0-d device tensor, read on the device
+        (a step replayed from a CUDA graph then takes the value written there): the same float32
+        factors as the number's."""
         u = self._stage_views
         torch._foreach_copy_(u, bufs)
-        if isinstance(momentum, torch.Tensor):
-            if lerp:
-                raise ValueError("BatchedNewtonSchulz.run: a device momentum takes MuSGD's ops (lerp=False)")
+        if isinstance(momentum, torch.Tensor) and lerp:
+            mu, rest = momentum.to(torch.float32), (1 - momentum).to(torch.float32)
+            torch._foreach_lerp_(u, grads, rest)
+            if nesterov:
+                torch._foreach_copy_(u, torch._foreach_lerp(grads, u, mu))
+        elif isinstance(momentum, torch.Tensor):
             mu, rest = momentum.to(torch.float32), (1 - momentum).to(torch.float32)
             torch._foreach_mul_(u, mu)
             torch._foreach_addcmul_(u, grads, [rest] * len(u))
