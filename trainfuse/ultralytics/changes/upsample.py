@@ -3,42 +3,44 @@
 
 Autocast runs ``nn.Upsample`` in float32; the ``Concat`` after it then copies in float32 and the
 convolutions that read it cast back (about 2 ms of yolo11m's 24 ms step on an H200, forward and
-backward). An upsampling is changed only where the numbers stay stock's bit for bit: every layer
-that reads it is a ``Concat``, and every layer that reads those is a block whose forward casts its
-input to float16 in a convolution before anything else reads it (``Conv``, the ``C2f`` family,
-the ``C3`` family); any other upsampling stays as it is.
+backward). An upsampling is changed only where the numbers stay stock's bit for bit: one layer
+reads it, a ``Concat``, and one layer reads that, a block whose forward casts its input to float16
+in one convolution before anything else reads it (``Conv``, the ``C2f`` family: C3k2 and the
+like). Where two convolutions read it (the ``C3`` family's ``cv1`` and ``cv2``), stock adds their
+grads in float32 and the backward would add them in float16, a rounding apart; that upsampling,
+and any other, stays as it is.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from typing_extensions import override
-from ultralytics.nn.modules.block import C3, C2f
+from ultralytics.nn.modules.block import C2f
 from ultralytics.nn.modules.conv import Concat, Conv
 
 from trainfuse.clients import ON, Row
 from trainfuse.nn import upsample
 from trainfuse.ultralytics.changes.base import Change, Run
 
-# forwards that read their input only through convolutions first (autocast casts it to 16 bits):
-# Conv's act(bn(conv(x))), C2f's cv1(x), C3's cv1(x) and cv2(x)
-_CONV_FIRST = (Conv.forward, C2f.forward, C3.forward)
+# forwards that read their input through one convolution first (autocast casts it to 16 bits once):
+# Conv's act(bn(conv(x))), C2f's cv1(x)
+_ONE_CONV_FIRST = (Conv.forward, C2f.forward)
 
 
-def _readers(layers: nn.Sequential, i: int) -> list[nn.Module]:
-    """The layers of an ultralytics model's ``model.model`` that read layer ``i``'s output (by
-    their ``f``: -1 the layer before, an index, or a list of both)."""
-    out = []
-    for j in range(i + 1, len(layers)):
-        f = layers[j].f
-        sources = f if isinstance(f, (list, tuple)) else [f]
-        if any((s == -1 and j == i + 1) or s == i for s in sources):
-            out.append(layers[j])
-    return out
+def _sources(layer: nn.Module, j: int) -> list[int]:
+    """The layers that layer ``j`` of ``model.model`` reads, once per time it reads them (its ``f``:
+    -1 the layer before, an index, or a list of both)."""
+    f = layer.f
+    return [j - 1 if s == -1 else s for s in (f if isinstance(f, (list, tuple)) else [f])]
 
 
-def _conv_first(layer: nn.Module) -> bool:
-    return type(layer).forward in _CONV_FIRST
+def _readings(layers: nn.Sequential, i: int) -> list[nn.Module]:
+    """The layers that read layer ``i``'s output, once per reading (a Concat of it twice: twice)."""
+    return [layers[j] for j in range(i + 1, len(layers)) for s in _sources(layers[j], j) if s == i]
+
+
+def _one_conv_first(layer: nn.Module) -> bool:
+    return type(layer).forward in _ONE_CONV_FIRST
 
 
 def exact_upsamplings(model: nn.Module) -> tuple[list[nn.Module], int]:
@@ -52,10 +54,11 @@ def exact_upsamplings(model: nn.Module) -> tuple[list[nn.Module], int]:
         if not upsample.nearest(layer):
             continue
         total += 1
-        readers = _readers(layers, i)
-        if readers and all(type(r) is Concat and _readers(layers, r.i) and
-                           all(_conv_first(rr) for rr in _readers(layers, r.i)) for r in readers):
-            found.append(layer)
+        readers = _readings(layers, i)
+        if len(readers) == 1 and type(readers[0]) is Concat:
+            after = _readings(layers, readers[0].i)
+            if len(after) == 1 and _one_conv_first(after[0]):
+                found.append(layer)
     return found, total
 
 
@@ -84,7 +87,7 @@ class Upsampling(Change):
         found, total = exact_upsamplings(run.model)
         if not found:
             return ("the model has no nearest Upsample" if not total else
-                    f"none of its {total} nearest Upsample layers feeds only a Concat read by convolutions")
+                    f"none of its {total} nearest Upsample layers feeds one Concat read by one convolution")
         return None
 
     @override
