@@ -55,12 +55,14 @@ class BNLaunch:
     """A tile is ``rows`` spatial positions of one image by ``channels`` channels, long along the
     dimension that is contiguous in memory (a tile never crosses an image, so the compiler sees
     that contiguity); a reduction program walks ``programs_per_sm`` of the GPU's share of the
-    tiles. Tests shrink the tiles so that small inputs span several programs."""
+    tiles. ``reduce`` is the two reduction kernels' own tile where it differs from the elementwise
+    kernels' (None: the same). Tests shrink the tiles so that small inputs span several programs."""
 
     rows: int
     channels: int
     num_warps: int = 4
     programs_per_sm: int = 4
+    reduce: BNLaunch | None = None
 
 
 CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's positions are contiguous
@@ -309,11 +311,13 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], t.shape[1], -1)
 
 
-def _config(strides: tuple[int, int, int], C: int) -> BNLaunch:
-    """The layout's tile, its channels cut to ``C``'s power of two (at least 16) where ``C`` is
-    smaller and its rows grown to keep the tile's size: a 16-channel layer in channels_last then
-    wastes no lanes."""
+def _config(strides: tuple[int, int, int], C: int, reduce: bool = False) -> BNLaunch:
+    """The layout's tile (the reductions' with ``reduce``), its channels cut to ``C``'s power of two
+    (at least 16) where ``C`` is smaller and its rows grown to keep the tile's size: a 16-channel
+    layer in channels_last then wastes no lanes."""
     cfg = CHANNELS_LAST if strides[1] == 1 else CONTIGUOUS
+    if reduce and cfg.reduce is not None:
+        cfg = cfg.reduce
     channels = min(cfg.channels, max(16, triton.next_power_of_2(C)))
     return dataclasses.replace(cfg, rows=cfg.rows * cfg.channels // channels, channels=channels)
 
@@ -375,15 +379,17 @@ class _BatchNormSiLU(torch.autograd.Function):
         scale, shift, mean, invstd = consts.unbind(0)
         has_w = weight is not None
         if training:
-            P, per = _split(N * nsb, cb, x.device, cfg)
+            rc = _config(x.stride(), C, reduce=True)
+            rcb, rnsb = triton.cdiv(C, rc.channels), triton.cdiv(S, rc.rows)
+            P, per = _split(N * rnsb, rcb, x.device, rc)
             partials = torch.empty(3, P, C, device=x.device, dtype=torch.float32)  # mean, m2, count
             update = running_mean is not None
             affine = (weight, bias) if has_w else (consts, consts)  # (unread without HAS_W)
             running = (running_mean, running_var) if update else (consts, consts)  # (unread without UPDATE)
-            launcher(bn_stats_kernel, (P * cb,), x, *partials, _counters(x.device, cb), *affine, *running,
-                     scale, shift, mean, invstd, C, cb, S, nsb, N * nsb, *x.stride(), per, P, N * S, momentum,
-                     eps, HAS_W=has_w, UPDATE=update, BP=FINALIZE_ROWS, BR=cfg.rows, BC=cfg.channels,
-                     num_warps=cfg.num_warps)
+            launcher(bn_stats_kernel, (P * rcb,), x, *partials, _counters(x.device, rcb), *affine, *running,
+                     scale, shift, mean, invstd, C, rcb, S, rnsb, N * rnsb, *x.stride(), per, P, N * S,
+                     momentum, eps, HAS_W=has_w, UPDATE=update, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
+                     num_warps=rc.num_warps)
         else:  # the running statistics' constants: a few (C,) operations
             mean.copy_(running_mean)
             torch.rsqrt(running_var.float() + eps, out=invstd)
@@ -411,16 +417,18 @@ class _BatchNormSiLU(torch.autograd.Function):
         # materializes it); one part: the second is the first, from channel C on (none)
         dy = _flat(dy)
         dy1, split = (_flat(dy1), C // 2) if ctx.split else (dy, C)
+        rc = _config(x.stride(), C, reduce=True)
+        rcb, rnsb = triton.cdiv(C, rc.channels), triton.cdiv(S, rc.rows)
+        P, per = _split(N * rnsb, rcb, x.device, rc)
+        partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
+        sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
+        launcher(bn_silu_grad_sums_kernel, (P * rcb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
+                 _counters(x.device, rcb), *sums, C, rcb, S, rnsb, N * rnsb, *x.stride(), *dy.stride(),
+                 *dy1.stride(), split, per, P, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
+                 num_warps=rc.num_warps)
         cfg = _config(x.stride(), C)
         cb = triton.cdiv(C, cfg.channels)
         nsb = triton.cdiv(S, cfg.rows)
-        P, per = _split(N * nsb, cb, x.device, cfg)
-        partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
-        sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
-        launcher(bn_silu_grad_sums_kernel, (P * cb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
-                 _counters(x.device, cb), *sums, C, cb, S, nsb, N * nsb, *x.stride(), *dy.stride(),
-                 *dy1.stride(), split, per, P, BP=FINALIZE_ROWS, BR=cfg.rows, BC=cfg.channels,
-                 num_warps=cfg.num_warps)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty_like(x)
