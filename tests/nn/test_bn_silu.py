@@ -28,11 +28,12 @@ def small_tiles(kernels, monkeypatch):
     """The kernels (the interpreter on CPU), tiles of 8 positions by 4 channels and 4 reduction
     programs, whose last to arrive reads their partials 2 at a time: a few dozen positions already
     make several programs of several tiles. channels_last's reductions tile otherwise than its
-    elementwise kernels (other channel blocks, other rows)."""
+    elementwise kernels (other channel blocks, other rows, three tiles a loop turn)."""
     if DEVICE.type == "cpu":
         monkeypatch.setattr(bn_silu, "CONTIGUOUS", BNLaunch(rows=8, channels=4, programs_per_sm=1))
-        monkeypatch.setattr(bn_silu, "CHANNELS_LAST", BNLaunch(
-            rows=4, channels=8, programs_per_sm=1, reduce=BNLaunch(rows=2, channels=16, programs_per_sm=1)))
+        reduce = BNLaunch(rows=2, channels=16, programs_per_sm=1, unroll=3)
+        monkeypatch.setattr(bn_silu, "CHANNELS_LAST",
+                            BNLaunch(rows=4, channels=8, programs_per_sm=1, reduce=reduce))
         monkeypatch.setattr(bn_silu, "FINALIZE_ROWS", 2)
 
 

@@ -55,13 +55,15 @@ class BNLaunch:
     """A tile is ``rows`` spatial positions of one image by ``channels`` channels, long along the
     dimension that is contiguous in memory (a tile never crosses an image, so the compiler sees
     that contiguity); a reduction program walks ``programs_per_sm`` of the GPU's share of the
-    tiles. ``reduce`` is the two reduction kernels' own tile where it differs from the elementwise
-    kernels' (None: the same). Tests shrink the tiles so that small inputs span several programs."""
+    tiles, ``unroll`` tiles' loads issued before their math. ``reduce`` is the two reduction
+    kernels' own tile where it differs from the elementwise kernels' (None: the same). Tests shrink
+    the tiles so that small inputs span several programs."""
 
     rows: int
     channels: int
     num_warps: int = 4
     programs_per_sm: int = 4
+    unroll: int = 1
     reduce: BNLaunch | None = None
 
 
@@ -92,7 +94,7 @@ def _program(CB, BC: tl.constexpr):
 def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr,
                     scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr, C, CB, S, NSB, Q, sN, sC, sS,
                     tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
-                    BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                    BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, UNROLL: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
     ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``. Each tile
     element sums ``x - k`` and its square on its own (no reduction and no division inside the
@@ -111,15 +113,17 @@ def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, r
     s1 = tl.zeros([BR, BC], tl.float32)
     s2 = tl.zeros([BR, BC], tl.float32)
     count = tl.zeros([BR, BC], tl.float32)
-    for t in range(0, tiles_per_program):
-        q = i * tiles_per_program + t
-        offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-        m = (sm & (q < Q))[:, None] & cm[None, :]
-        x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-        d = tl.where(m, x - k[None, :], 0.0)
-        s1 += d
-        s2 += d * d
-        count += m.to(tl.float32)
+    for t0 in range(0, tiles_per_program, UNROLL):
+        for t1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
+            t = t0 + t1
+            q = i * tiles_per_program + t
+            offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
+            m = (sm & (q < Q) & (t < tiles_per_program))[:, None] & cm[None, :]
+            x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+            d = tl.where(m, x - k[None, :], 0.0)
+            s1 += d
+            s2 += d * d
+            count += m.to(tl.float32)
     n = tl.sum(count, 0)
     s1 = tl.sum(s1, 0)
     s2 = tl.sum(s2, 0)
@@ -224,7 +228,7 @@ def _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR: tl.
 def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr,
                              sdux_ptr, cnt_ptr, dw_ptr, db_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, hN,
                              hC, hS, SPLIT, tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr,
-                             BC: tl.constexpr):
+                             BC: tl.constexpr, UNROLL: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel
     at ``[i, c]``; the last of channel block ``j``'s ``P`` programs to arrive adds them up in a
     fixed order into ``dw`` and ``db``. ``dy``'s channels from ``SPLIT`` on are ``dy1``'s (C, and
@@ -237,16 +241,18 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_
     invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
     sdu = tl.zeros([BR, BC], tl.float32)
     sdux = tl.zeros([BR, BC], tl.float32)
-    for k in range(0, tiles_per_program):
-        q = i * tiles_per_program + k
-        offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-        grads = _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR)
-        m = (sm & (q < Q))[:, None] & cm[None, :]
-        x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-        dy = tl.load(grads, mask=m, other=0.0).to(tl.float32)
-        du = tl.where(m, _du(x, dy, s, t), 0.0)
-        sdu += du
-        sdux += du * (x - mean[None, :])
+    for k0 in range(0, tiles_per_program, UNROLL):
+        for k1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
+            k = k0 + k1
+            q = i * tiles_per_program + k
+            offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
+            grads = _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR)
+            m = (sm & (q < Q) & (k < tiles_per_program))[:, None] & cm[None, :]
+            x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(grads, mask=m, other=0.0).to(tl.float32)
+            du = tl.where(m, _du(x, dy, s, t), 0.0)
+            sdu += du
+            sdux += du * (x - mean[None, :])
     tl.store(sdu_ptr + i * C + c, tl.sum(sdu, 0), mask=cm)
     tl.store(sdux_ptr + i * C + c, tl.sum(sdux, 0) * invstd, mask=cm)
     j = tl.program_id(0) - i * CB
@@ -389,7 +395,7 @@ class _BatchNormSiLU(torch.autograd.Function):
             launcher(bn_stats_kernel, (P * rcb,), x, *partials, _counters(x.device, rcb), *affine, *running,
                      scale, shift, mean, invstd, C, rcb, S, rnsb, N * rnsb, *x.stride(), per, P, N * S,
                      momentum, eps, HAS_W=has_w, UPDATE=update, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
-                     num_warps=rc.num_warps)
+                     UNROLL=rc.unroll, num_warps=rc.num_warps)
         else:  # the running statistics' constants: a few (C,) operations
             mean.copy_(running_mean)
             torch.rsqrt(running_var.float() + eps, out=invstd)
@@ -425,7 +431,7 @@ class _BatchNormSiLU(torch.autograd.Function):
         launcher(bn_silu_grad_sums_kernel, (P * rcb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
                  _counters(x.device, rcb), *sums, C, rcb, S, rnsb, N * rnsb, *x.stride(), *dy.stride(),
                  *dy1.stride(), split, per, P, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
-                 num_warps=rc.num_warps)
+                 UNROLL=rc.unroll, num_warps=rc.num_warps)
         cfg = _config(x.stride(), C)
         cb = triton.cdiv(C, cfg.channels)
         nsb = triton.cdiv(S, cfg.rows)

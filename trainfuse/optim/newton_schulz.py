@@ -274,10 +274,12 @@ class BatchedNewtonSchulz:
         u = self._stage_views
         torch._foreach_copy_(u, bufs)
         if isinstance(momentum, torch.Tensor) and lerp:
+            # a weight per tensor (a lone 0-d weight would be read on the host, which a capture
+            # refuses): torch's lerp of a tensor weight, the same formula as a number's
             mu, rest = momentum.to(torch.float32), (1 - momentum).to(torch.float32)
-            torch._foreach_lerp_(u, grads, rest)
+            torch._foreach_lerp_(u, grads, [rest] * len(u))
             if nesterov:
-                torch._foreach_copy_(u, torch._foreach_lerp(grads, u, mu))
+                torch._foreach_copy_(u, torch._foreach_lerp(grads, u, [mu] * len(u)))
         elif isinstance(momentum, torch.Tensor):
             mu, rest = momentum.to(torch.float32), (1 - momentum).to(torch.float32)
             torch._foreach_mul_(u, mu)
