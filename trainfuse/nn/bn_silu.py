@@ -68,7 +68,11 @@ class BNLaunch:
 
 
 CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's positions are contiguous
-CHANNELS_LAST = BNLaunch(rows=64, channels=32)  # NHWC: a position's channels are contiguous
+# NHWC: a position's channels are contiguous. On an H200, over yolo11m's 106 BatchNorms at batch 16
+# and 640 px (2.2 GB of float16 activations), two tiles in flight cut the statistics from 1.71 to
+# 1.54 ms and the grad sums from 2.47 to 2.26 ms (four, more programs per SM, wider or longer
+# tiles: slower); 32 x 64 elementwise tiles cut dx from 2.33 to 2.25 ms
+CHANNELS_LAST = BNLaunch(rows=32, channels=64, reduce=BNLaunch(rows=64, channels=32, unroll=2))
 
 
 @triton.jit
