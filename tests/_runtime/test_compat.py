@@ -219,6 +219,28 @@ def test_schedulers_see_a_marked_step_and_do_not_warn():
     assert other.param_groups[0]["lr"] == pytest.approx(0.01)
 
 
+def test_a_step_function_put_on_the_optimizer_is_marked_for_its_scheduler():
+    """``mark_step_for_schedulers(opt, func)``: ``opt.step`` becomes ``func`` (called with the
+    optimizer), in place of a scheduler's earlier wrapper, and the scheduler sees it stepped."""
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    calls = []
+
+    def step(this, closure=None):
+        calls.append(this)
+        return type(this).step(this, closure)
+
+    compat.mark_step_for_schedulers(opt, step)
+    p.grad = torch.ones(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        sched.step()
+    assert calls == [opt] and p.item() == pytest.approx(0.9)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
 def test_a_scheduler_warns_when_the_step_was_never_recorded():
     """The converse of the test above: torch still checks the mark (else the wrapper is moot)."""
     p = torch.nn.Parameter(torch.ones(1))

@@ -1,8 +1,8 @@
-"""GraphedOptimizerStep: GradScaler's step_and_update on a graph-safe fused optimizer, eager until
-what a graph would hold is stable, then captured once and replayed. Against the same optimizer
-stepping the usual way, bit for bit, over steps whose lr and EMA weight change every time, with
-GradScaler's skipped steps; on a GPU a param's storage moved mid-run drops the graph and a later
-call captures again. Off CUDA every call runs eagerly."""
+"""GraphedOptimizerStep: GradScaler's step_and_update on a graph-safe fused optimizer (or without a
+scaler, its fused_step), eager until what a graph would hold is stable, then captured once and
+replayed. Against the same optimizer stepping the usual way, bit for bit, over steps whose lr and
+EMA weight change every time, with GradScaler's skipped steps; on a GPU a param's storage moved
+mid-run drops the graph and a later call captures again. Off CUDA every call runs eagerly."""
 
 from __future__ import annotations
 
@@ -130,6 +130,91 @@ def test_inside_a_captured_step_equals_the_usual_steps_and_goes_when_a_param_mov
     assert scales[inf_at] < scales[inf_at - 1]  # the inf step backed off
 
 
+CLASSES = [(trainfuse.FusedAdamW, {"weight_decay": 0.05}), (trainfuse.FusedSGD, {"momentum": 0.9}),
+           (trainfuse.FusedMuSGD, {"momentum": 0.9, "nesterov": True}),
+           (trainfuse.FusedMuon, {"momentum": 0.9, "nesterov": True})]
+IDS = ["adamw", "sgd", "musgd", "muon"]
+
+
+def _run_unscaled(device, cls, hp, graphed: bool):
+    """A net and its optimizer stepped without a GradScaler (bf16 or float32 training): Muon's
+    classes on the matrices (FusedMuSGD: SGD on the rest)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 5))
+    net = net.to(device)
+    ps = list(net.parameters())
+    matrices, rest = [p for p in ps if p.ndim >= 2], [p for p in ps if p.ndim < 2]
+    groups = {trainfuse.FusedMuon: matrices,
+              trainfuse.FusedMuSGD: [{"params": matrices, "use_muon": True}, {"params": rest}]}.get(cls, ps)
+    opt = cls(groups, lr=0.01, max_grad_norm=0.5, **hp)
+    ema = FusedEMA(net, decay=0.9, tau=3.0)
+    opt.attach_ema(ema)
+    return net, opt, ema, (GraphedOptimizerStep(opt, None) if graphed else None)
+
+
+def _train_unscaled(device, cls, hp, move_at: int | None = None) -> GraphedOptimizerStep:
+    plain, graphed = _run_unscaled(device, cls, hp, False), _run_unscaled(device, cls, hp, True)
+    kept = [torch.zeros_like(p) for p in graphed[0].parameters()]  # the grads stay where they are
+    gen = torch.Generator(device).manual_seed(1)
+    for it in range(STEPS):
+        if it == move_at:  # a param's storage moves (in both runs): the graph must not be replayed
+            for net in (plain[0], graphed[0]):
+                net[0].weight.data = net[0].weight.data.clone()
+        for p, q, k in zip(plain[0].parameters(), graphed[0].parameters(), kept):
+            p.grad = torch.randn(p.shape, device=device, generator=gen)
+            q.grad = k.copy_(p.grad)
+        for opt in (plain[1], graphed[1]):
+            for g in opt.param_groups:
+                g["lr"] = 0.002 * (1 + it)  # a warmup: the hyperparameter table changes every step
+                if "momentum" in g and cls is not trainfuse.FusedSGD:
+                    g["momentum"] = 0.8 + 0.01 * it  # ultralytics warms MuSGD's momentum up
+        plain[1].step()
+        graphed[3]()
+        assert plain[2].updates == graphed[2].updates == it + 1
+        for x, y in zip([*plain[0].parameters(), *plain[2].ema.state_dict().values()],
+                        [*graphed[0].parameters(), *graphed[2].ema.state_dict().values()]):
+            assert torch.equal(x, y), it
+    return graphed[3]
+
+
+@pytest.mark.parametrize("cls,hp", CLASSES, ids=IDS)
+def test_without_a_scaler_off_cuda_every_call_runs_eagerly_and_equals_the_usual_steps(cls, hp, kernels,
+                                                                                      device):
+    if device.type == "cuda":
+        pytest.skip("the CPU path; the GPU test below captures")
+    phase = _train_unscaled(device, cls, hp)
+    assert (phase.eager, phase.captures, phase.replays) == (STEPS, 0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cls,hp", CLASSES, ids=IDS)
+def test_without_a_scaler_captured_once_replayed_and_captured_again_after_a_param_moved(cls, hp):
+    phase = _train_unscaled(torch.device("cuda"), cls, hp, move_at=5)
+    assert (phase.eager, phase.captures, phase.replays) == (4, 2, STEPS - 4), vars(phase)
+
+
+def test_fused_step_is_the_step_where_the_kernels_take_it(kernels, device):
+    """fused_step: the same bits as step() where it runs (the kernels, the interpreter on CPU);
+    False, nothing done, where the params have no grad or a step hook is registered (torch's step
+    path runs hooks)."""
+    a, b = (_run_unscaled(device, trainfuse.FusedAdamW, {}, False) for _ in range(2))
+    assert not b[1].fused_step() and b[2].updates == 0  # no grad yet
+    for p, q in zip(a[0].parameters(), b[0].parameters()):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    a[1].step()
+    assert b[1].fused_step()
+    assert a[2].updates == b[2].updates == 1  # its EMA update counted
+    for x, y in zip([*a[0].parameters(), *a[2].ema.state_dict().values()],
+                    [*b[0].parameters(), *b[2].ema.state_dict().values()]):
+        assert torch.equal(x, y)
+    handle = b[1].register_step_pre_hook(lambda *args: None)
+    before = [p.clone() for p in b[0].parameters()]
+    assert not b[1].fused_step() and b[2].updates == 1
+    assert all(torch.equal(x, y) for x, y in zip(before, b[0].parameters()))
+    handle.remove()
+
+
 def test_refuses_what_it_cannot_graph(device):
     net = torch.nn.Linear(3, 2).to(device)
     fused = trainfuse.FusedAdamW(net.parameters())
@@ -137,6 +222,8 @@ def test_refuses_what_it_cannot_graph(device):
         GraphedOptimizerStep(torch.optim.AdamW(net.parameters()), GradScaler(device.type))
     with pytest.raises(TypeError, match="trainfuse.amp.GradScaler"):
         GraphedOptimizerStep(fused, torch.amp.GradScaler(device.type))
+    with pytest.raises(TypeError, match="got a disabled GradScaler"):
+        GraphedOptimizerStep(fused, GradScaler(device.type, enabled=False))
     assert not fused.graph_safe  # a refused phase leaves the optimizer as it was
     phase = GraphedOptimizerStep(fused, GradScaler(device.type))
     assert fused.graph_safe

@@ -3,6 +3,8 @@ forward and backward replay from CUDA graphs against the same runs without graph
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from tests.lightning.helpers import (
     params,
 )
 from trainfuse.lightning import FusedTraining
+from trainfuse.lightning.changes.phase import GRAPH_PHASE
 from trainfuse.lightning.graph_targets import graph_targets
 
 
@@ -187,4 +190,87 @@ def test_graphed_fit_puts_relu_chains_on_cublas_and_matches_that_path_eagerly(mo
     assert stats.fallbacks == 0 and stats.replays >= 12 - 2, stats
     for a, b in zip(eager.losses, graphed.losses, strict=True):
         assert torch.equal(a, b)
+    assert_params_equal(params(eager), params(graphed))
+
+
+# ---- the optimizer step from a graph of its own (TRAINFUSE_GRAPH_LIGHTNING_PHASE=1) ----------------
+@pytest.mark.skipif(ACCELERATOR != "cpu", reason="the CPU path")
+def test_the_graphed_optimizer_step_is_opt_in_and_needs_the_graphed_backward(monkeypatch):
+    pl = package()
+    cb = FusedTraining(verbose=False, cuda_graphs=True)
+    fit(pl, make_module(pl), 2, callbacks=[cb])
+    row = rows_of(cb)["optimizer_graph"]
+    assert row.action == "off" and f"{GRAPH_PHASE}=1" in row.detail
+    monkeypatch.setenv(GRAPH_PHASE, "1")
+    cb = FusedTraining(verbose=False, cuda_graphs=True)
+    fit(pl, make_module(pl), 2, callbacks=[cb])
+    row = rows_of(cb)["optimizer_graph"]
+    assert row.action == "skipped" and "no fixed addresses" in row.detail  # on CPU nothing is graphed
+    assert cb.optimizer_phase_stats is None
+
+
+@pytest.mark.skipif(ACCELERATOR != "cpu", reason="the CPU path")
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_graphed_optimizer_step_trains_as_the_plain_step(monkeypatch, optimizer, kernels):
+    """The change's wiring in a real fit on CPU, where GraphedOptimizerStep runs every step eagerly
+    (its graph-safe steps: prepare_step, then the launches reading the device tables): Lightning's
+    closure, clipping inside the step, the step scheduler's lr, the EMA, and the optimizer's own
+    step given back at the end, against the same fit without it. (Its gate, which asks for graphed
+    modules that a CPU run never has, is opened here; the GPU test below runs it as users do.)"""
+    from trainfuse.lightning.changes.phase import OptimizerPhase
+
+    pl = package()
+    runs = {}
+    for graphed in (False, True):
+        if graphed:
+            monkeypatch.setenv(GRAPH_PHASE, "1")
+            monkeypatch.setattr(OptimizerPhase, "why_not", lambda self, run: None)
+        module = make_module(pl, optimizer, scheduler="step")
+        cb = FusedTraining(verbose=False, ema_decay=0.9, cuda_graphs=graphed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = fit(pl, module, 5, callbacks=[cb], clip=0.5)
+        # the scheduler saw its optimizer stepped (torch warns when the step lost its mark)
+        assert not [w for w in caught if "optimizer.step()" in str(w.message)]
+        runs[graphed] = (module, cb, trainer)
+    (plain, _, _), (ours, cb, trainer) = runs[False], runs[True]
+    assert rows_of(cb)["optimizer_graph"].action == "on"
+    assert cb.optimizer_phase_stats == {"eager": 5, "captures": 0, "replays": 0}
+    for i, (a, b) in enumerate(zip(plain.losses, ours.losses)):
+        assert torch.equal(a, b), f"loss {i}: {a.item()} vs {b.item()}"
+    assert_params_equal(params(plain), params(ours))
+    opt = trainer.optimizers[0]
+    assert not opt.graph_safe
+    # its step as before the fit: the LR scheduler's wrapper of the class's step
+    assert vars(opt)["step"].__wrapped__ is type(opt).step
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_optimizer_step_replayed_from_a_graph_matches_the_eager_step_exactly(monkeypatch, precision):
+    """Graphed forward and backward in both runs; the optimizer step eager in one, replayed from a
+    graph of its own in the other (after two steady eager steps): the same losses, weights and EMA,
+    with clipping, a step scheduler and validation on the EMA."""
+    pl = package()
+    runs = {}
+    for phase in (False, True):
+        if phase:
+            monkeypatch.setenv(GRAPH_PHASE, "1")
+        module = make_module(pl, scheduler="step")
+        cb = FusedTraining(verbose=False, ema_decay=0.9, cuda_graphs=True)
+        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=2, logger=False, callbacks=[cb],
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, gradient_clip_val=0.5, precision=precision,
+                             num_sanity_val_steps=0, limit_val_batches=2)
+        loader = torch.utils.data.DataLoader(helpers.data(6), batch_size=8)
+        val = torch.utils.data.DataLoader(helpers.data(2, seed=99), batch_size=8)
+        trainer.fit(module, loader, val)
+        runs[phase] = (module, cb)
+    (eager, _), (graphed, cb) = runs[False], runs[True]
+    assert rows_of(cb)["optimizer_graph"].action == "on"
+    stats = cb.optimizer_phase_stats
+    assert stats["captures"] >= 1 and stats["replays"] >= 12 - 4, stats
+    for i, (a, b) in enumerate(zip(eager.losses, graphed.losses)):
+        assert torch.equal(a, b), f"loss {i}: {a.item()} vs {b.item()}"
+    assert torch.equal(torch.stack(eager.val_losses), torch.stack(graphed.val_losses))
     assert_params_equal(params(eager), params(graphed))

@@ -54,6 +54,7 @@ def test_report_rows_and_printed_table(torch_path, pkg):
         ("ema", "decay=0.9", "on"),
         ("casts", "32-true", "off"),
         ("graphs", "cuda_graphs", "off"),
+        ("optimizer_graph", "optimizer step", "off"),
     ]
     detail = rows_of(cb)[("backend", device)].detail
     assert detail.startswith("no GPU: torch path" if DEVICE.type == "cpu" else "torch path for cuda tensors")

@@ -157,13 +157,14 @@ def record_step_call(opt: torch.optim.Optimizer) -> None:
     opt._opt_called = True
 
 
-def mark_step_for_schedulers(opt: torch.optim.Optimizer) -> None:
+def mark_step_for_schedulers(opt: torch.optim.Optimizer, func: Callable[..., Any] | None = None) -> None:
     """Wrap ``opt.step`` as torch's LR schedulers wrap the optimizers they are built on (they warn
     on their first step when the optimizer's step lacks the mark); the same one-call wrapper. A step
-    already marked stays as it is."""
-    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+    already marked stays as it is, unless ``func`` is given: ``opt.step`` then becomes that
+    function (called as ``func(opt, *args, **kwargs)``), marked, in place of the class's step."""
+    if func is None and hasattr(opt.step, "_wrapped_by_lr_sched"):
         return
-    func = type(opt).step
+    func = type(opt).step if func is None else func
     ref = weakref.ref(opt)
 
     @functools.wraps(func)

@@ -5,7 +5,8 @@ every value the phase's launches read is in device memory: the tables, the hyper
 EMA weight (written by :meth:`~trainfuse.optim.FusedOptimizer.prepare_step`), GradScaler's scale
 and growth tracker (read and updated by the statistics pass). So
 ``scaler.step_and_update(optimizer)`` (unscale, inf check, clip, update, EMA, scale update: two
-launches) can be captured once and replayed.
+launches) can be captured once and replayed; without a scaler (bf16 or float32 training), the
+optimizer's ``fused_step()`` (clip, update, EMA).
 :class:`GraphedOptimizerStep` runs it eagerly while what a graph would hold keeps changing (the
 first call builds the tables), captures it once two eager calls in a row left it unchanged (the
 kernels of a steady step compiled and loaded: nothing may compile or load inside a capture), and
@@ -83,19 +84,21 @@ class _Held:
 
 
 class GraphedOptimizerStep:
-    """``scaler.step_and_update(optimizer)``, replayed from a CUDA graph where it holds.
+    """``scaler.step_and_update(optimizer)`` (or without a scaler ``optimizer.step()``), replayed
+    from a CUDA graph where it holds.
 
     Args:
         optimizer: a fused optimizer whose class declares ``capturable``; made graph-safe
             (``set_graph_safe``) for this object's life (:meth:`close` undoes it).
-        scaler: trainfuse's GradScaler, enabled.
+        scaler: trainfuse's GradScaler, enabled; or None where the grads are not scaled (the
+            graphs then capture ``optimizer.fused_step()``).
 
     Attributes:
         eager, captures, replays: calls run eagerly, graphs captured, replays.
         folded: phases run inside a training step's graphs (:meth:`inside`).
     """
 
-    def __init__(self, optimizer: FusedOptimizer, scaler: GradScaler) -> None:
+    def __init__(self, optimizer: FusedOptimizer, scaler: GradScaler | None) -> None:
         if not isinstance(optimizer, FusedOptimizer):
             raise TypeError(f"GraphedOptimizerStep: optimizer must be a trainfuse fused optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -103,9 +106,10 @@ class GraphedOptimizerStep:
             name = type(optimizer).__name__
             raise TypeError(f"GraphedOptimizerStep: optimizer must declare capturable steps; {name}'s "
                             f"cannot be captured in a CUDA graph ({name}.capturable is False)")
-        if not isinstance(scaler, GradScaler) or not scaler.is_enabled():
-            raise TypeError("GraphedOptimizerStep: scaler must be an enabled trainfuse.amp.GradScaler, got "
-                            f"{type(scaler).__name__}")
+        if scaler is not None and (not isinstance(scaler, GradScaler) or not scaler.is_enabled()):
+            got = "a disabled GradScaler" if isinstance(scaler, GradScaler) else type(scaler).__name__
+            raise TypeError("GraphedOptimizerStep: scaler must be an enabled trainfuse.amp.GradScaler or "
+                            f"None, got {got}")
         self.optimizer, self.scaler = optimizer, scaler
         optimizer.set_graph_safe(True)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -119,7 +123,7 @@ class GraphedOptimizerStep:
 
     def __call__(self) -> None:
         """One optimizer phase: ``prepare_step()``, then the replay, a capture and replay, or the
-        eager ``step_and_update``."""
+        eager ``step_and_update`` (without a scaler, ``step``)."""
         self.optimizer.prepare_step()
         self.run_prepared()
 
@@ -178,18 +182,21 @@ class GraphedOptimizerStep:
         """The phase's launches, inside a training step's ``fn`` (run eagerly or captured), after
         :meth:`prepare`."""
         if not self._phase():
-            raise RuntimeError("GraphedOptimizerStep.inside: step_and_update took torch's two calls "
-                               "(not the fused step)")
+            raise RuntimeError("GraphedOptimizerStep.inside: the step did not run as the fused launches "
+                               "(step_and_update took torch's two calls, or fused_step could not run)")
 
     def _holding(self) -> _Held:
         """What a graph captured now holds (and keeps alive): see :meth:`_holds`."""
         view = self.optimizer.capture_view()
-        scale, tracker = self.scaler.device_state()
+        scale, tracker = self._device_state()
         grads = [p.grad for p in view.params]
         return _Held(self._snapshot(view), scale, tracker, grads, self.optimizer.ema_tensors())
 
     def _eager(self) -> None:
-        self.scaler.step_and_update(self.optimizer)
+        if self.scaler is None:  # the class's step: a client may have put this object's call on the instance
+            type(self.optimizer).step(self.optimizer)
+        else:
+            self.scaler.step_and_update(self.optimizer)
         self.eager += 1
         self._seen = self._snapshot(self.optimizer.capture_view())
 
@@ -203,7 +210,8 @@ class GraphedOptimizerStep:
             with torch.cuda.stream(side):
                 graph, done = captured(self._pool.handle(), self._phase)
             if not done:
-                raise RuntimeError("step_and_update took torch's two calls (not the fused step)")
+                raise RuntimeError("the step did not run as the fused launches (step_and_update took torch's "
+                                   "two calls, or fused_step could not run)")
         except Exception as e:
             self._failed = True
             self._pool.renew()
@@ -220,7 +228,10 @@ class GraphedOptimizerStep:
         return True
 
     def _phase(self) -> bool:
-        """The captured work: the fused ``step_and_update`` only (True when it ran)."""
+        """The captured work: the fused ``step_and_update``, or without a scaler ``fused_step``,
+        only (True when it ran)."""
+        if self.scaler is None:
+            return self.optimizer.fused_step()
         fused = self.scaler.fused_update(self.optimizer)
         return fused is not None and self.optimizer.scaled_step(*fused)
 
@@ -230,29 +241,37 @@ class GraphedOptimizerStep:
         before every replay)."""
         held = self._held if held is None else held
         was = held.snapshot
-        opt, scaler = self.optimizer, self.scaler
+        opt = self.optimizer
         view = opt.capture_view()
         params = view.params
-        scale, tracker = scaler.device_state()
+        scale, tracker = self._device_state()
         return (view.generation == was.generation and scale is held.scale and tracker is held.tracker
                 and opt.ema_tensors() is held.ema and tuple(map(_data_ptr, params)) == was.param_addresses
                 and all(map(operator.is_, map(_grad, params), held.grads))
-                and scaler.get_growth_factor() == was.growth_factor
-                and scaler.get_backoff_factor() == was.backoff_factor
-                and scaler.get_growth_interval() == was.growth_interval)
+                and self._constants() == (was.growth_factor, was.backoff_factor, was.growth_interval))
+
+    def _device_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The scaler's scale and growth tracker (None, None without a scaler)."""
+        return (None, None) if self.scaler is None else self.scaler.device_state()
+
+    def _constants(self) -> tuple[float, float, int]:
+        """The scaler's growth factor, backoff factor and growth interval (zeros without one)."""
+        scaler = self.scaler
+        if scaler is None:
+            return 0.0, 0.0, 0
+        return scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()
 
     def _snapshot(self, view: CaptureView) -> _Snapshot:
         """What a graph captured now would hold, ``view`` the optimizer's ``capture_view()``."""
         params = view.params
-        scale, tracker = self.scaler.device_state()
-        scaler = self.scaler
+        scale, tracker = self._device_state()
+        growth, backoff, interval = self._constants()
         return _Snapshot(
             generation=view.generation,
             param_addresses=tuple(map(_data_ptr, params)),
             grad_addresses=tuple(-1 if p.grad is None else p.grad.data_ptr() for p in params),
             scale_id=id(scale), tracker_id=id(tracker), ema_id=id(self.optimizer.ema_tensors()),
-            growth_factor=scaler.get_growth_factor(), backoff_factor=scaler.get_backoff_factor(),
-            growth_interval=scaler.get_growth_interval())
+            growth_factor=growth, backoff_factor=backoff, growth_interval=interval)
 
     def _drop(self) -> None:
         self._graph = self._held = None

@@ -22,6 +22,7 @@ from trainfuse.lightning.changes import (
     Graphs,
     LossFusion,
     MLPFusion,
+    OptimizerPhase,
     OptimizerSwap,
     Precision,
     Run,
@@ -67,7 +68,10 @@ class FusedTraining(*_compat.callback_bases()):
         step, DDP's reducer off (:class:`~trainfuse.lightning.changes.FlatAllReduce`), unless
         the run keeps DDP's reducer (the row says why);
     12. ``graphs``: forward and backward replayed from CUDA graphs;
-    13. ``ema`` again, with ``ema_decay``: validation inside the fit runs on the EMA (no row of
+    13. ``optimizer_graph``: with ``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1`` and graphs, the fused step
+        (clip, update, EMA) replayed from a CUDA graph of its own where no GradScaler runs
+        (:mod:`trainfuse.lightning.changes.phase`);
+    14. ``ema`` again, with ``ema_decay``: validation inside the fit runs on the EMA (no row of
         its own: the first ``ema`` row says so).
 
     Modules that torch.compile compiled keep their own forward (``mlp`` and ``loss`` rows
@@ -143,6 +147,7 @@ class FusedTraining(*_compat.callback_bases()):
         self.report = Report("FusedTraining", strict)
         self._graphs: dict[str, GraphedModule] = {}
         self._all_reduce: FlatAllReduce | None = None
+        self._phase: OptimizerPhase | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -157,6 +162,12 @@ class FusedTraining(*_compat.callback_bases()):
         """Per graphed module (``"forward"``: the LightningModule's own): its eager calls, replays,
         captures, failed captures and evictions, from the last fit (kept after it ends)."""
         return {name: g.stats for name, g in self._graphs.items()}
+
+    @property
+    def optimizer_phase_stats(self) -> dict[str, int] | None:
+        """Where the optimizer step replayed from a CUDA graph of its own in the last fit
+        (``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1``): its eager steps, captures and replays; else None."""
+        return None if self._phase is None else self._phase.stats
 
     @property
     def overlapped_steps(self) -> int:
@@ -187,7 +198,9 @@ class FusedTraining(*_compat.callback_bases()):
         ddp = self._all_reduce = FlatAllReduce() if run.strategy == "ddp" else None
         if ddp is not None:
             changes.append(ddp)
-        changes.append(Graphs(self.cuda_graphs, self._graphs, ddp))
+        graphs = Graphs(self.cuda_graphs, self._graphs, ddp)
+        self._phase = OptimizerPhase(graphs)
+        changes += [graphs, self._phase]
         if self.ema_decay is not None:
             changes.append(EvaluateOnEMA(ema))
         return changes

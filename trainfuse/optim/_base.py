@@ -308,6 +308,34 @@ class FusedOptimizer(ClipSettings, Optimizer):
             ema.updates += 1
         return True
 
+    def fused_step(self) -> bool:
+        """:meth:`step` without a closure or a GradScaler, where it runs on the kernels alone: the
+        statistics pass where clipping by norm needs one, the update launch (a Muon optimizer's
+        Newton-Schulz part between them). What :class:`trainfuse.graphs.GraphedOptimizerStep`
+        captures when no scaler runs (bf16 or float32 training): graph-safe, it replays as the
+        next step. True when done; False, nothing done, where it cannot (step hooks, which
+        torch's step path runs, params on several devices or on the torch path, sharded params,
+        no gradient): call :meth:`step` then."""
+        if self._step_hooks():
+            return False
+        if not compat.profiler_enabled():
+            return self._fused_step()
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            done = self._fused_step()
+            compat.run_optimizer_step_code(self)
+            return done
+
+    def _fused_step(self) -> bool:
+        if self._graph_safe:  # prepare_step counted the EMA update and wrote its weight
+            return self.engine.fused_step()
+        ema = self._ema if self._ema is not None and self._ema.enabled else None
+        self.ema_weight = None if ema is None else 1.0 - ema.decay(ema.updates + 1)
+        if not self.engine.fused_step():
+            return False
+        if ema is not None:
+            ema.updates += 1
+        return True
+
     def _count_ema_update(self) -> None:
         """One more update of the attached EMA, and this step's lerp weight (None without one)."""
         if self._ema is not None and self._ema.enabled:

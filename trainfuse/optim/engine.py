@@ -159,6 +159,29 @@ class MultiTensorEngine:
                                       launched, plan.nchunks)
         return True
 
+    def fused_step(self) -> bool:
+        """One step without a GradScaler, on the kernels only: the statistics pass where clipping
+        by norm needs one, then the update launch, the same launches :meth:`step` makes there (a
+        CUDA graph captured around it replays as the next step once the client is graph-safe).
+        False, with nothing launched, where this engine cannot (params on several devices or on
+        the torch path, sharded params, no gradient at all): the caller then calls :meth:`step`."""
+        found = self._fused_plan()
+        if found is None:
+            return False
+        device, plan = found
+        self._launch(device, plan, None, None, self.hparams.on(device))
+        return True
+
+    def _fused_plan(self) -> tuple[torch.device, Plan] | None:
+        """``(device, plan)`` for :meth:`fused_step`, or None where it cannot run."""
+        self.plans.current_index()  # the index names a DTensor model's shard group
+        if self._shard_group() is not None:  # the norm is all-reduced over the group
+            return None
+        found = self._kernel_plan()
+        if found is None or found[1].plan.ngrad == 0:
+            return None
+        return found[0], found[1].plan
+
     def _kernel_plan(self) -> tuple[torch.device, CachedPlan, bool] | None:
         """``(device, entry, hot)`` for a statistics pass and the step right after it: the params'
         one device, its plan (:meth:`PlanCache.lookup`) and whether it was cached. None where the

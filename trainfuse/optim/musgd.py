@@ -153,6 +153,17 @@ class MuonEngine(MultiTensorEngine):
                 self.plans.mark_checked(device, grad_scale, entry)
         return self._views_of(self._stats_out(device))[1]
 
+    def fused_step(self) -> bool:
+        """:meth:`MultiTensorEngine.fused_step` with the Newton-Schulz part before the update
+        launch, as :meth:`step` runs it."""
+        found = self._fused_plan()
+        if found is None:
+            return False
+        device, plan = found
+        self.client.orthogonalize_for_kernels(None, self._clip_coefficient(None))
+        self._launch(device, plan, None, None, self.hparams.on(device))
+        return True
+
     def scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
         """GradScaler's ``step`` and ``update`` with the Newton-Schulz part between the two
         launches: the statistics pass (inf/NaN check, norm, the scale updated once read), then the

@@ -7,9 +7,10 @@ from trainfuse.lightning.changes.ddp import FlatAllReduce
 from trainfuse.lightning.changes.graphs import Graphs
 from trainfuse.lightning.changes.modules import BatchNormSiLUFusion, LossFusion, MLPFusion
 from trainfuse.lightning.changes.optimizer import Clipping, OptimizerSwap
+from trainfuse.lightning.changes.phase import OptimizerPhase
 from trainfuse.lightning.changes.precision import Casts, Scaler
 from trainfuse.lightning.changes.scope import PRECISIONS, Backend, Precision, Strategy
 
 __all__ = ["EMA", "PRECISIONS", "Backend", "BatchNormSiLUFusion", "Casts", "Change", "Clipping",
-           "EvaluateOnEMA", "FlatAllReduce", "Graphs", "LossFusion", "MLPFusion", "OptimizerSwap",
-           "Precision", "Run", "Scaler", "Strategy"]
+           "EvaluateOnEMA", "FlatAllReduce", "Graphs", "LossFusion", "MLPFusion", "OptimizerPhase",
+           "OptimizerSwap", "Precision", "Run", "Scaler", "Strategy"]
