@@ -4,7 +4,10 @@ against :func:`trainfuse.nn.bn_silu.batch_norm_silu`, on the activation sizes of
 YOLOv5n's stages at batch 16 and 640 px, float16, contiguous and channels_last. GPU time of a call
 (forward, backward from a fixed ``dy``): the median of ``triton.testing.do_bench``; the floor is
 the fused op's bytes (forward 2 reads and a write, backward 4 reads and a write of the activation)
-over the measured copy bandwidth.
+over the measured copy bandwidth. Each fused call is also profiled by kernel (statistics, apply,
+grad sums, dx: GPU µs of each, and its share of its own floor: the statistics read the activation
+once, apply and the grad sums move it twice, dx three times), which shows what a small layer pays
+beside its bytes (the launch, the reductions' last program adding up the partials).
 
 Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultralytics detection
 model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
@@ -30,6 +33,9 @@ from trainfuse.nn.bn_silu import batch_norm_silu
 # (channels, side): YOLO11m's stages at 640 px (64 at 320 to 512 at 20) and YOLOv5n's first
 LAYERS = [(64, 320), (128, 160), (256, 80), (512, 40), (512, 20), (16, 320)]
 ACCESSES = 8  # activation reads and writes of the fused forward (3) and backward (5)
+# the fused op's kernels and the activation reads and writes of each
+KERNELS = {"bn_stats_kernel": 1, "bn_silu_apply_kernel": 2, "bn_silu_grad_sums_kernel": 2,
+           "bn_silu_dx_kernel": 3}
 
 
 def _torch_step(bn: nn.BatchNorm2d, x: torch.Tensor, dy: torch.Tensor):
@@ -46,6 +52,23 @@ def _fused_step(bn: nn.BatchNorm2d, x: torch.Tensor, dy: torch.Tensor):
         y = batch_norm_silu(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 0.03, 1e-3)
         y.backward(dy)
     return run
+
+
+def _kernel_us(run, calls: int = 5) -> dict[str, float]:
+    """GPU µs per call of each of :data:`KERNELS` in ``run``, from the profiler."""
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    us = dict.fromkeys(KERNELS, 0.0)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = next((k for k in KERNELS if event.name.startswith(k)), None)
+            if name is not None:
+                us[name] += event.device_time / calls
+    return us
 
 
 def _model_step(model: nn.Module, x: torch.Tensor):
@@ -101,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     args, report, bandwidth = started
     report["headline"] = "do_bench_ms"
-    rows = []
+    rows, kernel_rows = [], []
     for channels, side in LAYERS:
         for layout in ("contiguous", "channels_last"):
             fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -119,8 +142,15 @@ def main(argv: list[str] | None = None) -> dict | None:
                     floor_ms=floor)
             rows.append([shape, layout, f"{times['torch']:.3f}", f"{times['fused']:.3f}",
                          f"{times['torch'] / times['fused']:.2f}x", f"{floor / times['fused']:.0%}"])
+            us = _kernel_us(_fused_step(bn, x, dy))
+            one = x.numel() * x.element_size() / bandwidth * 1e6  # µs to move the activation once
+            report.setdefault("kernels_us", {})[workload] = us
+            kernel_rows.append([shape, layout, *(f"{t:.1f} ({one * n / t:.0%})" if t else "-"
+                                                  for t, n in zip(us.values(), KERNELS.values()))])
     print_table("BatchNorm2d + SiLU forward + backward, GPU ms per call",
                 ["activation", "layout", "torch", "fused", "speedup", "fused % of floor"], rows)
+    print_table("the fused op's kernels, GPU µs per call (% of each kernel's floor)",
+                ["activation", "layout", "statistics", "apply", "grad sums", "dx"], kernel_rows)
     if args.models != "none":
         _models(report, [m for m in args.models.split(",") if m], args.batch)
     report["summary_skip"] = list(dict.fromkeys(r["workload"] for r in report["rows"]))
