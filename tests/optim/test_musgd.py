@@ -209,10 +209,12 @@ def test_a_negative_hyperparameter_is_refused(key):
 CLIPS = {"norm": dict(max_grad_norm=0.05), "value": dict(max_grad_value=0.01)}
 
 
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize("path", ["torch", "kernels"])
 @pytest.mark.parametrize("clip", ["norm", "value"])
-def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path, request):
-    """Scaled grads (GradScaler's ``grad_scale``) unscaled and clipped inside the step, against
+def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path, scaled, request):
+    """Grads clipped inside the step (scaled ones, GradScaler's ``grad_scale``, unscaled first;
+    unscaled ones, bf16 or float32 training, on the kernels in one statistics pass), against
     MuSGD after ``clip_grad_norm_`` / ``clip_grad_value_``: bit for bit on the torch path with
     value clipping, within float32 tolerance otherwise, each step from identical weights and states."""
     device = CPU
@@ -222,7 +224,7 @@ def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path,
     hp = HPARAMS[0]
     net, stock, ours, _ = _pair(hp, device)
     fused = FusedMuSGD(_groups(ours), **hp, **CLIPS[clip])
-    scale = 1024.0  # a power of two: the scaled grads are the stock grads times it, exactly
+    scale = 1024.0 if scaled else 1.0  # a power of two: the scaled grads are the stock grads times it
     for step in range(3):
         x = torch.randn(4, 3, 6, 6, device=device)
         while True:  # a batch whose grads the clip reaches, whatever the seed: doubled until they do
@@ -242,7 +244,8 @@ def test_clipping_in_the_step_equals_clipping_the_grads_before_musgd(clip, path,
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
         else:
             torch.nn.utils.clip_grad_value_(net.parameters(), 0.01)
-        fused.grad_scale = torch.tensor(scale, device=device)
+        if scaled:
+            fused.grad_scale = torch.tensor(scale, device=device)
         stock.step()
         fused.step()
         for (name, p), q in zip(net.named_parameters(), ours.parameters()):
@@ -294,6 +297,24 @@ def _padded_reference(plan, updates: list[torch.Tensor]) -> list[torch.Tensor]:
             y = Y[k, :r, :c] * max(1, u.size(-2) / u.size(-1)) ** 0.5
             out[i] = y.t() if tall else y
     return out
+
+
+def test_an_unscaled_step_clipped_by_norm_takes_one_statistics_pass(kernels, monkeypatch):
+    """Without GradScaler, clipping by norm on the kernels: the pass that gives Newton-Schulz its
+    clip coefficient is the one the update launch clips with (one statistics launch a step)."""
+    from trainfuse.optim import engine
+
+    passes = []
+    launch_stats = engine.launch_stats
+    monkeypatch.setattr(engine, "launch_stats", lambda *a, **k: passes.append(1) or launch_stats(*a, **k))
+    hp = HPARAMS[0]
+    _, _, ours, _ = _pair(hp, DEVICE)
+    fused = FusedMuSGD(_groups(ours), **hp, max_grad_norm=0.05)
+    for step in range(2):
+        fused.zero_grad()
+        ours(torch.randn(4, 3, 6, 6, device=DEVICE)).square().mean().backward()
+        fused.step()
+        assert len(passes) == step + 1
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

@@ -246,9 +246,11 @@ class MultiTensorEngine:
         return None
 
     # ---- launches ----------------------------------------------------------------------------
-    def _launch(self, device, plan: Plan, grad_scale, found_inf, hp=None, stats_scale=None) -> None:
+    def _launch(self, device, plan: Plan, grad_scale, found_inf, hp=None, stats_scale=None,
+                stats_done: bool = False) -> None:
         """The update launch over ``plan``, after the statistics pass it needs (clipping by norm)
-        unless one already ran with ``stats_scale`` (GradScaler's check) as ``grad_scale``."""
+        unless one already ran: with ``stats_scale`` (GradScaler's check) as ``grad_scale``, or
+        over these grads unscaled (``stats_done``)."""
         client = self.client
         if plan.nchunks == 0:
             group = self._shard_group()
@@ -268,7 +270,7 @@ class MultiTensorEngine:
             clip_value = client.clip_value_on(device)
         elif client.max_grad_norm is not None:
             out = self._stats_out(device)
-            if stats_scale is None or stats_scale is not grad_scale:  # GradScaler did not run it for us
+            if not stats_done and (stats_scale is None or stats_scale is not grad_scale):  # none ran yet
                 launch_stats(self._launcher, plan, out, grad_scale=grad_scale,
                              max_norm=client.max_grad_norm, norm_type=2.0)
                 combine_client_stats_(self.client, out, True, self._shard_group())

@@ -129,6 +129,8 @@ class MuonEngine(MultiTensorEngine):
     and the update launch reuses the pass (marked as checked) instead of running another."""
 
     def step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        if grad_scale is None and found_inf is None and self.fused_step():
+            return  # one statistics pass, which the update launch reuses
         self.client.orthogonalize_for_kernels(grad_scale, self._clip_coefficient(grad_scale))
         super().step(grad_scale, found_inf)
 
@@ -160,8 +162,9 @@ class MuonEngine(MultiTensorEngine):
         if found is None:
             return False
         device, plan = found
-        self.client.orthogonalize_for_kernels(None, self._clip_coefficient(None))
-        self._launch(device, plan, None, None, self.hparams.on(device))
+        clip = self._clip_coefficient(None)  # a statistics pass over the grads where clipping by norm
+        self.client.orthogonalize_for_kernels(None, clip)
+        self._launch(device, plan, None, None, self.hparams.on(device), stats_done=clip is not None)
         return True
 
     def scaled_step(self, scale: torch.Tensor, update: tuple) -> bool:
