@@ -220,10 +220,13 @@ def test_a_replayed_graph_gives_the_eager_bits_without_host_syncs_in_four_kernel
 
 
 SPLIT_SHAPES = [(2, 6, 5, 7), (1, 4, 3, 3), (3, 70, 2, 3)]  # even channels; past a tile; batch 1
+# every dtype on the small shapes; the one past a tile (many programs through the interpreter,
+# several seconds a case) in float16, the dtype training runs it in
+SPLIT_CASES = [(shape, dtype) for shape in SPLIT_SHAPES for dtype in DTYPES
+               if shape[1] < 70 or dtype is torch.float16]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=str)
+@pytest.mark.parametrize("shape,dtype", SPLIT_CASES, ids=str)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_split_halves_are_the_ops_bits_each_dense(shape, dtype, channels_last, training):
