@@ -317,20 +317,24 @@ def test_an_unscaled_step_clipped_by_norm_takes_one_statistics_pass(kernels, mon
         assert len(passes) == step + 1
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["into-targets", "through-a-buffer"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov):
+def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov, direct):
     """The kernels' padded batches (Triton gather and scatter around the matmuls) against the same
     padding in torch, bit for bit; and against MuSGD's own batching (``orthogonalized``) on CPU,
-    within what another summation order leaves after five bfloat16 iterations."""
+    within what another summation order leaves after five bfloat16 iterations. Targets laid out
+    as their matrices take the scatter's stores; a transposed one sends all through a buffer."""
     from trainfuse.optim.musgd import _muon_momentum
     from trainfuse.optim.newton_schulz import BatchedNewtonSchulz, orthogonalized
 
     grads = [torch.randn(s, device=DEVICE) for s in NS_SHAPES]
     grads[1] = grads[1].contiguous(memory_format=torch.channels_last)
-    grads.append(torch.randn(9, 4, device=DEVICE).t())  # not contiguous: MuSGD takes a row-major copy
+    if not direct:  # not contiguous: MuSGD takes a row-major copy
+        grads.append(torch.randn(9, 4, device=DEVICE).t())
     bufs = [torch.randn_like(g) for g in grads]
     targets = [torch.full_like(g, float("nan")) for g in grads]
     plan = BatchedNewtonSchulz(targets)
+    assert plan.direct == direct
     assert plan.batches < len(grads)  # padded together
     assert sorted(i for _, _, members in plan.layout for i in members) == list(range(len(grads)))
     plan.run(bufs, grads, 0.9, nesterov, targets)
@@ -350,6 +354,36 @@ def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov):
             torch.testing.assert_close(t, e, rtol=0, atol=2**-4 * largest,
                                        msg=lambda m, k=k: f"tensor {k}: {m}")
             assert float((t - e).abs().mean()) <= 2**-7 * largest, f"tensor {k}"
+
+
+@pytest.mark.parametrize("device_momentum", [False, True], ids=["number", "device-tensor"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_batched_newton_schulz_lerps_as_torch_muon(kernels, nesterov, device_momentum):
+    """``torch.optim.Muon``'s blend (``lerp``) with the grads in the targets, as FusedMuon passes
+    them: Nesterov's second lerp written into the targets and gathered from there, bit for bit
+    the padded torch reference of ``m.lerp(g, 1 - mu)`` and ``g.lerp(u, mu)``; the momentum
+    buffers untouched."""
+    from trainfuse.optim.newton_schulz import BatchedNewtonSchulz
+
+    shapes = [(24, 40), (40, 24), (8, 3, 3, 3), (5, 64), (64, 5), (17, 17)]
+    grads = [torch.randn(s, device=DEVICE) for s in shapes]
+    bufs = [torch.randn_like(g) for g in grads]
+    kept = [b.clone() for b in bufs]
+    targets = [g.clone() for g in grads]
+    plan = BatchedNewtonSchulz(targets)
+    assert plan.direct
+    mu = 0.95
+    momentum = torch.tensor(mu, dtype=torch.float64, device=DEVICE) if device_momentum else mu
+    plan.run(bufs, targets, momentum, nesterov, targets, lerp=True)
+    weight = torch.tensor(1 - mu, dtype=torch.float32) if device_momentum else 1 - mu
+    updates = [b.lerp(g, weight.to(DEVICE) if device_momentum else weight) for b, g in zip(bufs, grads)]
+    if nesterov:
+        updates = [g.lerp(u, torch.tensor(mu, dtype=torch.float32, device=DEVICE) if device_momentum else mu)
+                   for g, u in zip(grads, updates)]
+    for k, (t, e) in enumerate(zip(targets, _padded_reference(plan, updates))):
+        assert torch.equal(_memory_matrix(t), e), f"tensor {k}"
+    for b, k in zip(bufs, kept):
+        assert torch.equal(b, k)
 
 
 def test_padding_joins_matrices_only_where_it_costs_less_than_a_batch():

@@ -16,8 +16,10 @@
   the batch's: on CPU most matrices still come out with MuSGD's bits, the others within bfloat16
   rounding (the same distance from a float64 Newton-Schulz). The quintic iteration amplifies that
   rounding along small singular directions, so on a GPU an element may differ from MuSGD's by a
-  few percent. One Triton launch gathers (and casts) a batch, one scatters it back scaled: about
-  20 launches a batch.
+  few percent. A Triton launch per orientation gathers (and casts) a batch in square tiles, a
+  tall matrix's tiles read along its rows and transposed in registers; another scatters it back
+  scaled, straight into float32 targets laid out as their matrices (through a buffer and a copy
+  otherwise): about 20 launches a batch.
 
 The matrix of an update ``u`` is ``u`` flattened to ``(d[0], rest)`` in its own memory order (a
 view for contiguous and channels_last tensors, a row-major copy otherwise); its scale is
@@ -50,7 +52,7 @@ _LONG_SPAN = 8
 # bfloat16 matmul rate of an H100/H200 (~600 TFLOP/s): padding that costs more work than this
 # runs as a batch of its own
 _BATCH_FLOPS = 5e10
-_BLOCK = 1024
+_TILE = 64  # the gather and scatter tiles (TILE x TILE elements)
 
 
 def _ns_flops(count: int, M: int, N: int, steps: int) -> float:
@@ -129,40 +131,50 @@ def orthogonalized(updates: list[torch.Tensor]) -> list[torch.Tensor]:
 
 # ---- the kernels' path ------------------------------------------------------------------------------
 @triton.jit
-def _oriented(table, k, e, M, N):
-    """Element ``e`` of padded matrix ``k`` (``M`` x ``N``, row-major) -> its flat offset in the
-    staging buffer and whether it is inside the matrix. ``table`` rows: offset, rows, cols, tall."""
-    off = tl.load(table + k * 4)
-    r = tl.load(table + k * 4 + 1)
-    c = tl.load(table + k * 4 + 2)
-    tall = tl.load(table + k * 4 + 3) != 0
-    i = e // N
-    j = e % N
-    row = tl.where(tall, j, i)
-    col = tl.where(tall, i, j)
-    inside = (e < M * N) & (row < r) & (col < c)
-    return off + row * c + col, inside
+def _source(table, t, ALIGNED: tl.constexpr):
+    """Table row ``t``: ``k`` (the matrix's place in its batch), the float32 pointer of its first
+    element, its rows and its columns (in memory order: element ``(i, j)`` at ``i * cols + j``)."""
+    k = tl.load(table + t * 4)
+    ptr = tl.load(table + t * 4 + 1).to(tl.pointer_type(tl.float32))
+    r = tl.load(table + t * 4 + 2)
+    c = tl.load(table + t * 4 + 3)
+    if ALIGNED:  # every address 16-byte aligned and every column count a multiple of 4: 16-byte accesses
+        ptr = tl.multiple_of(ptr, 16)
+        c = (c // 4) * 4
+    return k, ptr, r, c
 
 
 @triton.jit
-def _gather(stage, table, X, M, N, BLOCK: tl.constexpr, RNE: tl.constexpr):
+def _gather(table, X, M, N, TALL: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr,
+            RNE: tl.constexpr):
+    # one TILE x TILE tile of X[k] (M x N, zero-padded); a tall matrix enters transposed: its tile
+    # is read along its own rows (coalesced) and transposed in registers
     # RNE: round to nearest even by hand (the interpreter's conversion truncates; the GPU's rounds)
-    k = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    src, inside = _oriented(table, k, e, M, N)
-    x = tl.load(stage + src, mask=inside, other=0.0)
+    k, src, r, c = _source(table, tl.program_id(0), ALIGNED)
+    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    j = tl.program_id(2) * TILE + tl.arange(0, TILE)
+    if TALL:  # X[i, j] = S[j, i]
+        x = tl.trans(tl.load(src + j[:, None] * c + i[None, :], mask=(j[:, None] < r) & (i[None, :] < c),
+                             other=0.0))
+    else:
+        x = tl.load(src + i[:, None] * c + j[None, :], mask=(i[:, None] < r) & (j[None, :] < c), other=0.0)
     if RNE:
         x = round_bf16_rne(x)
-    tl.store(X + k * M * N + e, x.to(X.dtype.element_ty), mask=e < M * N)
+    tl.store(X + k * M * N + i[:, None] * N + j[None, :], x.to(X.dtype.element_ty),
+             mask=(i[:, None] < M) & (j[None, :] < N))
 
 
 @triton.jit
-def _scatter(X, table, scales, out, M, N, BLOCK: tl.constexpr):
-    k = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    dst, inside = _oriented(table, k, e, M, N)
-    x = tl.load(X + k * M * N + e, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out + dst, x * tl.load(scales + k), mask=inside)
+def _scatter(X, table, scales, M, N, TALL: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr):
+    k, dst, r, c = _source(table, tl.program_id(0), ALIGNED)
+    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    j = tl.program_id(2) * TILE + tl.arange(0, TILE)
+    x = tl.load(X + k * M * N + i[:, None] * N + j[None, :], mask=(i[:, None] < M) & (j[None, :] < N),
+                other=0.0).to(tl.float32) * tl.load(scales + k)
+    if TALL:
+        tl.store(dst + j[:, None] * c + i[None, :], tl.trans(x), mask=(j[:, None] < r) & (i[None, :] < c))
+    else:
+        tl.store(dst + i[:, None] * c + j[None, :], x, mask=(i[:, None] < r) & (j[None, :] < c))
 
 
 def _batched(items: list, steps: int) -> list[list]:
@@ -191,6 +203,13 @@ def _batched(items: list, steps: int) -> list[list]:
     return out
 
 
+def _table(rows: list[tuple[int, int, int, int]], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """A gather or scatter table (``k``, float32 address, rows, columns per matrix) and whether
+    its addresses and column counts allow 16-byte accesses."""
+    aligned = all(at % 16 == 0 and c % 4 == 0 for _, at, _, c in rows)
+    return torch.tensor(rows, dtype=torch.int64, device=device), aligned
+
+
 def _memory_strides(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s strides where its memory order is the matrix MuSGD takes (contiguous, channels_last),
     else the row-major strides of its shape (MuSGD then takes a row-major copy)."""
@@ -204,7 +223,7 @@ class BatchedNewtonSchulz:
     in a few padded batches (module docstring).
 
     Args:
-        targets: one float32 tensor per param (2+ dims, one device): where :meth:`run` writes each
+        targets: one tensor per param (2+ dims, one device): where :meth:`run` writes each
             param's orthogonalized, scaled update. Their addresses and layouts are the plan's key
             (:meth:`key_of`).
         scales: each target's scale (None: MuSGD's ``sqrt(max(1, d[-2] / d[-1]))``).
@@ -213,6 +232,8 @@ class BatchedNewtonSchulz:
             (``torch.optim.Muon``).
 
     Attributes:
+        direct: whether the scatter stores into the targets themselves (every target float32,
+            contiguous or channels_last), not into a buffer copied to them.
         layout: per batch ``(rows, cols, indices)``: its padded size and the indices of its
             tensors in ``targets`` (a matrix with more rows than columns enters transposed), what a
             reference needs to pad the same way.
@@ -229,27 +250,42 @@ class BatchedNewtonSchulz:
         total = sum(sizes)
         self.key = self.key_of(targets)
         self._stage = torch.zeros(total, dtype=torch.float32, device=device)
-        self._out = torch.zeros(total, dtype=torch.float32, device=device)
         strides = [_memory_strides(t) for t in targets]
         layouts = list(zip(targets, strides, offsets))
         self._stage_views = [self._stage.as_strided(t.shape, s, o) for t, s, o in layouts]
-        self._out_views = [self._out.as_strided(t.shape, s, o) for t, s, o in layouts]
+        # float32 targets whose memory order is their matrix take the scatter's stores themselves
+        # (and, for Nesterov's lerp, the blend the gather reads); others go through a buffer
+        self.direct = all(t.dtype == torch.float32 and t.stride() == s for t, s in zip(targets, strides))
+        if self.direct:
+            self._out, self._out_views = None, targets
+        else:
+            self._out = torch.zeros(total, dtype=torch.float32, device=device)
+            self._out_views = [self._out.as_strided(t.shape, s, o) for t, s, o in layouts]
+        stage_at = [self._stage.data_ptr() + 4 * o for o in offsets]
+        target_at = [t.data_ptr() for t in targets] if self.direct else None
+        out_at = target_at or [self._out.data_ptr() + 4 * o for o in offsets]
         classes: dict[int, list] = {}
-        for i, (t, o) in enumerate(zip(targets, offsets)):
+        for i, t in enumerate(targets):
             r = t.size(0)
             c = t.numel() // r
             short, long_ = min(r, c), max(r, c)
             cls = max(_MIN_SHORT, 1 << max(0, math.ceil(math.log2(short))))
-            classes.setdefault(cls, []).append((long_, [o, r, c, int(r > c)], scales[i], short, i))
+            classes.setdefault(cls, []).append((long_, (r, c), scales[i], short, i))
         self._batches = []
         self.layout: list[tuple[int, int, list[int]]] = []
         for items in classes.values():
             for batch in _batched(items, steps):
                 M = max(it[3] for it in batch)
                 N = max(M, max(it[0] for it in batch))
-                table = torch.tensor([it[1] for it in batch], dtype=torch.int64, device=device)
-                scales = torch.tensor([it[2] for it in batch], dtype=torch.float32, device=device)
-                self._batches.append((table, scales, M, N))
+                launches = []
+                for tall in (False, True):  # a launch per orientation (a tall matrix enters transposed)
+                    rows = [(k, it[4], *it[1]) for k, it in enumerate(batch) if (it[1][0] > it[1][1]) == tall]
+                    if rows:
+                        tables = [_table([(k, at[i], r, c) for k, i, r, c in rows], device)
+                                  for at in (stage_at, target_at or stage_at, out_at)]
+                        launches.append((tall, len(rows), tables))
+                scales_k = torch.tensor([it[2] for it in batch], dtype=torch.float32, device=device)
+                self._batches.append((launches, scales_k, len(batch), M, N))
                 self.layout.append((M, N, [it[4] for it in batch]))
 
     @staticmethod
@@ -272,13 +308,19 @@ class BatchedNewtonSchulz:
         (a step replayed from a CUDA graph then takes the value written there): the same float32
         factors as the number's."""
         u = self._stage_views
+        # Nesterov's lerp blends into the grads' own scratch (the targets), where the gather reads
+        # it: the same op as a new tensor's, without the copy back
+        into_targets = lerp and nesterov and self.direct and (grads is targets or all(
+            g is t for g, t in zip(grads, targets)))
         torch._foreach_copy_(u, bufs)
         if isinstance(momentum, torch.Tensor) and lerp:
             # a weight per tensor (a lone 0-d weight would be read on the host, which a capture
             # refuses): torch's lerp of a tensor weight, the same formula as a number's
             mu, rest = momentum.to(torch.float32), (1 - momentum).to(torch.float32)
             torch._foreach_lerp_(u, grads, [rest] * len(u))
-            if nesterov:
+            if into_targets:
+                torch._foreach_lerp_(targets, u, [mu] * len(u))
+            elif nesterov:
                 torch._foreach_copy_(u, torch._foreach_lerp(grads, u, [mu] * len(u)))
         elif isinstance(momentum, torch.Tensor):
             mu, rest = momentum.to(torch.float32), (1 - momentum).to(torch.float32)
@@ -289,7 +331,9 @@ class BatchedNewtonSchulz:
                 torch._foreach_addcmul_(u, grads, [rest] * len(u))
         elif lerp:
             torch._foreach_lerp_(u, grads, 1 - momentum)
-            if nesterov:
+            if into_targets:
+                torch._foreach_lerp_(targets, u, momentum)
+            elif nesterov:
                 torch._foreach_copy_(u, torch._foreach_lerp(grads, u, momentum))
         else:
             torch._foreach_mul_(u, momentum)
@@ -298,15 +342,21 @@ class BatchedNewtonSchulz:
                 torch._foreach_mul_(u, momentum)
                 torch._foreach_add_(u, grads, alpha=1 - momentum)
         coefficients, steps, eps, clamp_eps = self.settings
-        for table, scales, M, N in self._batches:
-            X = torch.empty(table.size(0), M, N, dtype=torch.bfloat16, device=self._stage.device)
-            grid = (table.size(0), triton.cdiv(M * N, _BLOCK))
-            _gather[grid](self._stage, table, X, M, N, BLOCK=_BLOCK, RNE=interpreting())
+        rne = interpreting()
+        for launches, scales, count, M, N in self._batches:
+            X = torch.empty(count, M, N, dtype=torch.bfloat16, device=self._stage.device)
+            for tall, n, ((stage, stage_aligned), (blend, blend_aligned), _) in launches:
+                table, aligned = (blend, blend_aligned) if into_targets else (stage, stage_aligned)
+                grid = (n, triton.cdiv(M, _TILE), triton.cdiv(N, _TILE))
+                _gather[grid](table, X, M, N, TALL=tall, ALIGNED=aligned, TILE=_TILE, RNE=rne)
             norm = X.norm(dim=(-2, -1), keepdim=True)
             X /= norm.clamp(min=eps) if clamp_eps else norm + eps
             X = _iterate(X, coefficients, steps).contiguous()
-            _scatter[grid](X, table, scales, self._out, M, N, BLOCK=_BLOCK)
-        torch._foreach_copy_(targets, self._out_views)
+            for tall, n, (_, _, (out, aligned)) in launches:
+                grid = (n, triton.cdiv(M, _TILE), triton.cdiv(N, _TILE))
+                _scatter[grid](X, out, scales, M, N, TALL=tall, ALIGNED=aligned, TILE=_TILE)
+        if not self.direct:
+            torch._foreach_copy_(targets, self._out_views)
 
 
 __all__ = ["BatchedNewtonSchulz", "orthogonalized"]
