@@ -193,20 +193,23 @@ def test_graphed_fit_puts_relu_chains_on_cublas_and_matches_that_path_eagerly(mo
     assert_params_equal(params(eager), params(graphed))
 
 
-# ---- the optimizer step from a graph of its own (TRAINFUSE_GRAPH_LIGHTNING_PHASE=1) ----------------
+# ---- the optimizer step from a graph of its own -------------------------------------------------
 @pytest.mark.skipif(ACCELERATOR != "cpu", reason="the CPU path")
-def test_the_graphed_optimizer_step_is_opt_in_and_needs_the_graphed_backward(monkeypatch):
+def test_the_graphed_optimizer_step_follows_the_graphs_and_needs_the_graphed_backward(monkeypatch):
     pl = package()
-    cb = FusedTraining(verbose=False, cuda_graphs=True)
+    cb = FusedTraining(verbose=False)
     fit(pl, make_module(pl), 2, callbacks=[cb])
-    row = rows_of(cb)["optimizer_graph"]
-    assert row.action == "off" and f"{GRAPH_PHASE}=1" in row.detail
-    monkeypatch.setenv(GRAPH_PHASE, "1")
+    assert rows_of(cb)["optimizer_graph"].detail == "cuda_graphs=False"
     cb = FusedTraining(verbose=False, cuda_graphs=True)
     fit(pl, make_module(pl), 2, callbacks=[cb])
     row = rows_of(cb)["optimizer_graph"]
     assert row.action == "skipped" and "no fixed addresses" in row.detail  # on CPU nothing is graphed
     assert cb.optimizer_phase_stats is None
+    monkeypatch.setenv(GRAPH_PHASE, "0")
+    cb = FusedTraining(verbose=False, cuda_graphs=True)
+    fit(pl, make_module(pl), 2, callbacks=[cb])
+    row = rows_of(cb)["optimizer_graph"]
+    assert row.action == "off" and row.detail == f"{GRAPH_PHASE}=0"
 
 
 @pytest.mark.skipif(ACCELERATOR != "cpu", reason="the CPU path")
@@ -223,7 +226,6 @@ def test_the_graphed_optimizer_step_trains_as_the_plain_step(monkeypatch, optimi
     runs = {}
     for graphed in (False, True):
         if graphed:
-            monkeypatch.setenv(GRAPH_PHASE, "1")
             monkeypatch.setattr(OptimizerPhase, "why_not", lambda self, run: None)
         module = make_module(pl, optimizer, scheduler="step")
         cb = FusedTraining(verbose=False, ema_decay=0.9, cuda_graphs=graphed)
@@ -254,8 +256,7 @@ def test_the_optimizer_step_replayed_from_a_graph_matches_the_eager_step_exactly
     pl = package()
     runs = {}
     for phase in (False, True):
-        if phase:
-            monkeypatch.setenv(GRAPH_PHASE, "1")
+        monkeypatch.setenv(GRAPH_PHASE, "1" if phase else "0")
         module = make_module(pl, scheduler="step")
         cb = FusedTraining(verbose=False, ema_decay=0.9, cuda_graphs=True)
         trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=2, logger=False, callbacks=[cb],

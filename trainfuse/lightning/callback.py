@@ -68,9 +68,9 @@ class FusedTraining(*_compat.callback_bases()):
         step, DDP's reducer off (:class:`~trainfuse.lightning.changes.FlatAllReduce`), unless
         the run keeps DDP's reducer (the row says why);
     12. ``graphs``: forward and backward replayed from CUDA graphs;
-    13. ``optimizer_graph``: with ``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1`` and graphs, the fused step
-        (clip, update, EMA) replayed from a CUDA graph of its own where no GradScaler runs
-        (:mod:`trainfuse.lightning.changes.phase`);
+    13. ``optimizer_graph``: with graphs, the fused step (clip, update, EMA) replayed from a CUDA
+        graph of its own where no GradScaler runs (:mod:`trainfuse.lightning.changes.phase`;
+        ``TRAINFUSE_GRAPH_LIGHTNING_PHASE=0`` keeps it eager);
     14. ``ema`` again, with ``ema_decay``: validation inside the fit runs on the EMA (no row of
         its own: the first ``ema`` row says so).
 
@@ -165,8 +165,8 @@ class FusedTraining(*_compat.callback_bases()):
 
     @property
     def optimizer_phase_stats(self) -> dict[str, int] | None:
-        """Where the optimizer step replayed from a CUDA graph of its own in the last fit
-        (``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1``): its eager steps, captures and replays; else None."""
+        """Where the optimizer step replayed from a CUDA graph of its own in the last fit (the
+        ``optimizer_graph`` row on): its eager steps, captures and replays; else None."""
         return None if self._phase is None else self._phase.stats
 
     @property
