@@ -20,9 +20,11 @@ from tests.lightning.helpers import (
     package,
     params,
 )
-from trainfuse.lightning import FusedTraining
+from trainfuse.amp import GradScaler
+from trainfuse.lightning import FusedTraining, _compat
 from trainfuse.lightning.changes.phase import GRAPH_PHASE
 from trainfuse.lightning.graph_targets import graph_targets
+from trainfuse.optim import FusedAdamW
 
 
 def rows_of(cb):
@@ -213,13 +215,16 @@ def test_the_graphed_optimizer_step_follows_the_graphs_and_needs_the_graphed_bac
 
 
 @pytest.mark.skipif(ACCELERATOR != "cpu", reason="the CPU path")
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_the_graphed_optimizer_step_trains_as_the_plain_step(monkeypatch, optimizer, kernels):
+@pytest.mark.parametrize(("optimizer", "float16"), [("adamw", False), ("sgd", False), ("adamw", True)],
+                         ids=["adamw", "sgd", "adamw-16-mixed"])
+def test_the_graphed_optimizer_step_trains_as_the_plain_step(monkeypatch, optimizer, float16, kernels):
     """The change's wiring in a real fit on CPU, where GraphedOptimizerStep runs every step eagerly
     (its graph-safe steps: prepare_step, then the launches reading the device tables): Lightning's
     closure, clipping inside the step, the step scheduler's lr, the EMA, and the optimizer's own
-    step given back at the end, against the same fit without it. (Its gate, which asks for graphed
-    modules that a CPU run never has, is opened here; the GPU test below runs it as users do.)"""
+    step given back at the end, against the same fit without it; under 16-mixed the scaler's step
+    and update as one fused step_and_update in the precision plugin's place, the plugin's own
+    method back at the end. (Its gate, which asks for graphed modules that a CPU run never has, is
+    opened here; the GPU test below runs it as users do.)"""
     from trainfuse.lightning.changes.phase import OptimizerPhase
 
     pl = package()
@@ -229,9 +234,10 @@ def test_the_graphed_optimizer_step_trains_as_the_plain_step(monkeypatch, optimi
             monkeypatch.setattr(OptimizerPhase, "why_not", lambda self, run: None)
         module = make_module(pl, optimizer, scheduler="step")
         cb = FusedTraining(verbose=False, ema_decay=0.9, cuda_graphs=graphed)
+        plugins = [helpers.float16_mixed(pl)] if float16 else []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer = fit(pl, module, 5, callbacks=[cb], clip=0.5)
+            trainer = fit(pl, module, 5, callbacks=[cb], clip=0.5, plugins=plugins)
         # the scheduler saw its optimizer stepped (torch warns when the step lost its mark)
         assert not [w for w in caught if "optimizer.step()" in str(w.message)]
         runs[graphed] = (module, cb, trainer)
@@ -245,10 +251,63 @@ def test_the_graphed_optimizer_step_trains_as_the_plain_step(monkeypatch, optimi
     assert not opt.graph_safe
     # its step as before the fit: the LR scheduler's wrapper of the class's step
     assert vars(opt)["step"].__wrapped__ is type(opt).step
+    assert "optimizer_step" not in vars(trainer.precision_plugin)
+    if float16:
+        assert "scale's update" in rows_of(cb)["optimizer_graph"].detail
+        scaler = trainer.precision_plugin.scaler  # Lightning's again, with the run's scale
+        assert type(scaler) is torch.amp.GradScaler and scaler.get_scale() == 2.0**16
+
+
+@pytest.mark.skipif(ACCELERATOR != "cpu", reason="the CPU path")
+def test_the_graphed_step_under_16_mixed_is_opt_in_and_needs_trainfuses_scaler(monkeypatch):
+    """16-mixed: the graph holding the scaler's step and update waits for
+    TRAINFUSE_GRAPH_LIGHTNING_PHASE=1; without trainfuse's GradScaler in the plugin it is refused."""
+    from trainfuse.lightning.changes.base import Run
+    from trainfuse.lightning.changes.phase import OptimizerPhase
+
+    pl = package()
+    trainer = helpers.make_trainer(pl, [], None, None, None, None, None, 1, ACCELERATOR,
+                                   [helpers.float16_mixed(pl)], 1)
+    run = Run(trainer, make_module(pl), torch.device("cpu"), False, "16-mixed", "single")
+
+    class Installed:
+        enabled = installed = True
+
+    phase = OptimizerPhase(Installed())
+    opt = FusedAdamW([nn.Parameter(torch.ones(2))])
+    monkeypatch.setattr(Run, "sole_optimizer", property(lambda self: opt))
+    assert phase.why_not(run) == ("16-mixed with torch.amp.grad_scaler.GradScaler, not an enabled "
+                                  "trainfuse.amp.GradScaler")
+    trainer.precision_plugin.scaler = GradScaler("cpu")
+    assert f"only with {GRAPH_PHASE}=1" in phase.why_not(run)
+    monkeypatch.setenv(GRAPH_PHASE, "1")
+    assert phase.why_not(run) is None
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_after_closure_is_the_precision_plugins_step_between_closure_and_step(pkg):
+    """``_compat.after_closure`` calls Lightning's private ``Precision._after_closure(model,
+    optimizer)``: the hooks before the optimizer step and the plugin's clipping."""
+    import inspect
+
+    pl = package(pkg)
+    method = pl.plugins.precision.Precision._after_closure
+    assert list(inspect.signature(method).parameters) == ["self", "model", "optimizer"]
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(optimizer)
+
+    trainer = fit(pl, make_module(pl), 1, callbacks=[Probe()])
+    opt = trainer.optimizers[0]
+    before = len(seen)
+    _compat.after_closure(trainer.precision_plugin, trainer.lightning_module, opt)
+    assert seen[before:] == [opt]
 
 
 @cuda
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
 def test_the_optimizer_step_replayed_from_a_graph_matches_the_eager_step_exactly(monkeypatch, precision):
     """Graphed forward and backward in both runs; the optimizer step eager in one, replayed from a
     graph of its own in the other (after two steady eager steps): the same losses, weights and EMA,

@@ -102,5 +102,12 @@ def strategy_kind(strategy: Any) -> str:
     return type(strategy).__name__
 
 
-__all__ = ["PACKAGES", "callback_bases", "compiled_by_trainer", "installed", "is_overridden", "package_of",
-           "rank_zero_info", "strategy_kind", "weight_averaging_callbacks"]
+def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
+    """What a precision plugin's ``optimizer_step`` runs between the closure and the optimizer's
+    step: the ``on_before_optimizer_step`` hooks of the callbacks and the module, then the
+    plugin's gradient clipping (Lightning's private ``Precision._after_closure``)."""
+    plugin._after_closure(model, optimizer)
+
+
+__all__ = ["PACKAGES", "after_closure", "callback_bases", "compiled_by_trainer", "installed", "is_overridden",
+           "package_of", "rank_zero_info", "strategy_kind", "weight_averaging_callbacks"]

@@ -10,9 +10,14 @@ captures anew). Lightning's closure (``training_step``, backward, ``on_before_op
 runs as before; the step's host part (the EMA's count and weight, the groups' hyperparameters
 after the LR scheduler) is written to the device before each replay.
 
-Only where no GradScaler runs (32-true, bf16-mixed), one fused optimizer steps the whole run on
-one CUDA device, and the Trainer steps it (automatic optimization). On wherever graphs are;
-``TRAINFUSE_GRAPH_LIGHTNING_PHASE=0`` keeps the step eager.
+One fused optimizer steps the whole run on one CUDA device, and the Trainer steps it (automatic
+optimization). Under 32-true and bf16-mixed it is on wherever graphs are;
+``TRAINFUSE_GRAPH_LIGHTNING_PHASE=0`` keeps the step eager. Under 16-mixed (trainfuse's GradScaler
+in the precision plugin) the graph holds the scaler's step and update too
+(``GraphedOptimizerStep`` with the scaler: the inf check, clip, update, EMA and the scale's
+update), and the plugin's ``optimizer_step`` runs the closure, Lightning's hooks before the step,
+then that graph in place of the scaler's ``step`` and ``update``; until measured on a GPU only
+with ``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1``.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import torch
 from typing_extensions import override
 
 from trainfuse._runtime import compat
+from trainfuse.amp import GradScaler
 from trainfuse.clients import ON, Row
 from trainfuse.graphs import GraphedOptimizerStep
+from trainfuse.lightning import _compat
 from trainfuse.lightning.changes.base import Change, Run
 from trainfuse.lightning.changes.graphs import Graphs
 from trainfuse.optim import FusedOptimizer
@@ -39,8 +46,11 @@ class _GraphedStep:
 
     def __init__(self, phase: GraphedOptimizerStep) -> None:
         self.phase = phase
+        self._running = False
 
     def __call__(self, opt: FusedOptimizer, closure: Any = None, **kwargs: Any) -> Any:
+        if self._running:  # the scaler's own step, where the phase falls back to it: the class's step
+            return type(opt).step(opt, closure, **kwargs)
         if kwargs:
             raise TypeError(f"{type(opt).__name__}.step() got unexpected keyword arguments {sorted(kwargs)} "
                             "(a graphed optimizer step takes only a closure)")
@@ -48,8 +58,33 @@ class _GraphedStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.phase()
+        self._running = True
+        try:
+            self.phase()
+        finally:
+            self._running = False
         return loss
+
+
+class _ScaledPluginStep:
+    """The 16-mixed precision plugin's ``optimizer_step`` for the graphed optimizer: the closure,
+    the plugin's steps between the closure and the step (Lightning's ``on_before_optimizer_step``
+    hooks, its clipping), then ``opt.step()`` (the phase: the scaler's step and update from one
+    graph). The fused optimizer needs no ``unscale_`` before (it divides by the scale inside its
+    step). Any other optimizer, or extra arguments, take the plugin's own method."""
+
+    def __init__(self, plugin: Any, opt: FusedOptimizer) -> None:
+        self.plugin, self.opt = plugin, opt
+
+    def __call__(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        if optimizer is not self.opt or kwargs:
+            own = type(self.plugin).optimizer_step
+            return own(self.plugin, optimizer, model=model, closure=closure, **kwargs)
+        result = closure()
+        _compat.after_closure(self.plugin, model, optimizer)
+        if result is None and model.automatic_optimization:  # the backward was skipped: no step
+            return result
+        return optimizer.step()
 
 
 class OptimizerPhase(Change):
@@ -65,6 +100,7 @@ class OptimizerPhase(Change):
     def __init__(self, graphs: Graphs) -> None:
         self.graphs = graphs
         self.phase: GraphedOptimizerStep | None = None
+        self._plugin_step: _ScaledPluginStep | None = None  # 16-mixed: the plugin's optimizer_step
         self.stats: dict[str, int] | None = None  # the last fit's eager steps, captures, replays
         self._steps: tuple[Any, Any] | None = None  # the optimizer's instance step before, and ours
 
@@ -94,8 +130,14 @@ class OptimizerPhase(Change):
         if not type(opt).capturable:
             return f"{type(opt).__name__} is not capturable"
         if run.precision == "16-mixed":
-            return "16-mixed: Lightning's GradScaler steps and updates in calls of its own"
-        if run.precision not in ("32-true", "bf16-mixed"):
+            scaler = getattr(run.trainer.precision_plugin, "scaler", None)
+            if not isinstance(scaler, GradScaler) or not scaler.is_enabled():
+                what = "no scaler" if scaler is None else f"{type(scaler).__module__}.{type(scaler).__name__}"
+                return f"16-mixed with {what}, not an enabled trainfuse.amp.GradScaler"
+            if os.environ.get(GRAPH_PHASE) != "1":
+                return (f"16-mixed: the step and the scale's update replay from a graph only with "
+                        f"{GRAPH_PHASE}=1 until measured on a GPU")
+        elif run.precision not in ("32-true", "bf16-mixed"):
             return f"precision {run.precision}"
         return None
 
@@ -104,17 +146,23 @@ class OptimizerPhase(Change):
         opt = run.sole_optimizer
         assert isinstance(opt, FusedOptimizer)
         before = opt.__dict__.get("step")  # an LR scheduler's wrapper, or none
-        self.phase = GraphedOptimizerStep(opt, None)
+        scaler = run.trainer.precision_plugin.scaler if run.precision == "16-mixed" else None
+        self.phase = GraphedOptimizerStep(opt, scaler)
         # Lightning's precision plugin calls optimizer.step(closure); marked as a scheduler's
         # wrapper marks it, so that the run's schedulers see their optimizer stepped
         compat.mark_step_for_schedulers(opt, _GraphedStep(self.phase))
         self._steps = (before, opt.__dict__["step"])
+        if scaler is not None:
+            plugin = run.trainer.precision_plugin
+            plugin.optimizer_step = self._plugin_step = _ScaledPluginStep(plugin, opt)
 
     @override
     def rows(self, run: Run) -> list[Row]:
         opt = run.sole_optimizer
-        return [Row(self.kind, type(opt).__name__, ON, "clip, update and EMA replayed from one CUDA graph "
-                    "after two steady eager steps; lr and the EMA weight written to the device before each")]
+        what = ("inf check, clip, update, EMA and the scale's update" if self._plugin_step is not None
+                else "clip, update and EMA")
+        return [Row(self.kind, type(opt).__name__, ON, f"{what} replayed from one CUDA graph after two "
+                    "steady eager steps; lr and the EMA weight written to the device before each")]
 
     @override
     def restore(self, run: Run, *, failed: bool) -> None:
@@ -122,6 +170,10 @@ class OptimizerPhase(Change):
         if phase is None:
             return
         self.stats = {"eager": phase.eager, "captures": phase.captures, "replays": phase.replays}
+        ours = self._plugin_step
+        if ours is not None and ours.plugin.__dict__.get("optimizer_step") is ours:
+            del ours.plugin.optimizer_step
+        self._plugin_step = None
         opt = phase.optimizer
         before, ours = self._steps
         if opt.__dict__.get("step") is ours:
