@@ -275,8 +275,8 @@ def _memory_matrix(u: torch.Tensor) -> torch.Tensor:
     return u.reshape(u.size(0), -1)
 
 
-def _padded_reference(plan, updates: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``scale * NS_5`` of each update in torch, padded into the plan's batches (``plan.layout``)."""
+def _padded_reference(plan, updates: list[torch.Tensor], steps: int = 5) -> list[torch.Tensor]:
+    """``scale * NS_steps`` of each update in torch, padded into the plan's batches (``plan.layout``)."""
     from trainfuse.optim.newton_schulz import _NS_EPS, _iterate
 
     out = [None] * len(updates)
@@ -291,7 +291,7 @@ def _padded_reference(plan, updates: list[torch.Tensor]) -> list[torch.Tensor]:
             mats.append((i, m.shape, tall))
         Y = X.bfloat16()
         Y /= Y.norm(dim=(-2, -1), keepdim=True) + _NS_EPS
-        Y = _iterate(Y).float()
+        Y = _iterate(Y, steps=steps).float()
         for k, (i, (r, c), tall) in enumerate(mats):
             u = updates[i]
             y = Y[k, :r, :c] * max(1, u.size(-2) / u.size(-1)) ** 0.5
@@ -356,13 +356,14 @@ def test_batched_newton_schulz_pads_as_its_layout_says(kernels, nesterov, direct
             assert float((t - e).abs().mean()) <= 2**-7 * largest, f"tensor {k}"
 
 
-@pytest.mark.parametrize("device_momentum", [False, True], ids=["number", "device-tensor"])
+@pytest.mark.parametrize(("device_momentum", "steps"), [(False, 5), (True, 5), (False, 1), (False, 0)],
+                         ids=["number", "device-tensor", "one-iteration", "no-iteration"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_batched_newton_schulz_lerps_as_torch_muon(kernels, nesterov, device_momentum):
+def test_batched_newton_schulz_lerps_as_torch_muon(kernels, nesterov, device_momentum, steps):
     """``torch.optim.Muon``'s blend (``lerp``) with the grads in the targets, as FusedMuon passes
     them: Nesterov's second lerp written into the targets and gathered from there, bit for bit
-    the padded torch reference of ``m.lerp(g, 1 - mu)`` and ``g.lerp(u, mu)``; the momentum
-    buffers untouched."""
+    the padded torch reference of ``m.lerp(g, 1 - mu)`` and ``g.lerp(u, mu)``, for any iteration
+    count (the last product lands in the gathered buffer); the momentum buffers untouched."""
     from trainfuse.optim.newton_schulz import BatchedNewtonSchulz
 
     shapes = [(24, 40), (40, 24), (8, 3, 3, 3), (5, 64), (64, 5), (17, 17)]
@@ -370,7 +371,7 @@ def test_batched_newton_schulz_lerps_as_torch_muon(kernels, nesterov, device_mom
     bufs = [torch.randn_like(g) for g in grads]
     kept = [b.clone() for b in bufs]
     targets = [g.clone() for g in grads]
-    plan = BatchedNewtonSchulz(targets)
+    plan = BatchedNewtonSchulz(targets, steps=steps)
     assert plan.direct
     mu = 0.95
     momentum = torch.tensor(mu, dtype=torch.float64, device=DEVICE) if device_momentum else mu
@@ -380,7 +381,7 @@ def test_batched_newton_schulz_lerps_as_torch_muon(kernels, nesterov, device_mom
     if nesterov:
         updates = [g.lerp(u, torch.tensor(mu, dtype=torch.float32, device=DEVICE) if device_momentum else mu)
                    for g, u in zip(grads, updates)]
-    for k, (t, e) in enumerate(zip(targets, _padded_reference(plan, updates))):
+    for k, (t, e) in enumerate(zip(targets, _padded_reference(plan, updates, steps))):
         assert torch.equal(_memory_matrix(t), e), f"tensor {k}"
     for b, k in zip(bufs, kept):
         assert torch.equal(b, k)

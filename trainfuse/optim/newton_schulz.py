@@ -16,10 +16,11 @@
   the batch's: on CPU most matrices still come out with MuSGD's bits, the others within bfloat16
   rounding (the same distance from a float64 Newton-Schulz). The quintic iteration amplifies that
   rounding along small singular directions, so on a GPU an element may differ from MuSGD's by a
-  few percent. A Triton launch per orientation gathers (and casts) a batch in square tiles, a
-  tall matrix's tiles read along its rows and transposed in registers; another scatters it back
-  scaled, straight into float32 targets laid out as their matrices (through a buffer and a copy
-  otherwise): about 20 launches a batch.
+  few percent. One Triton launch gathers (and casts) every batch into one bfloat16 buffer in
+  square tiles, a tall matrix's tiles read along its rows and transposed in registers; after the
+  batches' matmuls (17 launches a batch: the norm, the division, three products an iteration)
+  another scatters them back scaled, straight into float32 targets laid out as their matrices
+  (through a buffer and a copy otherwise).
 
 The matrix of an update ``u`` is ``u`` flattened to ``(d[0], rest)`` in its own memory order (a
 view for contiguous and channels_last tensors, a row-major copy otherwise); its scale is
@@ -62,13 +63,19 @@ def _ns_flops(count: int, M: int, N: int, steps: int) -> float:
 
 
 def _iterate(X: torch.Tensor, coefficients: tuple[float, float, float] = _NS_COEFFS,
-             steps: int = _NS_STEPS) -> torch.Tensor:
-    """``steps`` quintic iterations on a batch of normalized wide bfloat16 matrices."""
+             steps: int = _NS_STEPS, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``steps`` quintic iterations on a batch of normalized wide bfloat16 matrices; the last one
+    written into ``out`` where given (``X`` itself must then be ``out`` when ``steps`` is 0)."""
     a, b, c = coefficients
-    for _ in range(steps):
+    for k in range(steps):
         A = X @ X.transpose(-2, -1)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
-        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+        if k < steps - 1 or out is None:
+            X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+        elif X is out:  # one iteration on out itself: the product may not overwrite its input
+            X = out.copy_(torch.baddbmm(X, B, X, beta=a))
+        else:
+            X = torch.baddbmm(X, B, X, beta=a, out=out)
     return X
 
 
@@ -130,48 +137,62 @@ def orthogonalized(updates: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 # ---- the kernels' path ------------------------------------------------------------------------------
+# A plan's matrix table, one int64 row per matrix: where its padded copy starts in the bfloat16
+# buffer (elements), the padded M and N, the float32 addresses the gather reads (the stage's
+# slice, or the target for Nesterov's lerp) and the scatter writes, its rows and columns in memory
+# order, and whether it is tall (enters transposed). The tile table: matrix, tile row, tile column
+# per program (int32).
+_MAT_WIDTH = 9
+_FROM_STAGE, _FROM_TARGET = 3, 4
+
+
 @triton.jit
-def _source(table, t, ALIGNED: tl.constexpr):
-    """Table row ``t``: ``k`` (the matrix's place in its batch), the float32 pointer of its first
-    element, its rows and its columns (in memory order: element ``(i, j)`` at ``i * cols + j``)."""
-    k = tl.load(table + t * 4)
-    ptr = tl.load(table + t * 4 + 1).to(tl.pointer_type(tl.float32))
-    r = tl.load(table + t * 4 + 2)
-    c = tl.load(table + t * 4 + 3)
+def _tile_of(mats, tiles, ALIGNED: tl.constexpr, TILE: tl.constexpr):
+    """This program's tile: its matrix's index and table row, the tile's row and column indices in
+    the padded matrix, and the matrix's M, N, rows, columns and whether it is tall."""
+    t = tl.program_id(0)
+    k = tl.load(tiles + t * 3).to(tl.int64)
+    mat = mats + k * 9
+    i = tl.load(tiles + t * 3 + 1) * TILE + tl.arange(0, TILE)
+    j = tl.load(tiles + t * 3 + 2) * TILE + tl.arange(0, TILE)
+    c = tl.load(mat + 7)
     if ALIGNED:  # every address 16-byte aligned and every column count a multiple of 4: 16-byte accesses
-        ptr = tl.multiple_of(ptr, 16)
         c = (c // 4) * 4
-    return k, ptr, r, c
+    return k, mat, i, j, tl.load(mat + 1), tl.load(mat + 2), tl.load(mat + 6), c, tl.load(mat + 8) != 0
 
 
 @triton.jit
-def _gather(table, X, M, N, TALL: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr,
+def _gather(mats, tiles, X, FROM: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr,
             RNE: tl.constexpr):
-    # one TILE x TILE tile of X[k] (M x N, zero-padded); a tall matrix enters transposed: its tile
-    # is read along its own rows (coalesced) and transposed in registers
+    # one TILE x TILE tile of a padded matrix (M x N, zero-padded, at element mats[0] of X) from the
+    # float32 matrix at address mats[FROM] (rows x cols in memory order); a tall one enters
+    # transposed: its tile is read along its own rows (coalesced) and transposed in registers
     # RNE: round to nearest even by hand (the interpreter's conversion truncates; the GPU's rounds)
-    k, src, r, c = _source(table, tl.program_id(0), ALIGNED)
-    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    j = tl.program_id(2) * TILE + tl.arange(0, TILE)
-    if TALL:  # X[i, j] = S[j, i]
+    _, mat, i, j, M, N, r, c, tall = _tile_of(mats, tiles, ALIGNED, TILE)
+    src = tl.load(mat + FROM).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        src = tl.multiple_of(src, 16)
+    if tall:  # X[i, j] = S[j, i]
         x = tl.trans(tl.load(src + j[:, None] * c + i[None, :], mask=(j[:, None] < r) & (i[None, :] < c),
                              other=0.0))
     else:
         x = tl.load(src + i[:, None] * c + j[None, :], mask=(i[:, None] < r) & (j[None, :] < c), other=0.0)
     if RNE:
         x = round_bf16_rne(x)
-    tl.store(X + k * M * N + i[:, None] * N + j[None, :], x.to(X.dtype.element_ty),
-             mask=(i[:, None] < M) & (j[None, :] < N))
+    dst = X + tl.load(mat) + i[:, None] * N + j[None, :]
+    tl.store(dst, x.to(X.dtype.element_ty), mask=(i[:, None] < M) & (j[None, :] < N))
 
 
 @triton.jit
-def _scatter(X, table, scales, M, N, TALL: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr):
-    k, dst, r, c = _source(table, tl.program_id(0), ALIGNED)
-    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    j = tl.program_id(2) * TILE + tl.arange(0, TILE)
-    x = tl.load(X + k * M * N + i[:, None] * N + j[None, :], mask=(i[:, None] < M) & (j[None, :] < N),
-                other=0.0).to(tl.float32) * tl.load(scales + k)
-    if TALL:
+def _scatter(X, mats, tiles, scales, ALIGNED: tl.constexpr, TILE: tl.constexpr):
+    k, mat, i, j, M, N, r, c, tall = _tile_of(mats, tiles, ALIGNED, TILE)
+    dst = tl.load(mat + 5).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        dst = tl.multiple_of(dst, 16)
+    x = tl.load(X + tl.load(mat) + i[:, None] * N + j[None, :], mask=(i[:, None] < M) & (j[None, :] < N),
+                other=0.0).to(tl.float32)
+    x = x * tl.load(scales + k)
+    if tall:
         tl.store(dst + j[:, None] * c + i[None, :], tl.trans(x), mask=(j[:, None] < r) & (i[None, :] < c))
     else:
         tl.store(dst + i[:, None] * c + j[None, :], x, mask=(i[:, None] < r) & (j[None, :] < c))
@@ -201,13 +222,6 @@ def _batched(items: list, steps: int) -> list[list]:
                 continue
         out.append(list(group))
     return out
-
-
-def _table(rows: list[tuple[int, int, int, int]], device: torch.device) -> tuple[torch.Tensor, bool]:
-    """A gather or scatter table (``k``, float32 address, rows, columns per matrix) and whether
-    its addresses and column counts allow 16-byte accesses."""
-    aligned = all(at % 16 == 0 and c % 4 == 0 for _, at, _, c in rows)
-    return torch.tensor(rows, dtype=torch.int64, device=device), aligned
 
 
 def _memory_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -262,8 +276,8 @@ class BatchedNewtonSchulz:
             self._out = torch.zeros(total, dtype=torch.float32, device=device)
             self._out_views = [self._out.as_strided(t.shape, s, o) for t, s, o in layouts]
         stage_at = [self._stage.data_ptr() + 4 * o for o in offsets]
-        target_at = [t.data_ptr() for t in targets] if self.direct else None
-        out_at = target_at or [self._out.data_ptr() + 4 * o for o in offsets]
+        target_at = [t.data_ptr() for t in targets] if self.direct else stage_at
+        out_at = target_at if self.direct else [self._out.data_ptr() + 4 * o for o in offsets]
         classes: dict[int, list] = {}
         for i, t in enumerate(targets):
             r = t.size(0)
@@ -271,22 +285,30 @@ class BatchedNewtonSchulz:
             short, long_ = min(r, c), max(r, c)
             cls = max(_MIN_SHORT, 1 << max(0, math.ceil(math.log2(short))))
             classes.setdefault(cls, []).append((long_, (r, c), scales[i], short, i))
+        # every batch's padded matrices in one bfloat16 buffer: one gather and one scatter launch
+        # for all of them (a matrix table row and a tile per program, module comment above)
         self._batches = []
         self.layout: list[tuple[int, int, list[int]]] = []
+        mats, tiles, mat_scales = [], [], []
+        at = 0
         for items in classes.values():
             for batch in _batched(items, steps):
                 M = max(it[3] for it in batch)
                 N = max(M, max(it[0] for it in batch))
-                launches = []
-                for tall in (False, True):  # a launch per orientation (a tall matrix enters transposed)
-                    rows = [(k, it[4], *it[1]) for k, it in enumerate(batch) if (it[1][0] > it[1][1]) == tall]
-                    if rows:
-                        tables = [_table([(k, at[i], r, c) for k, i, r, c in rows], device)
-                                  for at in (stage_at, target_at or stage_at, out_at)]
-                        launches.append((tall, len(rows), tables))
-                scales_k = torch.tensor([it[2] for it in batch], dtype=torch.float32, device=device)
-                self._batches.append((launches, scales_k, len(batch), M, N))
+                for k, (_, (r, c), scale, _, i) in enumerate(batch):
+                    x_at = at + k * M * N
+                    tiles += [(len(mats), ti, tj) for ti in range(triton.cdiv(M, _TILE))
+                              for tj in range(triton.cdiv(N, _TILE))]
+                    mats.append((x_at, M, N, stage_at[i], target_at[i], out_at[i], r, c, int(r > c)))
+                    mat_scales.append(scale)
+                self._batches.append((at, len(batch), M, N))
                 self.layout.append((M, N, [it[4] for it in batch]))
+                at += len(batch) * M * N
+        self._padded = at
+        self._mats = torch.tensor(mats, dtype=torch.int64, device=device)
+        self._tiles = torch.tensor(tiles, dtype=torch.int32, device=device)
+        self._scales = torch.tensor(mat_scales, dtype=torch.float32, device=device)
+        self._aligned = all(a % 16 == 0 for m in mats for a in m[3:6]) and all(m[7] % 4 == 0 for m in mats)
 
     @staticmethod
     def key_of(targets: list[torch.Tensor]) -> tuple:
@@ -295,8 +317,17 @@ class BatchedNewtonSchulz:
 
     @property
     def batches(self) -> int:
-        """How many padded batches a step runs (each about 20 launches)."""
+        """How many padded batches a step runs (each 17 launches of its own)."""
         return len(self._batches)
+
+    def _fill_stage(self, bufs: list[torch.Tensor]) -> None:
+        """The stage := ``bufs`` (each in its matrix's order): one concatenation where every buffer
+        is float32 and laid out as its slice of the stage (a flat view of each), else a copy each."""
+        if all(b.dtype == torch.float32 and b.shape == v.shape and b.stride() == v.stride()
+               for b, v in zip(bufs, self._stage_views)):
+            torch.cat([b.as_strided((b.numel(),), (1,)) for b in bufs], out=self._stage)
+        else:
+            torch._foreach_copy_(self._stage_views, bufs)
 
     def run(self, bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum: float | torch.Tensor,
             nesterov: bool, targets: list[torch.Tensor], lerp: bool = False) -> None:
@@ -312,7 +343,7 @@ class BatchedNewtonSchulz:
         # it: the same op as a new tensor's, without the copy back
         into_targets = lerp and nesterov and self.direct and (grads is targets or all(
             g is t for g, t in zip(grads, targets)))
-        torch._foreach_copy_(u, bufs)
+        self._fill_stage(bufs)
         if isinstance(momentum, torch.Tensor) and lerp:
             # a weight per tensor (a lone 0-d weight would be read on the host, which a capture
             # refuses): torch's lerp of a tensor weight, the same formula as a number's
@@ -342,19 +373,17 @@ class BatchedNewtonSchulz:
                 torch._foreach_mul_(u, momentum)
                 torch._foreach_add_(u, grads, alpha=1 - momentum)
         coefficients, steps, eps, clamp_eps = self.settings
-        rne = interpreting()
-        for launches, scales, count, M, N in self._batches:
-            X = torch.empty(count, M, N, dtype=torch.bfloat16, device=self._stage.device)
-            for tall, n, ((stage, stage_aligned), (blend, blend_aligned), _) in launches:
-                table, aligned = (blend, blend_aligned) if into_targets else (stage, stage_aligned)
-                grid = (n, triton.cdiv(M, _TILE), triton.cdiv(N, _TILE))
-                _gather[grid](table, X, M, N, TALL=tall, ALIGNED=aligned, TILE=_TILE, RNE=rne)
+        device = self._stage.device
+        flat = torch.empty(self._padded, dtype=torch.bfloat16, device=device)
+        grid = (self._tiles.size(0),)
+        _gather[grid](self._mats, self._tiles, flat, FROM=_FROM_TARGET if into_targets else _FROM_STAGE,
+                      ALIGNED=self._aligned, TILE=_TILE, RNE=interpreting())
+        for at, count, M, N in self._batches:
+            X = flat[at : at + count * M * N].view(count, M, N)
             norm = X.norm(dim=(-2, -1), keepdim=True)
             X /= norm.clamp(min=eps) if clamp_eps else norm + eps
-            X = _iterate(X, coefficients, steps).contiguous()
-            for tall, n, (_, _, (out, aligned)) in launches:
-                grid = (n, triton.cdiv(M, _TILE), triton.cdiv(N, _TILE))
-                _scatter[grid](X, out, scales, M, N, TALL=tall, ALIGNED=aligned, TILE=_TILE)
+            _iterate(X, coefficients, steps, out=X)
+        _scatter[grid](flat, self._mats, self._tiles, self._scales, ALIGNED=self._aligned, TILE=_TILE)
         if not self.direct:
             torch._foreach_copy_(targets, self._out_views)
 
