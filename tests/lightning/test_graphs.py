@@ -274,8 +274,7 @@ def test_the_graphed_step_under_16_mixed_is_opt_in_and_needs_trainfuses_scaler(m
         enabled = installed = True
 
     phase = OptimizerPhase(Installed())
-    opt = FusedAdamW([nn.Parameter(torch.ones(2))])
-    monkeypatch.setattr(Run, "sole_optimizer", property(lambda self: opt))
+    run.swapped, run.all_swapped = [FusedAdamW([nn.Parameter(torch.ones(2))])], True
     assert phase.why_not(run) == ("16-mixed with torch.amp.grad_scaler.GradScaler, not an enabled "
                                   "trainfuse.amp.GradScaler")
     trainer.precision_plugin.scaler = GradScaler("cpu")

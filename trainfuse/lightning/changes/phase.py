@@ -10,9 +10,13 @@ captures anew). Lightning's closure (``training_step``, backward, ``on_before_op
 runs as before; the step's host part (the EMA's count and weight, the groups' hyperparameters
 after the LR scheduler) is written to the device before each replay.
 
-One fused optimizer steps the whole run on one CUDA device, and the Trainer steps it (automatic
-optimization). Under 32-true and bf16-mixed it is on wherever graphs are;
-``TRAINFUSE_GRAPH_LIGHTNING_PHASE=0`` keeps the step eager. Under 16-mixed (trainfuse's GradScaler
+Every optimizer of the run is a fused one, on one CUDA device. Where one optimizer is stepped by
+the Trainer (automatic optimization) under 32-true and bf16-mixed it is on wherever graphs are;
+``TRAINFUSE_GRAPH_LIGHTNING_PHASE=0`` keeps the step eager. Several optimizers, or a module that
+steps its optimizers itself (manual optimization: Muon's users step Muon and AdamW), get a graphed
+step per optimizer, each ``opt.step()`` its replay, after whatever the module does to the grads
+before (its ``clip_gradients``); until measured on a GPU only with
+``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1``. Under 16-mixed (trainfuse's GradScaler
 in the precision plugin) the graph holds the scaler's step and update too
 (``GraphedOptimizerStep`` with the scaler: the inf check, clip, update, EMA and the scale's
 update), and the plugin's ``optimizer_step`` runs the closure, Lightning's hooks before the step,
@@ -88,8 +92,8 @@ class _ScaledPluginStep:
 
 
 class OptimizerPhase(Change):
-    """The fused optimizer's step replayed from a CUDA graph (module docstring); the optimizer's
-    own ``step`` back at the end.
+    """Each fused optimizer's step replayed from a CUDA graph of its own (module docstring); the
+    optimizers' own ``step`` back at the end.
 
     Args:
         graphs: the run's graphs change (the phase needs its kept grads).
@@ -99,10 +103,15 @@ class OptimizerPhase(Change):
 
     def __init__(self, graphs: Graphs) -> None:
         self.graphs = graphs
-        self.phase: GraphedOptimizerStep | None = None
+        # per optimizer: its phase, and its instance step before and ours
+        self._entries: list[tuple[GraphedOptimizerStep, Any, Any]] = []
         self._plugin_step: _ScaledPluginStep | None = None  # 16-mixed: the plugin's optimizer_step
         self.stats: dict[str, int] | None = None  # the last fit's eager steps, captures, replays
-        self._steps: tuple[Any, Any] | None = None  # the optimizer's instance step before, and ours
+
+    @property
+    def phases(self) -> list[GraphedOptimizerStep]:
+        """This fit's graphed steps, one per optimizer (empty where the change is off)."""
+        return [phase for phase, _, _ in self._entries]
 
     @override
     def name(self, run: Run) -> str:
@@ -122,19 +131,25 @@ class OptimizerPhase(Change):
             return "forward and backward run eagerly: the grads have no fixed addresses to step from"
         if run.strategy != "single":
             return f"{run.strategy}: the graphed step is for single-device runs"
-        if not run.module.automatic_optimization:
-            return "manual optimization: the module steps its optimizers itself"
-        opt = run.sole_optimizer
-        if opt is None:
-            return "the run has several optimizers, or one the fused step does not take"
-        if not type(opt).capturable:
-            return f"{type(opt).__name__} is not capturable"
+        if not run.all_swapped:
+            return "an optimizer of the run is not a fused one"
+        for opt in run.swapped:
+            if not type(opt).capturable:
+                return f"{type(opt).__name__} is not capturable"
+        opted_in = os.environ.get(GRAPH_PHASE) == "1"
+        if len(run.swapped) > 1 or not run.module.automatic_optimization:
+            if not opted_in:
+                what = "several optimizers" if len(run.swapped) > 1 else "manual optimization"
+                return (f"{what}: each optimizer's step replays from a graph of its own only with "
+                        f"{GRAPH_PHASE}=1 until measured on a GPU")
         if run.precision == "16-mixed":
             scaler = getattr(run.trainer.precision_plugin, "scaler", None)
             if not isinstance(scaler, GradScaler) or not scaler.is_enabled():
                 what = "no scaler" if scaler is None else f"{type(scaler).__module__}.{type(scaler).__name__}"
                 return f"16-mixed with {what}, not an enabled trainfuse.amp.GradScaler"
-            if os.environ.get(GRAPH_PHASE) != "1":
+            if run.sole_optimizer is None or not run.module.automatic_optimization:
+                return "16-mixed: the scaler's step is graphed for one optimizer the Trainer steps"
+            if not opted_in:
                 return (f"16-mixed: the step and the scale's update replay from a graph only with "
                         f"{GRAPH_PHASE}=1 until measured on a GPU")
         elif run.precision not in ("32-true", "bf16-mixed"):
@@ -143,46 +158,46 @@ class OptimizerPhase(Change):
 
     @override
     def apply(self, run: Run) -> None:
-        opt = run.sole_optimizer
-        assert isinstance(opt, FusedOptimizer)
-        before = opt.__dict__.get("step")  # an LR scheduler's wrapper, or none
         scaler = run.trainer.precision_plugin.scaler if run.precision == "16-mixed" else None
-        self.phase = GraphedOptimizerStep(opt, scaler)
-        # Lightning's precision plugin calls optimizer.step(closure); marked as a scheduler's
-        # wrapper marks it, so that the run's schedulers see their optimizer stepped
-        compat.mark_step_for_schedulers(opt, _GraphedStep(self.phase))
-        self._steps = (before, opt.__dict__["step"])
+        for opt in run.swapped:
+            before = opt.__dict__.get("step")  # an LR scheduler's wrapper, or none
+            phase = GraphedOptimizerStep(opt, scaler)
+            # Lightning's precision plugin calls optimizer.step(closure), and a module under manual
+            # optimization opt.step(); marked as a scheduler's wrapper marks it, so that the run's
+            # schedulers see their optimizer stepped
+            compat.mark_step_for_schedulers(opt, _GraphedStep(phase))
+            self._entries.append((phase, before, opt.__dict__["step"]))
         if scaler is not None:
             plugin = run.trainer.precision_plugin
-            plugin.optimizer_step = self._plugin_step = _ScaledPluginStep(plugin, opt)
+            plugin.optimizer_step = self._plugin_step = _ScaledPluginStep(plugin, run.swapped[0])
 
     @override
     def rows(self, run: Run) -> list[Row]:
-        opt = run.sole_optimizer
         what = ("inf check, clip, update, EMA and the scale's update" if self._plugin_step is not None
                 else "clip, update and EMA")
-        return [Row(self.kind, type(opt).__name__, ON, f"{what} replayed from one CUDA graph after two "
-                    "steady eager steps; lr and the EMA weight written to the device before each")]
+        return [Row(self.kind, type(phase.optimizer).__name__, ON, f"{what} replayed from one CUDA graph "
+                    "after two steady eager steps; lr and the EMA weight written to the device before each")
+                for phase in self.phases]
 
     @override
     def restore(self, run: Run, *, failed: bool) -> None:
-        phase = self.phase
-        if phase is None:
+        if not self._entries:
             return
-        self.stats = {"eager": phase.eager, "captures": phase.captures, "replays": phase.replays}
+        phases = self.phases
+        self.stats = {key: sum(getattr(p, key) for p in phases) for key in ("eager", "captures", "replays")}
         ours = self._plugin_step
         if ours is not None and ours.plugin.__dict__.get("optimizer_step") is ours:
             del ours.plugin.optimizer_step
         self._plugin_step = None
-        opt = phase.optimizer
-        before, ours = self._steps
-        if opt.__dict__.get("step") is ours:
-            if before is None:
-                del opt.step
-            else:
-                opt.step = before
-        phase.close()
-        self.phase = self._steps = None
+        for phase, before, step in self._entries:
+            opt = phase.optimizer
+            if opt.__dict__.get("step") is step:
+                if before is None:
+                    del opt.step
+                else:
+                    opt.step = before
+            phase.close()
+        self._entries = []
 
 
 __all__ = ["GRAPH_PHASE", "OptimizerPhase"]
