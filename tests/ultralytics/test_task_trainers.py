@@ -206,6 +206,28 @@ def test_each_tasks_checkpoint_loads_validates_and_predicts_with_stock_yolo(runs
     assert hasattr(result, what)
 
 
+@pytest.mark.cpu_training
+@pytest.mark.parametrize("task", list(MODELS))
+def test_each_task_trains_with_fused_blocks_exactly_as_without_and_saves_stock_checkpoints(
+        runs, datasets, task, tmp_path):
+    """``fuse_blocks=True`` on every task's model (on CPU the op's torch path, what a Conv block
+    computes): the run of the fused trainer without it, bit for bit; the modules given back; the
+    checkpoint a stock ``YOLO`` loads, with the same weights as the run without the blocks'."""
+    plain, plain_losses = runs(task, True)
+    trainer_cls = type(f"Blocks{STOCK_LOSS[task].__name__}", (STOCK_LOSS[task],), {"fuse_blocks": True})
+    ours, losses = _train(task, datasets[task], tmp_path, trainer_cls)
+    rows = {r.kind: r for r in ours.trainer.report}
+    count = sum(type(m).__name__ == "Conv" for m in ours.trainer.model.modules())
+    assert rows["blocks"].action == "on" and rows["blocks"].detail.startswith(f"{count} Conv blocks")
+    assert not any("forward" in m.__dict__ for m in ours.trainer.model.modules())  # given back
+    assert torch.equal(torch.stack(losses), torch.stack(plain_losses))
+    loaded = YOLO(str(ours.trainer.last)).model.state_dict()
+    reference = YOLO(str(plain.trainer.last)).model.state_dict()
+    assert loaded.keys() == reference.keys()
+    for k in loaded:
+        assert torch.equal(loaded[k], reference[k]), k
+
+
 @pytest.mark.parametrize("model,expected", [
     ("yolov5n.yaml", FusedDetectionTrainer), ("yolo11n-seg.yaml", FusedSegmentationTrainer),
     ("yolo26n-pose.yaml", FusedPoseTrainer), ("yolo11n-obb.pt", FusedOBBTrainer),
