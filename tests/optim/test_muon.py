@@ -89,6 +89,22 @@ def test_kernels_step_matches_muon_from_the_same_state(hp, kernels):
                 opt.state[p]["momentum_buffer"].copy_(ref.state[q]["momentum_buffer"])
 
 
+def test_kernels_step_under_a_float16_autocast_equals_the_step_outside_it(kernels):
+    """A step taken inside an autocast region (a training step that calls ``opt.step()`` under
+    it, or a graph that folds the step after the backward) still multiplies in bfloat16: the same
+    bits as outside."""
+    hp = HPARAMS[0]
+    opt, ours, _, _ = _pair(hp)
+    twin, theirs, _, _ = _pair(hp)
+    for step in range(2):
+        _grads(ours, theirs, step)
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            opt.step()
+        twin.step()
+        for k, (p, q) in enumerate(zip(ours, theirs)):
+            assert torch.equal(p, q), (step, k)
+
+
 @pytest.mark.parametrize("direction", ["muon-to-fused", "fused-to-muon"])
 def test_state_dict_round_trips_with_muon(direction, monkeypatch):
     monkeypatch.setenv("TRAINFUSE_BACKEND", "torch")

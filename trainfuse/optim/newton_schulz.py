@@ -378,11 +378,14 @@ class BatchedNewtonSchulz:
         grid = (self._tiles.size(0),)
         _gather[grid](self._mats, self._tiles, flat, FROM=_FROM_TARGET if into_targets else _FROM_STAGE,
                       ALIGNED=self._aligned, TILE=_TILE, RNE=interpreting())
-        for at, count, M, N in self._batches:
-            X = flat[at : at + count * M * N].view(count, M, N)
-            norm = X.norm(dim=(-2, -1), keepdim=True)
-            X /= norm.clamp(min=eps) if clamp_eps else norm + eps
-            _iterate(X, coefficients, steps, out=X)
+        # bfloat16 products whatever autocast the caller steps under (a float16 autocast would
+        # cast them, and the last one could not land in the bfloat16 buffer)
+        with torch.autocast(device.type, enabled=False):
+            for at, count, M, N in self._batches:
+                X = flat[at : at + count * M * N].view(count, M, N)
+                norm = X.norm(dim=(-2, -1), keepdim=True)
+                X /= norm.clamp(min=eps) if clamp_eps else norm + eps
+                _iterate(X, coefficients, steps, out=X)
         _scatter[grid](flat, self._mats, self._tiles, self._scales, ALIGNED=self._aligned, TILE=_TILE)
         if not self.direct:
             torch._foreach_copy_(targets, self._out_views)

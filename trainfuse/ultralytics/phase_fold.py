@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from trainfuse.graphs import GraphedOptimizerStep
 
 
@@ -98,8 +100,11 @@ class PhaseFold:
         return self.cadence.optimizer_stepped()
 
     def inside(self) -> None:
-        """The phase's launches, inside the iteration's graph (after its backward)."""
-        self.phase.inside()
+        """The phase's launches, inside the iteration's graph (after its backward), with autocast
+        off: the loop's ``optimizer_step`` runs outside its autocast, and the graph's call comes
+        from inside it (under it, Newton-Schulz's bfloat16 matmuls would run in float16)."""
+        with torch.autocast("cuda", enabled=False):
+            self.phase.inside()
 
 
 __all__ = ["PhaseFold", "StepCadence"]
