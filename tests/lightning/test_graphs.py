@@ -259,9 +259,9 @@ def test_the_graphed_optimizer_step_trains_as_the_plain_step(monkeypatch, optimi
 
 
 @pytest.mark.skipif(ACCELERATOR != "cpu", reason="the CPU path")
-def test_the_graphed_step_under_16_mixed_is_opt_in_and_needs_trainfuses_scaler(monkeypatch):
-    """16-mixed: the graph holding the scaler's step and update waits for
-    TRAINFUSE_GRAPH_LIGHTNING_PHASE=1; without trainfuse's GradScaler in the plugin it is refused."""
+def test_the_graphed_step_under_16_mixed_needs_trainfuses_scaler(monkeypatch):
+    """16-mixed: the graph holds the scaler's step and update where the plugin's scaler is
+    trainfuse's GradScaler; Lightning's own is refused by name."""
     from trainfuse.lightning.changes.base import Run
     from trainfuse.lightning.changes.phase import OptimizerPhase
 
@@ -278,9 +278,9 @@ def test_the_graphed_step_under_16_mixed_is_opt_in_and_needs_trainfuses_scaler(m
     assert phase.why_not(run) == ("16-mixed with torch.amp.grad_scaler.GradScaler, not an enabled "
                                   "trainfuse.amp.GradScaler")
     trainer.precision_plugin.scaler = GradScaler("cpu")
-    assert f"only with {GRAPH_PHASE}=1" in phase.why_not(run)
-    monkeypatch.setenv(GRAPH_PHASE, "1")
     assert phase.why_not(run) is None
+    trainer.precision_plugin.scaler = GradScaler("cpu", enabled=False)
+    assert phase.why_not(run).startswith("16-mixed with trainfuse.amp")
 
 
 @pytest.mark.parametrize("pkg", PACKAGES)

@@ -207,18 +207,11 @@ def _same_training(eager: YOLO, graphed: YOLO, eager_rec: Record, graphed_rec: R
 
 @cuda
 @pytest.mark.parametrize("model,optimizer", [("yolov5n.yaml", "auto"), ("yolo26n.yaml", "auto"),
-                                             ("yolov5n.yaml", "MuSGD"), ("yolov5n.yaml", "MuSGD+phase"),
-                                             ("yolov5n.yaml", "NAdam")])
-def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, monkeypatch, model, optimizer):
-    """A fused optimizer (auto: AdamW here; MuSGD, what auto picks past 10k iterations, its phase
-    eager unless TRAINFUSE_GRAPH_MUSGD=1) or a stock one (NAdam), a v8 head or an end-to-end one
-    (FusedE2ELoss): the replay trains as eagerly."""
-    from trainfuse.ultralytics.changes.graphs import GRAPH_MUSGD
-
-    graphed_phase = optimizer in ("auto", "MuSGD+phase")
-    if optimizer == "MuSGD+phase":
-        monkeypatch.setenv(GRAPH_MUSGD, "1")
-        optimizer = "MuSGD"
+                                             ("yolov5n.yaml", "MuSGD"), ("yolov5n.yaml", "NAdam")])
+def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimizer):
+    """A fused optimizer (auto: AdamW here; MuSGD, what auto picks past 10k iterations, its
+    Newton-Schulz steps inside the graphs too) or a stock one (NAdam), a v8 head or an end-to-end
+    one (FusedE2ELoss): the replay trains as eagerly."""
     root = tmp_path_factory.mktemp("shapes200")
     data = str(make_shapes_dataset(root, n_train=40, n_val=8, imgsz=64, seed=1))
     project = tmp_path_factory.mktemp("runs")
@@ -236,7 +229,7 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, monkeypatch, m
     assert "forward" not in vars(tg.model.model[0].conv)  # and its own forward back after
     assert not tg.keeps_grads and tg.graphed_loss is None  # the graphs are dropped at the end...
     assert all(p.grad is None for p in tg.model.parameters())  # ... and the kept grads freed
-    if graphed_phase and optimizer == "MuSGD":  # its Newton-Schulz part inside the step's graphs too
+    if optimizer == "MuSGD":  # its Newton-Schulz part inside the step's graphs too
         phase = tg.phase_stats
         assert phase["captures"] >= 1 and phase["folded"] >= 40, phase
         assert not tg.optimizer.graph_safe
@@ -247,7 +240,7 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, monkeypatch, m
         assert (phase["eager"], phase["captures"], phase["replays"]) == (2, 1, 1), phase
         assert phase["folded"] == tg.ema.updates - 3 >= 40, phase
         assert not tg.optimizer.graph_safe  # handed back at the end
-    else:  # MuSGD's phase, a stock NAdam's: eager
+    else:  # a stock NAdam's phase: eager
         assert tg.phase_stats is None
 
     _same_training(eager, graphed, eager_rec, graphed_rec)

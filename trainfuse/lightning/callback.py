@@ -69,9 +69,9 @@ class FusedTraining(*_compat.callback_bases()):
         the run keeps DDP's reducer (the row says why);
     12. ``graphs``: forward and backward replayed from CUDA graphs;
     13. ``optimizer_graph``: with graphs, the fused step (clip, update, EMA) replayed from a CUDA
-        graph of its own under 32-true and bf16-mixed; with ``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1``
-        also under 16-mixed (the GradScaler's step and update inside) and for each optimizer of a
-        run with several or under manual optimization (:mod:`trainfuse.lightning.changes.phase`;
+        graph of its own under 32-true, bf16-mixed and 16-mixed (the GradScaler's step and
+        update inside), one for each optimizer of a run with several or under manual
+        optimization (:mod:`trainfuse.lightning.changes.phase`;
         ``TRAINFUSE_GRAPH_LIGHTNING_PHASE=0`` keeps it eager);
     14. ``ema`` again, with ``ema_decay``: validation inside the fit runs on the EMA (no row of
         its own: the first ``ema`` row says so).

@@ -10,18 +10,16 @@ captures anew). Lightning's closure (``training_step``, backward, ``on_before_op
 runs as before; the step's host part (the EMA's count and weight, the groups' hyperparameters
 after the LR scheduler) is written to the device before each replay.
 
-Every optimizer of the run is a fused one, on one CUDA device. Where one optimizer is stepped by
-the Trainer (automatic optimization) under 32-true and bf16-mixed it is on wherever graphs are;
-``TRAINFUSE_GRAPH_LIGHTNING_PHASE=0`` keeps the step eager. Several optimizers, or a module that
-steps its optimizers itself (manual optimization: Muon's users step Muon and AdamW), get a graphed
-step per optimizer, each ``opt.step()`` its replay, after whatever the module does to the grads
-before (its ``clip_gradients``); until measured on a GPU only with
-``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1``. Under 16-mixed (trainfuse's GradScaler
-in the precision plugin) the graph holds the scaler's step and update too
-(``GraphedOptimizerStep`` with the scaler: the inf check, clip, update, EMA and the scale's
+Every optimizer of the run is a fused one, on one CUDA device; it is on wherever graphs are, and
+``TRAINFUSE_GRAPH_LIGHTNING_PHASE=0`` keeps the step eager. One optimizer stepped by the Trainer
+(automatic optimization) under 32-true and bf16-mixed: one graphed step. Several optimizers, or a
+module that steps its optimizers itself (manual optimization: Muon's users step Muon and AdamW):
+a graphed step per optimizer, each ``opt.step()`` its replay, after whatever the module does to
+the grads before (its ``clip_gradients``). Under 16-mixed (trainfuse's GradScaler in the
+precision plugin, one optimizer the Trainer steps) the graph holds the scaler's step and update
+too (``GraphedOptimizerStep`` with the scaler: the inf check, clip, update, EMA and the scale's
 update), and the plugin's ``optimizer_step`` runs the closure, Lightning's hooks before the step,
-then that graph in place of the scaler's ``step`` and ``update``; until measured on a GPU only
-with ``TRAINFUSE_GRAPH_LIGHTNING_PHASE=1``.
+then that graph in place of the scaler's ``step`` and ``update``.
 """
 
 from __future__ import annotations
@@ -136,12 +134,6 @@ class OptimizerPhase(Change):
         for opt in run.swapped:
             if not type(opt).capturable:
                 return f"{type(opt).__name__} is not capturable"
-        opted_in = os.environ.get(GRAPH_PHASE) == "1"
-        if len(run.swapped) > 1 or not run.module.automatic_optimization:
-            if not opted_in:
-                what = "several optimizers" if len(run.swapped) > 1 else "manual optimization"
-                return (f"{what}: each optimizer's step replays from a graph of its own only with "
-                        f"{GRAPH_PHASE}=1 until measured on a GPU")
         if run.precision == "16-mixed":
             scaler = getattr(run.trainer.precision_plugin, "scaler", None)
             if not isinstance(scaler, GradScaler) or not scaler.is_enabled():
@@ -149,9 +141,6 @@ class OptimizerPhase(Change):
                 return f"16-mixed with {what}, not an enabled trainfuse.amp.GradScaler"
             if run.sole_optimizer is None or not run.module.automatic_optimization:
                 return "16-mixed: the scaler's step is graphed for one optimizer the Trainer steps"
-            if not opted_in:
-                return (f"16-mixed: the step and the scale's update replay from a graph only with "
-                        f"{GRAPH_PHASE}=1 until measured on a GPU")
         elif run.precision not in ("32-true", "bf16-mixed"):
             return f"precision {run.precision}"
         return None

@@ -10,7 +10,6 @@ own, but for classification's cross-entropy, which needs no fused counterpart).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -24,9 +23,6 @@ from trainfuse.ultralytics import compat
 from trainfuse.ultralytics.changes.base import Change, Run
 from trainfuse.ultralytics.changes.loss import FUSED_LOSSES
 from trainfuse.ultralytics.graphed import GraphedLoss
-
-# FusedMuSGD's optimizer phase, graph-safe on the CPU (its tests), replays from graphs with this set
-GRAPH_MUSGD = "TRAINFUSE_GRAPH_MUSGD"
 
 
 def graph_inputs(loss: Any) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
@@ -159,9 +155,6 @@ class Phase(Change):
             return f"the optimizer is stock {type(run.trainer.optimizer).__name__}"
         if not fused.capturable:
             return f"{type(fused).__name__} is not capturable (its step cannot replay from a CUDA graph)"
-        if type(fused).__name__ == "FusedMuSGD" and os.environ.get(GRAPH_MUSGD) != "1":
-            return (f"FusedMuSGD's phase (its Newton-Schulz part) replays from graphs only with "
-                    f"{GRAPH_MUSGD}=1 until it has been measured on a GPU")
         if not run.trainer.scaler.is_enabled():
             return "AMP is off (GradScaler disabled)"
         if run.flat is None:
