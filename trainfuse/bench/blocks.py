@@ -2,9 +2,10 @@
 torch runs them (``nn.BatchNorm2d`` then ``nn.SiLU``: cuDNN's BatchNorm, an elementwise SiLU)
 against :func:`trainfuse.nn.bn_silu.batch_norm_silu`, on the activation sizes of YOLO11m's and
 YOLOv5n's stages at batch 16 and 640 px, float16, contiguous and channels_last. GPU time of a call
-(forward, backward from a fixed ``dy``): the median of ``triton.testing.do_bench``; the floor is
-the fused op's bytes (forward 2 reads and a write, backward 4 reads and a write of the activation)
-over the measured copy bandwidth. Each fused call is also profiled by kernel (statistics, apply,
+(forward, backward from a fixed ``dy``) replayed from a CUDA graph, and the median of
+``triton.testing.do_bench`` over the eager call (host work included); the floor is the fused op's
+bytes (forward 2 reads and a write, backward 4 reads and a write of the activation) over the
+measured copy bandwidth. Each fused call is also profiled by kernel (statistics, apply,
 grad sums, dx: GPU µs of each, and its share of its own floor: the statistics read the activation
 once, apply and the grad sums move it twice, dx three times), which shows what a small layer pays
 beside its bytes (the launch, the reductions' last program adding up the partials).
@@ -12,10 +13,15 @@ beside its bytes (the launch, the reductions' last program adding up the partial
 Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultralytics detection
 model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
 torch runs it (contiguous, ultralytics' layout), in channels_last, with every ``Conv`` block's
-BatchNorm and SiLU as one op, and both: which route pays before the training loop is changed.
+BatchNorm and SiLU as one op, and both: which route pays before the training loop is changed
+(the GPU time of the step replayed from a CUDA graph, and do_bench's time of the eager call).
+With ``--compile`` a fifth variant, ``torch.compile(model)`` in channels_last (inductor's own
+kernels, default mode: no CUDA graphs of its own), and the seconds its first call took to compile.
 ``python -m trainfuse.bench yolo --model yolo11m.yaml --fuse-blocks`` times the op in the loop."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -23,6 +29,7 @@ from torch import nn
 from trainfuse.bench._common import (
     add_row,
     bench_parser,
+    graph_ms,
     kernel_ms,
     parse_and_start,
     print_table,
@@ -81,36 +88,51 @@ def _model_step(model: nn.Module, x: torch.Tensor):
     return run
 
 
-def _models(report: dict, names: list[str], batch: int) -> None:
-    """Each model's training forward + backward in its four variants (module docstring)."""
-    from ultralytics.nn.modules.conv import Conv
+VARIANTS = ("contiguous", "channels_last", "fused blocks", "fused blocks, channels_last")
+COMPILED = "torch.compile, channels_last"
+
+
+def _models(report: dict, names: list[str], batch: int, compile_too: bool = False) -> None:
+    """Each model's training forward + backward in its four variants, and compiled with
+    ``compile_too`` (module docstring)."""
     from ultralytics.nn.tasks import DetectionModel
 
-    from trainfuse.nn import conv_block
+    from trainfuse.ultralytics.changes.blocks import fuse_model
 
     rows = []
     for name in names:
         workload = f"{name} forward + backward, training, float16 autocast, batch {batch}, 640 px"
         times = {}
-        for variant in ("contiguous", "channels_last", "fused blocks", "fused blocks, channels_last"):
+        for variant in VARIANTS + ((COMPILED,) if compile_too else ()):
             torch.manual_seed(0)
             model = DetectionModel(name, nc=80, verbose=False).cuda().train()
             x = torch.rand(batch, 3, 640, 640, device="cuda")
             if "channels_last" in variant:
                 model = model.to(memory_format=torch.channels_last)
                 x = x.contiguous(memory_format=torch.channels_last)
-            if "fused" in variant:
-                for m in model.modules():
-                    if type(m) is Conv:
-                        conv_block.install(m)
-            times[variant] = kernel_ms(_model_step(model, x), warmup=100, rep=500)  # ms: ~20 calls
+            if "fused" in variant:  # as the trainer's fuse_blocks=True: C2f's halves dense too
+                fuse_model(model)
+            if variant == COMPILED:
+                model = torch.compile(model)
+                start = time.perf_counter()
+                _model_step(model, x)()  # the first call compiles the forward and the backward
+                torch.cuda.synchronize()
+                report.setdefault("compile_s", {})[name] = seconds = time.perf_counter() - start
+                print(f"{name}: torch.compile's first call took {seconds:.1f} s")
+            # the step replayed from a CUDA graph, as the trainer runs it (an eager step with the
+            # fused blocks is host-bound: four launches and an autograd Function a block)
+            times[variant] = graph_ms(_model_step(model, x))
             add_row(report, workload, variant if "fused" not in variant else f"trainfuse {variant}",
-                    trainfuse="fused" in variant, do_bench_ms=times[variant])
+                    trainfuse="fused" in variant, graph_ms=times[variant],
+                    do_bench_ms=kernel_ms(_model_step(model, x), warmup=100, rep=500))  # ms: ~20 calls
+            if variant == COMPILED:
+                torch._dynamo.reset()
             del model, x
             torch.cuda.empty_cache()
         base = times["contiguous"]
         rows += [[name, v, f"{t:.2f}", f"{base / t:.2f}x"] for v, t in times.items()]
-    print_table("model forward + backward, GPU ms per call", ["model", "variant", "ms", "vs contiguous"],
+    print_table("model forward + backward, GPU ms per step replayed from a CUDA graph",
+                ["model", "variant", "ms", "vs contiguous"],
                 rows)
 
 
@@ -119,11 +141,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--models", default="yolo11m.yaml",
                         help="comma list of detection models to time whole (needs ultralytics), or none")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time each model under torch.compile (minutes of compiling a model)")
     started = parse_and_start(parser, argv, "blocks")
     if started is None:
         return None
     args, report, bandwidth = started
-    report["headline"] = "do_bench_ms"
+    report["headline"] = "graph_ms"
     rows, kernel_rows = [], []
     for channels, side in LAYERS:
         for layout in ("contiguous", "channels_last"):
@@ -132,14 +156,16 @@ def main(argv: list[str] | None = None) -> dict | None:
             x = x.contiguous(memory_format=fmt).requires_grad_()
             dy = torch.randn_like(x)
             bn = nn.BatchNorm2d(channels, eps=1e-3, momentum=0.03).cuda()
-            times = {"torch": kernel_ms(_torch_step(bn, x, dy)), "fused": kernel_ms(_fused_step(bn, x, dy))}
+            # the GPU's time from graph replays (an eager call of the fused op is host-bound on the
+            # smaller layers), and do_bench's, host work included
+            times = {"torch": graph_ms(_torch_step(bn, x, dy)), "fused": graph_ms(_fused_step(bn, x, dy))}
             floor = ACCESSES * x.numel() * x.element_size() / bandwidth * 1e3
             shape = f"({args.batch}, {channels}, {side}, {side})"
             workload = f"BatchNorm2d + SiLU, training, forward + backward: {shape} float16 {layout}"
             add_row(report, workload, "torch (cuDNN BatchNorm, SiLU)", trainfuse=False,
-                    do_bench_ms=times["torch"])
-            add_row(report, workload, "batch_norm_silu", trainfuse=True, do_bench_ms=times["fused"],
-                    floor_ms=floor)
+                    graph_ms=times["torch"], do_bench_ms=kernel_ms(_torch_step(bn, x, dy)))
+            add_row(report, workload, "batch_norm_silu", trainfuse=True, graph_ms=times["fused"],
+                    do_bench_ms=kernel_ms(_fused_step(bn, x, dy)), floor_ms=floor)
             rows.append([shape, layout, f"{times['torch']:.3f}", f"{times['fused']:.3f}",
                          f"{times['torch'] / times['fused']:.2f}x", f"{floor / times['fused']:.0%}"])
             us = _kernel_us(_fused_step(bn, x, dy))
@@ -147,12 +173,12 @@ def main(argv: list[str] | None = None) -> dict | None:
             report.setdefault("kernels_us", {})[workload] = us
             kernel_rows.append([shape, layout, *(f"{t:.1f} ({one * n / t:.0%})" if t else "-"
                                                   for t, n in zip(us.values(), KERNELS.values()))])
-    print_table("BatchNorm2d + SiLU forward + backward, GPU ms per call",
+    print_table("BatchNorm2d + SiLU forward + backward, GPU ms per call replayed from a CUDA graph",
                 ["activation", "layout", "torch", "fused", "speedup", "fused % of floor"], rows)
     print_table("the fused op's kernels, GPU µs per call (% of each kernel's floor)",
                 ["activation", "layout", "statistics", "apply", "grad sums", "dx"], kernel_rows)
     if args.models != "none":
-        _models(report, [m for m in args.models.split(",") if m], args.batch)
+        _models(report, [m for m in args.models.split(",") if m], args.batch, args.compile)
     report["summary_skip"] = list(dict.fromkeys(r["workload"] for r in report["rows"]))
     save_report(report, args.out, "blocks")
     return report
