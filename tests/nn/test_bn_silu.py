@@ -267,3 +267,47 @@ def test_split_refuses_what_has_no_two_halves():
     cpu = torch.randn(2, 4, 3, 3, dtype=torch.float64)  # torch's path: chunk's halves
     y0, y1 = bn_silu.split_batch_norm_silu(cpu, None, None, training=True)
     assert torch.equal(torch.cat((y0, y1), 1), batch_norm_silu_torch(cpu, None, None, training=True))
+
+
+def _forced_general(flags):
+    """``bn_silu._flags`` made to pick the kernels' general paths: masks, per-element counts,
+    channel-by-channel parts, 64-bit offsets."""
+    def general(*args, **kwargs):
+        chosen = flags(*args, **kwargs)
+        chosen.update(EVEN_S=False, MASKED=True, REL32=False)
+        if chosen.get("PART") == 1:
+            chosen["PART"] = 2
+        return chosen
+    return general
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one", "halves"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_whole_tiles_skip_the_masks_and_give_the_general_paths_bits(monkeypatch, split, channels_last, dtype):
+    """Positions that fill whole tiles and channels whole blocks (split at a multiple of the block)
+    take the unmasked kernels, with 32-bit tile offsets, counting positions on the host: the same
+    bits as the masked, 64-bit, channel-by-channel paths, forward and backward."""
+    shape = (2, 32, 4, 4) if DEVICE.type == "cpu" else (2, 128, 16, 16)  # whole tiles either way
+    x, w, b, rm, rv, dy = make(shape, dtype, channels_last)
+    chosen = []
+    natural = bn_silu._flags
+    monkeypatch.setattr(bn_silu, "_flags", lambda *a, **k: chosen.append(natural(*a, **k)) or chosen[-1])
+
+    def run():
+        xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        rm_, rv_ = rm.clone(), rv.clone()
+        if split:
+            outs = bn_silu.split_batch_norm_silu(xg, rm_, rv_, wg, bg, True, 0.03, 1e-3)
+            torch.autograd.backward(outs, dy.chunk(2, 1))
+        else:
+            outs = (batch_norm_silu(xg, rm_, rv_, wg, bg, True, 0.03, 1e-3),)
+            outs[0].backward(dy)
+        return [o.detach() for o in outs] + [xg.grad, wg.grad, bg.grad, rm_, rv_]
+
+    fast = run()
+    assert chosen and all(not f["MASKED"] and f["EVEN_S"] and f["REL32"] for f in chosen), chosen
+    assert {f.get("PART") for f in chosen} == ({None, 1} if split else {None, 0})
+    monkeypatch.setattr(bn_silu, "_flags", _forced_general(natural))
+    for got, want in zip(run(), fast):
+        assert torch.equal(got, want)

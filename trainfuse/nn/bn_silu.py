@@ -24,7 +24,11 @@ merges the block's partials in a fixed order, updates the running statistics and
 last to arrive, their fixed-order total, then ``dx``, ``u`` recomputed from ``x`` both times. No
 program adds into another's output, and the totals' order does not depend on which program
 arrives last: the same inputs give the same bits in every run, eager or replayed from a CUDA
-graph.
+graph. A tile's addresses are one scalar per tile plus offsets made once per program
+(:mod:`trainfuse.nn.channel_tiles`); masks only where a tile or a channel block runs past the
+tensor, and where the positions fill whole tiles the reductions take their count from the host
+instead of counting element by element: the same bits as the masked path (the tests compare the
+two).
 
 Bytes per activation element: forward 2 reads and a write, backward 4 reads and a write, against
 torch's 3 reads and 2 writes (cuDNN's BatchNorm, then SiLU over its output) and 6 reads and 2
@@ -48,6 +52,7 @@ from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
 from trainfuse._runtime.launch import CachedLauncher, stream_workspace
 from trainfuse._runtime.reduce import last_to_arrive
+from trainfuse.nn import channel_tiles as tiles
 
 
 @dataclasses.dataclass
@@ -76,71 +81,74 @@ CHANNELS_LAST = BNLaunch(rows=32, channels=64, reduce=BNLaunch(rows=64, channels
 
 
 @triton.jit
-def _tile(q, c, S, NSB, sN, sC, sS, BR: tl.constexpr):
-    """Tile ``q`` (image ``q // NSB``, its position block ``q % NSB``) by channels ``c``: the
-    element offsets and the positions' mask."""
-    n = q // NSB
-    s = (q - n * NSB) * BR + tl.arange(0, BR)
-    offsets = n.to(tl.int64) * sN + s.to(tl.int64)[:, None] * sS + c.to(tl.int64)[None, :] * sC
-    return offsets, s < S
-
-
-@triton.jit
-def _program(CB, BC: tl.constexpr):
-    """This program's ``(i, c)``: its index among the tiles (or runs of tiles) and its block of
-    channels, from a 1-d grid of ``i * CB + j`` (the cached launcher's grids are 1-d)."""
-    pid = tl.program_id(0)
-    i = pid // CB
-    return i, (pid - i * CB) * BC + tl.arange(0, BC)
-
-
-@triton.jit
 def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr,
                     scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr, C, CB, S, NSB, Q, sN, sC, sS,
                     tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
-                    BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, UNROLL: tl.constexpr):
+                    BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, UNROLL: tl.constexpr,
+                    EVEN_S: tl.constexpr, MASKED: tl.constexpr, REL32: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
     ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``. Each tile
     element sums ``x - k`` and its square on its own (no reduction and no division inside the
     loop, so the loads stream), reduced across the tile once at the end. The shift ``k`` is the
     channel's value at the program's first position: a sample of the channel, so the sums cancel
     only as much as the data's own spread around its mean (the summed squares minus the squared
-    sum lose ``((mean - k) / std)**2`` ulps of the variance, a few for any sample). The last of
-    channel block ``j``'s ``P`` programs to arrive merges their partials (:func:`_finalize`) and
-    re-arms the block's arrival counter."""
-    i, c = _program(CB, BC)
+    sum lose ``((mean - k) / std)**2`` ulps of the variance, a few for any sample). The loop walks
+    the program's own tiles (``UNROLL`` at a time, the rest one by one); where the positions fill
+    whole tiles (``EVEN_S``) it neither masks them nor counts them one by one. The last of channel
+    block ``j``'s ``P`` programs to arrive merges their partials (:func:`_finalize`) and re-arms
+    the block's arrival counter."""
+    i, j, c = tiles.program(CB, BC)
     cm = c < C
     q0 = i * tiles_per_program  # always a tile (the launch makes no program without one)
-    n0 = q0 // NSB
-    first = n0.to(tl.int64) * sN + ((q0 - n0 * NSB) * BR).to(tl.int64) * sS + c.to(tl.int64) * sC
-    k = tl.load(x_ptr + first, mask=cm, other=0.0).to(tl.float32)
+    valid = tl.minimum(tiles_per_program, Q - q0)
+    rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
+    first, _ = tiles.tile_start(q0, NSB, sN, sS, BR)
+    k = tl.load(x_ptr + first + c.to(tl.int64) * sC, mask=cm, other=0.0).to(tl.float32)
     s1 = tl.zeros([BR, BC], tl.float32)
     s2 = tl.zeros([BR, BC], tl.float32)
     count = tl.zeros([BR, BC], tl.float32)
-    for t0 in range(0, tiles_per_program, UNROLL):
+    grouped = valid // UNROLL * UNROLL
+    for t0 in range(0, grouped, UNROLL):
         for t1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
-            t = t0 + t1
-            q = i * tiles_per_program + t
-            offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-            m = (sm & (q < Q) & (t < tiles_per_program))[:, None] & cm[None, :]
-            x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-            d = tl.where(m, x - k[None, :], 0.0)
+            d, m = _deviations(x_ptr, q0 + t0 + t1, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
             s1 += d
             s2 += d * d
+            if not EVEN_S:
+                count += m.to(tl.float32)
+    for t in range(grouped, valid):
+        d, m = _deviations(x_ptr, q0 + t, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
+        s1 += d
+        s2 += d * d
+        if not EVEN_S:
             count += m.to(tl.float32)
-    n = tl.sum(count, 0)
+    if EVEN_S:  # every position of every tile: the count is the host's
+        n = tl.zeros([BC], tl.float32) + (valid * BR).to(tl.float32)
+    else:
+        n = tl.sum(count, 0)
     s1 = tl.sum(s1, 0)
     s2 = tl.sum(s2, 0)
     inv = 1.0 / tl.maximum(n, 1.0)
     tl.store(mean_ptr + i * C + c, k + s1 * inv, mask=cm)
     tl.store(m2_ptr + i * C + c, tl.maximum(s2 - s1 * s1 * inv, 0.0), mask=cm)
     tl.store(count_ptr + i * C + c, n, mask=cm)
-    j = tl.program_id(0) - i * CB
     tl.debug_barrier()  # every thread's partials are stored before the release below
     if last_to_arrive(cnt_ptr + j, P):
         _finalize(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
                   save_mean_ptr, save_invstd_ptr, c, cm, P, M, C, momentum, eps, HAS_W, UPDATE, BP, BC)
         tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
+
+
+@triton.jit
+def _deviations(x_ptr, q, rel, k, cm, S, NSB, sN, sS, BR: tl.constexpr, EVEN_S: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Tile ``q``'s ``x - k`` (0 at positions past ``S``; another channel's masked element is
+    never stored) and its mask."""
+    base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
+    m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
+    d = tiles.load_tile(x_ptr + base + rel, m, MASKED) - k[None, :]
+    if not EVEN_S:
+        d = tl.where(m, d, 0.0)
+    return d, m
 
 
 @triton.jit
@@ -193,22 +201,23 @@ def _finalize(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, sc
 
 @triton.jit
 def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, CB, S, NSB, sN, sC, sS, yN, yC, yS, SPLIT, yP,
-                         BR: tl.constexpr, BC: tl.constexpr):
+                         BR: tl.constexpr, BC: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr,
+                         PART: tl.constexpr, REL32: tl.constexpr):
     """``y = silu(x s + t)`` over tile ``q`` of channel block ``j`` (program ``q * CB + j``). Channels
-    from ``SPLIT`` on go to a second part of ``y``, ``yP`` elements on, as its channels from 0 (C
-    and 0 for one part)."""
-    q, c = _program(CB, BC)
+    from ``SPLIT`` on go to a second part of ``y``, ``yP`` elements on, as its channels from 0
+    (``PART`` 0: one part; 1: the split at a multiple of the block; 2: anywhere)."""
+    q, j, c = tiles.program(CB, BC)
     cm = c < C
-    offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-    m = sm[:, None] & cm[None, :]
-    x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
+    base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
+    m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
+    x = tiles.load_tile(x_ptr + base + tiles.tile_offsets(c, sC, sS, BR, REL32), m, MASKED)
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
     u = x * s[None, :] + t[None, :]
     y = u * tl.sigmoid(u)
-    part = (c >= SPLIT).to(tl.int32)
-    out, _ = _tile(q, c - part * SPLIT, S, NSB, yN, yC, yS, BR)
-    tl.store(y_ptr + out + part.to(tl.int64)[None, :] * yP, y.to(y_ptr.dtype.element_ty), mask=m)
+    out = tiles.tile_addresses(y_ptr, y_ptr + yP, q, j, c, NSB, yN, yC, yS, yN, yC, yS, SPLIT, BR, BC, PART,
+                               REL32)
+    tiles.store_tile(out, y, m, MASKED)
 
 
 @triton.jit
@@ -220,46 +229,65 @@ def _du(x, dy, s, t):
 
 
 @triton.jit
-def _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR: tl.constexpr):
-    """The addresses of tile ``q``'s ``dy`` by channels ``c``: channels from ``SPLIT`` on in the
-    second part (``dy1``, strides ``h``), as its channels from 0."""
-    grads, _ = _tile(q, c, S, NSB, gN, gC, gS, BR)
-    second, _ = _tile(q, c - SPLIT, S, NSB, hN, hC, hS, BR)
-    return tl.where((c >= SPLIT)[None, :], dy1_ptr + second, dy_ptr + grads)
+def _du_tile(x_ptr, dy_ptr, dy1_ptr, gp, gN_, gS_, rel, rel_g, q, c, cm, s, t, S, NSB, sN, sS, gN, gC, gS,
+             hN, hC, hS, SPLIT, BR: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr,
+             PART: tl.constexpr):
+    """Tile ``q``'s ``x`` and ``du`` (0 where masked): ``dy`` at ``gp`` (strides ``gN_, gS_``,
+    offsets ``rel_g``) for a block in one part, else split by channel."""
+    base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
+    m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
+    x = tiles.load_tile(x_ptr + base + rel, m, MASKED)
+    if PART == 2:
+        grads = tiles.split_addresses(dy_ptr, dy1_ptr, q, c, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR)
+    else:
+        gbase, _ = tiles.tile_start(q, NSB, gN_, gS_, BR)
+        grads = gp + gbase + rel_g
+    du = _du(x, tiles.load_tile(grads, m, MASKED), s, t)
+    if MASKED:
+        du = tl.where(m, du, 0.0)
+    return x, du
 
 
 @triton.jit
 def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr,
                              sdux_ptr, cnt_ptr, dw_ptr, db_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, hN,
                              hC, hS, SPLIT, tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr,
-                             BC: tl.constexpr, UNROLL: tl.constexpr):
+                             BC: tl.constexpr, UNROLL: tl.constexpr, EVEN_S: tl.constexpr,
+                             MASKED: tl.constexpr, PART: tl.constexpr, REL32: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel
     at ``[i, c]``; the last of channel block ``j``'s ``P`` programs to arrive adds them up in a
     fixed order into ``dw`` and ``db``. ``dy``'s channels from ``SPLIT`` on are ``dy1``'s (C, and
-    ``dy`` again, for one part)."""
-    i, c = _program(CB, BC)
+    ``dy`` again, for one part); the tiles walked as the statistics walk them."""
+    i, j, c = tiles.program(CB, BC)
     cm = c < C
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
     mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
     invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
+    q0 = i * tiles_per_program
+    valid = tl.minimum(tiles_per_program, Q - q0)
+    rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
+    if PART == 1:
+        gp, gN_, gC_, gS_, cg = tiles.block_part(j, c, SPLIT, dy_ptr, dy1_ptr, gN, gC, gS, hN, hC, hS, BC)
+    else:  # (PART 2 reads its addresses tile by tile)
+        gp, gN_, gC_, gS_, cg = dy_ptr, gN, gC, gS, c
+    rel_g = tiles.tile_offsets(cg, gC_, gS_, BR, REL32)
     sdu = tl.zeros([BR, BC], tl.float32)
     sdux = tl.zeros([BR, BC], tl.float32)
-    for k0 in range(0, tiles_per_program, UNROLL):
+    grouped = valid // UNROLL * UNROLL
+    for k0 in range(0, grouped, UNROLL):
         for k1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
-            k = k0 + k1
-            q = i * tiles_per_program + k
-            offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-            grads = _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR)
-            m = (sm & (q < Q) & (k < tiles_per_program))[:, None] & cm[None, :]
-            x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(grads, mask=m, other=0.0).to(tl.float32)
-            du = tl.where(m, _du(x, dy, s, t), 0.0)
+            x, du = _du_tile(x_ptr, dy_ptr, dy1_ptr, gp, gN_, gS_, rel, rel_g, q0 + k0 + k1, c, cm, s, t, S,
+                             NSB, sN, sS, gN, gC, gS, hN, hC, hS, SPLIT, BR, EVEN_S, MASKED, PART)
             sdu += du
             sdux += du * (x - mean[None, :])
+    for k in range(grouped, valid):
+        x, du = _du_tile(x_ptr, dy_ptr, dy1_ptr, gp, gN_, gS_, rel, rel_g, q0 + k, c, cm, s, t, S, NSB, sN,
+                         sS, gN, gC, gS, hN, hC, hS, SPLIT, BR, EVEN_S, MASKED, PART)
+        sdu += du
+        sdux += du * (x - mean[None, :])
     tl.store(sdu_ptr + i * C + c, tl.sum(sdu, 0), mask=cm)
     tl.store(sdux_ptr + i * C + c, tl.sum(sdux, 0) * invstd, mask=cm)
-    j = tl.program_id(0) - i * CB
     tl.debug_barrier()  # every thread's partials are stored before the release below
     if last_to_arrive(cnt_ptr + j, P):
         _grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, c, cm, P, C, BP, BC)
@@ -287,19 +315,20 @@ def _grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, c, cm, P, C, BP: tl.conste
 @triton.jit
 def bn_silu_dx_kernel(x_ptr, dy_ptr, dy1_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, dw_ptr,
                       db_ptr, M, C, CB, S, NSB, sN, sC, sS, gN, gC, gS, hN, hC, hS, SPLIT, dN, dC, dS,
-                      TRAINING: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                      TRAINING: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EVEN_S: tl.constexpr,
+                      MASKED: tl.constexpr, PART: tl.constexpr, REL32: tl.constexpr):
     """``dx = s (du - db / M - xhat dw / M)`` (training) or ``s du`` over tile ``q`` of channel
     block ``j`` (program ``q * CB + j``); ``dy`` in two parts as in the grad sums."""
-    q, c = _program(CB, BC)
+    q, j, c = tiles.program(CB, BC)
     cm = c < C
-    offsets, sm = _tile(q, c, S, NSB, sN, sC, sS, BR)
-    grads = _grads(dy_ptr, dy1_ptr, q, c, S, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR)
-    m = sm[:, None] & cm[None, :]
+    base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
+    m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
-    x = tl.load(x_ptr + offsets, mask=m, other=0.0).to(tl.float32)
-    dy = tl.load(grads, mask=m, other=0.0).to(tl.float32)
-    du = _du(x, dy, s, t)
+    x = tiles.load_tile(x_ptr + base + tiles.tile_offsets(c, sC, sS, BR, REL32), m, MASKED)
+    grads = tiles.tile_addresses(dy_ptr, dy1_ptr, q, j, c, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR, BC, PART,
+                                 REL32)
+    du = _du(x, tiles.load_tile(grads, m, MASKED), s, t)
     if TRAINING:
         mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
         invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
@@ -307,8 +336,8 @@ def bn_silu_dx_kernel(x_ptr, dy_ptr, dy1_ptr, dx_ptr, scale_ptr, shift_ptr, mean
         db = tl.load(db_ptr + c, mask=cm, other=0.0)
         xhat = (x - mean[None, :]) * invstd[None, :]
         du = du - db[None, :] / M - xhat * (dw[None, :] / M)
-    out, _ = _tile(q, c, S, NSB, dN, dC, dS, BR)
-    tl.store(dx_ptr + out, (du * s[None, :]).to(dx_ptr.dtype.element_ty), mask=m)
+    dbase, _ = tiles.tile_start(q, NSB, dN, dS, BR)
+    tiles.store_tile(dx_ptr + dbase + tiles.tile_offsets(c, dC, dS, BR, REL32), du * s[None, :], m, MASKED)
 
 
 FINALIZE_ROWS = 64  # the partials the last program to arrive reads at a time
@@ -330,6 +359,21 @@ def _config(strides: tuple[int, int, int], C: int, reduce: bool = False) -> BNLa
         cfg = cfg.reduce
     channels = min(cfg.channels, max(16, triton.next_power_of_2(C)))
     return dataclasses.replace(cfg, rows=cfg.rows * cfg.channels // channels, channels=channels)
+
+
+def _flags(cfg: BNLaunch, C: int, S: int, *strides: tuple[int, ...], split: int | None = None) -> dict:
+    """A launch's shape constexprs: the positions fill whole tiles (``EVEN_S``); some element is
+    masked (``MASKED``: a partial tile or channel block); with ``split``, where a channel block
+    lies against it (``PART``: 0 one part, 1 the split at a multiple of the block, 2 anywhere);
+    every tile's offsets from its first element fit 32 bits (``REL32``) for each ``(N, C, S)``
+    stride triple given."""
+    even_s = S % cfg.rows == 0
+    width = triton.cdiv(C, cfg.channels) * cfg.channels
+    flags = dict(EVEN_S=even_s, MASKED=not (even_s and C % cfg.channels == 0),
+                 REL32=all((cfg.rows - 1) * st[2] + (width - 1) * st[1] < 2**31 for st in strides))
+    if split is not None:
+        flags["PART"] = 0 if split >= C else 1 if split % cfg.channels == 0 else 2
+    return flags
 
 
 @functools.cache
@@ -399,7 +443,7 @@ class _BatchNormSiLU(torch.autograd.Function):
             launcher(bn_stats_kernel, (P * rcb,), x, *partials, _counters(x.device, rcb), *affine, *running,
                      scale, shift, mean, invstd, C, rcb, S, rnsb, N * rnsb, *x.stride(), per, P, N * S,
                      momentum, eps, HAS_W=has_w, UPDATE=update, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
-                     UNROLL=rc.unroll, num_warps=rc.num_warps)
+                     UNROLL=rc.unroll, num_warps=rc.num_warps, **_flags(rc, C, S, x.stride()))
         else:  # the running statistics' constants: a few (C,) operations
             mean.copy_(running_mean)
             torch.rsqrt(running_var.float() + eps, out=invstd)
@@ -409,12 +453,15 @@ class _BatchNormSiLU(torch.autograd.Function):
         ctx.training, ctx.split, ctx.shape = training, split, shape
         if split:  # two outputs, each dense: C2f's halves (split_batch_norm_silu)
             y0, y1, part = _halves(x.view(shape))
+            ys = _flat(y0).stride()
             launcher(bn_silu_apply_kernel, (N * nsb * cb,), x, y0, scale, shift, C, cb, S, nsb, *x.stride(),
-                     *_flat(y0).stride(), C // 2, part, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+                     *ys, C // 2, part, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps,
+                     **_flags(cfg, C, S, x.stride(), ys, split=C // 2))
             return y0, y1
         y = torch.empty_like(x)  # x's strides: channels_last stays channels_last
         launcher(bn_silu_apply_kernel, (N * nsb * cb,), x, y, scale, shift, C, cb, S, nsb, *x.stride(),
-                 *y.stride(), C, 0, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+                 *y.stride(), C, 0, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps,
+                 **_flags(cfg, C, S, x.stride(), y.stride(), split=C))
         return y.view(shape)
 
     @staticmethod
@@ -435,7 +482,8 @@ class _BatchNormSiLU(torch.autograd.Function):
         launcher(bn_silu_grad_sums_kernel, (P * rcb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
                  _counters(x.device, rcb), *sums, C, rcb, S, rnsb, N * rnsb, *x.stride(), *dy.stride(),
                  *dy1.stride(), split, per, P, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
-                 UNROLL=rc.unroll, num_warps=rc.num_warps)
+                 UNROLL=rc.unroll, num_warps=rc.num_warps,
+                 **_flags(rc, C, S, x.stride(), dy.stride(), dy1.stride(), split=split))
         cfg = _config(x.stride(), C)
         cb = triton.cdiv(C, cfg.channels)
         nsb = triton.cdiv(S, cfg.rows)
@@ -444,7 +492,8 @@ class _BatchNormSiLU(torch.autograd.Function):
             dx = torch.empty_like(x)
             launcher(bn_silu_dx_kernel, (N * nsb * cb,), x, dy, dy1, dx, scale, shift, mean, invstd, *sums,
                      N * S, C, cb, S, nsb, *x.stride(), *dy.stride(), *dy1.stride(), split, *dx.stride(),
-                     TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps)
+                     TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps,
+                     **_flags(cfg, C, S, x.stride(), dy.stride(), dy1.stride(), dx.stride(), split=split))
             dx = dx.view(shape)
         dw = sums[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         db = sums[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
