@@ -387,6 +387,36 @@ def test_batched_newton_schulz_lerps_as_torch_muon(kernels, nesterov, device_mom
         assert torch.equal(b, k)
 
 
+def test_the_gathers_blend_reads_the_momentum_buffers_where_they_are_now(kernels):
+    """FusedMuon's blend inside the gather reads the momentum buffers at the addresses the plan's
+    table holds: buffers at new addresses (a loaded state_dict) are read there; buffers laid out
+    otherwise than the targets take torch's foreach blend instead, to the same result."""
+    from trainfuse.optim.newton_schulz import BatchedNewtonSchulz
+
+    shapes = [(24, 40), (40, 24), (17, 17)]
+    grads = [torch.randn(s, device=DEVICE) for s in shapes]
+    targets = [g.clone() for g in grads]
+    plan = BatchedNewtonSchulz(targets)
+
+    def step(bufs):
+        for t, g in zip(targets, grads):
+            t.copy_(g)
+        plan.run(bufs, targets, 0.9, True, targets, lerp=True)
+        return [t.clone() for t in targets]
+
+    bufs = [torch.randn_like(g) for g in grads]
+    first = step(bufs)
+    assert all(torch.equal(a, b) for a, b in zip(step([b.clone() for b in bufs]), first))  # moved
+    doubled = step([2 * b for b in bufs])
+    assert not any(torch.equal(a, b) for a, b in zip(doubled, first))
+    transposed = step([b.t().contiguous().t() for b in bufs])  # column-major: the foreach blend
+    for a, b in zip(transposed, first):
+        if DEVICE.type == "cpu":
+            assert torch.equal(a, b)
+        else:  # the fused multiply-adds may round the blend's last bit otherwise
+            torch.testing.assert_close(a, b, rtol=0, atol=2**-4 * float(b.abs().max()))
+
+
 def test_padding_joins_matrices_only_where_it_costs_less_than_a_batch():
     """GPT-2's 48 hidden matrices, 768 rows by three widths: padded into one batch, the narrower
     ones would cost more matmul work than their own batches' launches; one matrix of each width

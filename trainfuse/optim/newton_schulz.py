@@ -17,7 +17,9 @@
   rounding (the same distance from a float64 Newton-Schulz). The quintic iteration amplifies that
   rounding along small singular directions, so on a GPU an element may differ from MuSGD's by a
   few percent. One Triton launch gathers (and casts) every batch into one bfloat16 buffer in
-  square tiles, a tall matrix's tiles read along its rows and transposed in registers; after the
+  square tiles, a tall matrix's tiles read along its rows and transposed in registers (for
+  ``torch.optim.Muon``'s blend, FusedMuon's, the gather reads the momentum buffers and the grads
+  where they are and blends them itself: no copy of the momentum, no float32 blend pass); after the
   batches' matmuls (17 launches a batch: the norm, the division, three products an iteration)
   another scatters them back scaled, straight into float32 targets laid out as their matrices
   (through a buffer and a copy otherwise).
@@ -140,10 +142,12 @@ def orthogonalized(updates: list[torch.Tensor]) -> list[torch.Tensor]:
 # A plan's matrix table, one int64 row per matrix: where its padded copy starts in the bfloat16
 # buffer (elements), the padded M and N, the float32 addresses the gather reads (the stage's
 # slice, or the target for Nesterov's lerp) and the scatter writes, its rows and columns in memory
-# order, and whether it is tall (enters transposed). The tile table: matrix, tile row, tile column
-# per program (int32).
-_MAT_WIDTH = 9
+# order, whether it is tall (enters transposed), and its momentum buffer's address (for the
+# gather that blends torch.optim.Muon's momentum itself; written when the buffers are bound).
+# The tile table: matrix, tile row, tile column per program (int32).
+_MAT_WIDTH = tl.constexpr(10)
 _FROM_STAGE, _FROM_TARGET = 3, 4
+_MOMENTUM = tl.constexpr(9)
 
 
 @triton.jit
@@ -152,7 +156,7 @@ def _tile_of(mats, tiles, ALIGNED: tl.constexpr, TILE: tl.constexpr):
     the padded matrix, and the matrix's M, N, rows, columns and whether it is tall."""
     t = tl.program_id(0)
     k = tl.load(tiles + t * 3).to(tl.int64)
-    mat = mats + k * 9
+    mat = mats + k * _MAT_WIDTH
     i = tl.load(tiles + t * 3 + 1) * TILE + tl.arange(0, TILE)
     j = tl.load(tiles + t * 3 + 2) * TILE + tl.arange(0, TILE)
     c = tl.load(mat + 7)
@@ -162,14 +166,11 @@ def _tile_of(mats, tiles, ALIGNED: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _gather(mats, tiles, X, FROM: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr,
-            RNE: tl.constexpr):
-    # one TILE x TILE tile of a padded matrix (M x N, zero-padded, at element mats[0] of X) from the
-    # float32 matrix at address mats[FROM] (rows x cols in memory order); a tall one enters
-    # transposed: its tile is read along its own rows (coalesced) and transposed in registers
-    # RNE: round to nearest even by hand (the interpreter's conversion truncates; the GPU's rounds)
-    _, mat, i, j, M, N, r, c, tall = _tile_of(mats, tiles, ALIGNED, TILE)
-    src = tl.load(mat + FROM).to(tl.pointer_type(tl.float32))
+def _read(mat, col, i, j, r, c, tall, ALIGNED: tl.constexpr):
+    """The tile of the float32 matrix at address ``mat[col]`` (rows x cols in memory order) at
+    padded rows ``i`` and columns ``j``, zeros past its edges; a tall one enters transposed: its
+    tile is read along its own rows (coalesced) and transposed in registers."""
+    src = tl.load(mat + col).to(tl.pointer_type(tl.float32))
     if ALIGNED:
         src = tl.multiple_of(src, 16)
     if tall:  # X[i, j] = S[j, i]
@@ -177,6 +178,38 @@ def _gather(mats, tiles, X, FROM: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.
                              other=0.0))
     else:
         x = tl.load(src + i[:, None] * c + j[None, :], mask=(i[:, None] < r) & (j[None, :] < c), other=0.0)
+    return x
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """``torch.lerp(a, b, w)``: its two formulas, as its CUDA kernel writes them (compiled, the
+    multiply and the add fuse as nvcc fuses them there)."""
+    d = b - a
+    return tl.where(w < 0.5, a + w * d, b - d * (1.0 - w))
+
+
+@triton.jit
+def _gather(mats, tiles, X, mu_ptr, mu, rest, FROM: tl.constexpr, BLEND: tl.constexpr,
+            NESTEROV: tl.constexpr, MU_ON_DEVICE: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr,
+            RNE: tl.constexpr):
+    # one TILE x TILE tile of a padded matrix (M x N, zero-padded, at element mats[0] of X) from the
+    # float32 matrix at address mats[FROM]; with BLEND, torch.optim.Muon's blend of the momentum
+    # (at mats[_MOMENTUM]) and the grads (at mats[FROM]): u = m.lerp(g, 1 - mu), g.lerp(u, mu)
+    # for Nesterov; mu and 1 - mu as float32 from the float64 at mu_ptr (MU_ON_DEVICE) or as given
+    # RNE: round to nearest even by hand (the interpreter's conversion truncates; the GPU's rounds)
+    _, mat, i, j, M, N, r, c, tall = _tile_of(mats, tiles, ALIGNED, TILE)
+    x = _read(mat, FROM, i, j, r, c, tall, ALIGNED)
+    if BLEND:
+        if MU_ON_DEVICE:
+            m64 = tl.load(mu_ptr)
+            mu = m64.to(tl.float32)
+            rest = (1.0 - m64).to(tl.float32)
+        u = _lerp(_read(mat, _MOMENTUM, i, j, r, c, tall, ALIGNED), x, rest)
+        if NESTEROV:
+            x = _lerp(x, u, mu)
+        else:
+            x = u
     if RNE:
         x = round_bf16_rne(x)
     dst = X + tl.load(mat) + i[:, None] * N + j[None, :]
@@ -290,6 +323,8 @@ class BatchedNewtonSchulz:
         self._batches = []
         self.layout: list[tuple[int, int, list[int]]] = []
         mats, tiles, mat_scales = [], [], []
+        self._mat_targets: list[int] = []  # each table row's index in targets
+        self._bound: list[int] | None = None  # the momentum buffers' addresses in the table
         at = 0
         for items in classes.values():
             for batch in _batched(items, steps):
@@ -299,7 +334,8 @@ class BatchedNewtonSchulz:
                     x_at = at + k * M * N
                     tiles += [(len(mats), ti, tj) for ti in range(triton.cdiv(M, _TILE))
                               for tj in range(triton.cdiv(N, _TILE))]
-                    mats.append((x_at, M, N, stage_at[i], target_at[i], out_at[i], r, c, int(r > c)))
+                    mats.append((x_at, M, N, stage_at[i], target_at[i], out_at[i], r, c, int(r > c), 0))
+                    self._mat_targets.append(i)
                     mat_scales.append(scale)
                 self._batches.append((at, len(batch), M, N))
                 self.layout.append((M, N, [it[4] for it in batch]))
@@ -329,6 +365,16 @@ class BatchedNewtonSchulz:
         else:
             torch._foreach_copy_(self._stage_views, bufs)
 
+    def _bind(self, bufs: list[torch.Tensor]) -> bool:
+        """The momentum buffers' addresses in the matrix table (rewritten only where they moved:
+        a step captured in a CUDA graph finds them as written before); whether all are 16-byte
+        aligned."""
+        at = [bufs[i].data_ptr() for i in self._mat_targets]
+        if at != self._bound:
+            self._mats[:, _MOMENTUM.value].copy_(torch.tensor(at, dtype=torch.int64))
+            self._bound = at
+        return all(a % 16 == 0 for a in at)
+
     def run(self, bufs: list[torch.Tensor], grads: list[torch.Tensor], momentum: float | torch.Tensor,
             nesterov: bool, targets: list[torch.Tensor], lerp: bool = False) -> None:
         """``targets[i] = scale_i * NS(u_i)`` with ``u = mu m + (1 - mu) g`` (``m`` the Muon
@@ -338,11 +384,46 @@ class BatchedNewtonSchulz:
         ``targets`` themselves. ``momentum``: a number, or a 0-d device tensor, read on the device
         (a step replayed from a CUDA graph then takes the value written there): the same float32
         factors as the number's."""
+        coefficients, steps, eps, clamp_eps = self.settings
+        device = self._stage.device
+        flat = torch.empty(self._padded, dtype=torch.bfloat16, device=device)
+        grid = (self._tiles.size(0),)
+        in_targets = self.direct and (grads is targets or all(g is t for g, t in zip(grads, targets)))
+        if lerp and in_targets and all(b.dtype == torch.float32 and b.shape == t.shape
+                                       and b.stride() == t.stride() for b, t in zip(bufs, targets)):
+            # torch.optim.Muon's blend inside the gather: it reads the momentum and the grads (in
+            # the targets) where they are and writes the blend's bfloat16 copy, in one launch
+            aligned = self._bind(bufs) and self._aligned
+            on_device = isinstance(momentum, torch.Tensor)
+            mu = 0.0 if on_device else float(momentum)
+            _gather[grid](self._mats, self._tiles, flat, momentum if on_device else self._scales, mu,
+                          1.0 - mu, FROM=_FROM_TARGET, BLEND=True, NESTEROV=bool(nesterov),
+                          MU_ON_DEVICE=on_device, ALIGNED=aligned, TILE=_TILE, RNE=interpreting())
+        else:
+            self._blend_to_stage(bufs, grads, momentum, nesterov, targets, lerp, in_targets)
+            _gather[grid](self._mats, self._tiles, flat, self._scales, 0.0, 0.0,
+                          FROM=_FROM_TARGET if lerp and nesterov and in_targets else _FROM_STAGE, BLEND=False,
+                          NESTEROV=False, MU_ON_DEVICE=False, ALIGNED=self._aligned, TILE=_TILE,
+                          RNE=interpreting())
+        # bfloat16 products whatever autocast the caller steps under (a float16 autocast would
+        # cast them, and the last one could not land in the bfloat16 buffer)
+        with torch.autocast(device.type, enabled=False):
+            for at, count, M, N in self._batches:
+                X = flat[at : at + count * M * N].view(count, M, N)
+                norm = X.norm(dim=(-2, -1), keepdim=True)
+                X /= norm.clamp(min=eps) if clamp_eps else norm + eps
+                _iterate(X, coefficients, steps, out=X)
+        _scatter[grid](flat, self._mats, self._tiles, self._scales, ALIGNED=self._aligned, TILE=_TILE)
+        if not self.direct:
+            torch._foreach_copy_(targets, self._out_views)
+
+    def _blend_to_stage(self, bufs: list[torch.Tensor], grads: list[torch.Tensor],
+                        momentum: float | torch.Tensor, nesterov: bool, targets: list[torch.Tensor],
+                        lerp: bool, in_targets: bool) -> None:
+        """:meth:`run`'s blend by torch's foreach operations, into the stage (Nesterov's lerp into
+        the targets, where they hold the grads)."""
         u = self._stage_views
-        # Nesterov's lerp blends into the grads' own scratch (the targets), where the gather reads
-        # it: the same op as a new tensor's, without the copy back
-        into_targets = lerp and nesterov and self.direct and (grads is targets or all(
-            g is t for g, t in zip(grads, targets)))
+        into_targets = lerp and nesterov and in_targets
         self._fill_stage(bufs)
         if isinstance(momentum, torch.Tensor) and lerp:
             # a weight per tensor (a lone 0-d weight would be read on the host, which a capture
@@ -372,23 +453,6 @@ class BatchedNewtonSchulz:
             if nesterov:
                 torch._foreach_mul_(u, momentum)
                 torch._foreach_add_(u, grads, alpha=1 - momentum)
-        coefficients, steps, eps, clamp_eps = self.settings
-        device = self._stage.device
-        flat = torch.empty(self._padded, dtype=torch.bfloat16, device=device)
-        grid = (self._tiles.size(0),)
-        _gather[grid](self._mats, self._tiles, flat, FROM=_FROM_TARGET if into_targets else _FROM_STAGE,
-                      ALIGNED=self._aligned, TILE=_TILE, RNE=interpreting())
-        # bfloat16 products whatever autocast the caller steps under (a float16 autocast would
-        # cast them, and the last one could not land in the bfloat16 buffer)
-        with torch.autocast(device.type, enabled=False):
-            for at, count, M, N in self._batches:
-                X = flat[at : at + count * M * N].view(count, M, N)
-                norm = X.norm(dim=(-2, -1), keepdim=True)
-                X /= norm.clamp(min=eps) if clamp_eps else norm + eps
-                _iterate(X, coefficients, steps, out=X)
-        _scatter[grid](flat, self._mats, self._tiles, self._scales, ALIGNED=self._aligned, TILE=_TILE)
-        if not self.direct:
-            torch._foreach_copy_(targets, self._out_views)
 
 
 __all__ = ["BatchedNewtonSchulz", "orthogonalized"]
