@@ -126,7 +126,7 @@ def _models(report: dict, names: list[str], batch: int, compile_too: bool = Fals
                     trainfuse="fused" in variant, graph_ms=times[variant],
                     do_bench_ms=kernel_ms(_model_step(model, x), warmup=100, rep=500))  # ms: ~20 calls
             if variant == COMPILED:
-                torch._dynamo.reset()
+                torch.compiler.reset()
             del model, x
             torch.cuda.empty_cache()
         base = times["contiguous"]

@@ -235,7 +235,7 @@ class BatchNormSiLUFusion(Change):
 
     @override
     def apply(self, run: Run) -> None:
-        detail = describe(run, "BatchNorm2d + SiLU: three launches forward, three backward, the "
+        detail = describe(run, "BatchNorm2d + SiLU: two launches forward, two backward, the "
                           "BatchNorm's output not kept",
                           "BatchNorm2d + SiLU: on the torch path torch's batch_norm and silu")
         for name, seq, positions, compiled in _bn_silu_pairs(run.module):
