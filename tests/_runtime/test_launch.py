@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from tests._helpers import cuda
-from trainfuse._runtime.launch import CachedLauncher
+from trainfuse._runtime.launch import CachedLauncher, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -29,4 +29,17 @@ def test_every_program_of_the_grid_runs_on_every_call(grid):
         launcher(_write_program_ids, grid, out, BLOCK=16, num_warps=1)
         expected = torch.arange(n, dtype=torch.int32, device=device).repeat_interleave(16)
         assert torch.equal(out, expected)
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    """The plain-integer grid helpers give Triton's values (0, 1, powers of two and their
+    neighbours, large counts, numpy integers)."""
+    import numpy as np
+
+    values = sorted({0, 1, 2, 3, *(2**k + d for k in range(1, 40) for d in (-1, 0, 1)), 10**12 + 7})
+    for n in values:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        assert next_power_of_2(np.int64(n)) == triton.next_power_of_2(n), n
+        for b in (1, 2, 3, 16, 64, 100, 4096):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
+from trainfuse._runtime.launch import cdiv, next_power_of_2
 from trainfuse.losses._common import launcher
 from trainfuse.losses.bce import log1p_unit
 
@@ -150,7 +151,7 @@ def _sizes(coef: torch.Tensor, proto: torch.Tensor, masks: torch.Tensor, overlap
     B, NM, C = coef.shape
     H, W = proto.shape[-2:]
     M = 1 if overlap else masks.shape[1]
-    return B, NM, C, H * W, W, M, max(16, triton.next_power_of_2(NM))
+    return B, NM, C, H * W, W, M, max(16, next_power_of_2(NM))
 
 
 def _launch(kernel, grid: int, coef, proto, masks, index, boxes, *rest, overlap: bool, per: int) -> None:
@@ -164,7 +165,7 @@ class _MaskBCE(torch.autograd.Function):
     def forward(ctx, coef, proto, masks, index, boxes, overlap):
         B, C = coef.shape[0], coef.shape[2]
         out = coef.new_zeros(B, C)
-        ncb = triton.cdiv(C, BLOCK_SLOTS)
+        ncb = cdiv(C, BLOCK_SLOTS)
         if out.numel() and proto.shape[-1] * proto.shape[-2]:
             _launch(mask_bce_fwd_kernel, B * ncb, coef, proto, masks, index, boxes, out, overlap=overlap,
                     per=ncb)
@@ -182,11 +183,11 @@ class _MaskBCE(torch.autograd.Function):
         P = proto.shape[-1] * proto.shape[-2]
         if B * C * P:
             if gcoef is not None:
-                ncb = triton.cdiv(C, BLOCK_SLOTS)
+                ncb = cdiv(C, BLOCK_SLOTS)
                 _launch(mask_bce_coef_kernel, B * ncb, coef, proto, masks, index, boxes, go, gcoef,
                         overlap=ctx.overlap, per=ncb)
             if gproto is not None:
-                npb = triton.cdiv(P, BLOCK_PIXELS)
+                npb = cdiv(P, BLOCK_PIXELS)
                 _launch(mask_bce_proto_kernel, B * npb, coef, proto, masks, index, boxes, go, gproto,
                         overlap=ctx.overlap, per=npb)
         return gcoef, gproto, None, None, None, None

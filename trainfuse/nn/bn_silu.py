@@ -50,7 +50,7 @@ import triton.language as tl
 
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
-from trainfuse._runtime.launch import CachedLauncher, stream_workspace
+from trainfuse._runtime.launch import CachedLauncher, cdiv, next_power_of_2, stream_workspace
 from trainfuse._runtime.reduce import last_to_arrive
 from trainfuse.nn import channel_tiles as tiles
 
@@ -357,8 +357,11 @@ def _config(strides: tuple[int, int, int], C: int, reduce: bool = False) -> BNLa
     cfg = CHANNELS_LAST if strides[1] == 1 else CONTIGUOUS
     if reduce and cfg.reduce is not None:
         cfg = cfg.reduce
-    channels = min(cfg.channels, max(16, triton.next_power_of_2(C)))
-    return dataclasses.replace(cfg, rows=cfg.rows * cfg.channels // channels, channels=channels)
+    channels = min(cfg.channels, max(16, next_power_of_2(C)))
+    if channels == cfg.channels:
+        return cfg
+    return BNLaunch(cfg.rows * cfg.channels // channels, channels, cfg.num_warps, cfg.programs_per_sm,
+                    cfg.unroll, cfg.reduce)
 
 
 def _flags(cfg: BNLaunch, C: int, S: int, *strides: tuple[int, ...], split: int | None = None) -> dict:
@@ -368,7 +371,7 @@ def _flags(cfg: BNLaunch, C: int, S: int, *strides: tuple[int, ...], split: int 
     every tile's offsets from its first element fit 32 bits (``REL32``) for each ``(N, C, S)``
     stride triple given."""
     even_s = S % cfg.rows == 0
-    width = triton.cdiv(C, cfg.channels) * cfg.channels
+    width = cdiv(C, cfg.channels) * cfg.channels
     flags = dict(EVEN_S=even_s, MASKED=not (even_s and C % cfg.channels == 0),
                  REL32=all((cfg.rows - 1) * st[2] + (width - 1) * st[1] < 2**31 for st in strides))
     if split is not None:
@@ -391,8 +394,8 @@ def _programs(device: torch.device) -> int:
 def _split(tiles: int, channel_blocks: int, device: torch.device, cfg: BNLaunch) -> tuple[int, int]:
     """``(P, tiles_per_program)``: the tiles split over the reduction programs."""
     want = max(1, _programs(device) * cfg.programs_per_sm // channel_blocks)
-    per = triton.cdiv(tiles, want)
-    return triton.cdiv(tiles, per), per
+    per = cdiv(tiles, want)
+    return cdiv(tiles, per), per
 
 
 COUNTERS = 256  # arrival counters asked for at least (4,096 channels in blocks of 16)
@@ -427,14 +430,14 @@ class _BatchNormSiLU(torch.autograd.Function):
         x = _flat(x)
         N, C, S = x.shape
         cfg = _config(x.stride(), C)
-        cb = triton.cdiv(C, cfg.channels)
-        nsb = triton.cdiv(S, cfg.rows)
+        cb = cdiv(C, cfg.channels)
+        nsb = cdiv(S, cfg.rows)
         consts = torch.empty(4, C, device=x.device, dtype=torch.float32)  # scale, shift, mean, invstd
         scale, shift, mean, invstd = consts.unbind(0)
         has_w = weight is not None
         if training:
             rc = _config(x.stride(), C, reduce=True)
-            rcb, rnsb = triton.cdiv(C, rc.channels), triton.cdiv(S, rc.rows)
+            rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
             P, per = _split(N * rnsb, rcb, x.device, rc)
             partials = torch.empty(3, P, C, device=x.device, dtype=torch.float32)  # mean, m2, count
             update = running_mean is not None
@@ -475,7 +478,7 @@ class _BatchNormSiLU(torch.autograd.Function):
         dy = _flat(dy)
         dy1, split = (_flat(dy1), C // 2) if ctx.split else (dy, C)
         rc = _config(x.stride(), C, reduce=True)
-        rcb, rnsb = triton.cdiv(C, rc.channels), triton.cdiv(S, rc.rows)
+        rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
         P, per = _split(N * rnsb, rcb, x.device, rc)
         partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
         sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
@@ -485,8 +488,8 @@ class _BatchNormSiLU(torch.autograd.Function):
                  UNROLL=rc.unroll, num_warps=rc.num_warps,
                  **_flags(rc, C, S, x.stride(), dy.stride(), dy1.stride(), split=split))
         cfg = _config(x.stride(), C)
-        cb = triton.cdiv(C, cfg.channels)
-        nsb = triton.cdiv(S, cfg.rows)
+        cb = cdiv(C, cfg.channels)
+        nsb = cdiv(S, cfg.rows)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty_like(x)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from trainfuse._runtime.backend import interpreting
+from trainfuse._runtime.launch import cdiv
 from trainfuse._runtime.rounding import round_bf16_rne
 
 # MuSGD's quintic Newton-Schulz coefficients, iteration count and norm epsilon
@@ -332,8 +333,8 @@ class BatchedNewtonSchulz:
                 N = max(M, max(it[0] for it in batch))
                 for k, (_, (r, c), scale, _, i) in enumerate(batch):
                     x_at = at + k * M * N
-                    tiles += [(len(mats), ti, tj) for ti in range(triton.cdiv(M, _TILE))
-                              for tj in range(triton.cdiv(N, _TILE))]
+                    tiles += [(len(mats), ti, tj) for ti in range(cdiv(M, _TILE))
+                              for tj in range(cdiv(N, _TILE))]
                     mats.append((x_at, M, N, stage_at[i], target_at[i], out_at[i], r, c, int(r > c), 0))
                     self._mat_targets.append(i)
                     mat_scales.append(scale)

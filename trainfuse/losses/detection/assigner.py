@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trainfuse._runtime.launch import cdiv, next_power_of_2
 from trainfuse._runtime.reduce import last_to_arrive
 from trainfuse.losses.box_math import ciou_xyxy
 from trainfuse.losses.detection.box_loss import CIOU_EPS, label_box, side_distance
@@ -257,7 +258,7 @@ def metric(boxes, scores, gt, imgsz, anchors, strides, cfg: AssignConfig):
     ov = torch.empty(B, M, A, dtype=torch.float32, device=dev)
     cand = torch.empty(B, M, A, dtype=torch.int8, device=dev)
     pos = torch.empty(2, B, M, dtype=torch.float32, device=dev)
-    launcher(metric_kernel, (B * triton.cdiv(A, blocks.assign),), boxes, scores, gt, anchors, strides, align,
+    launcher(metric_kernel, (B * cdiv(A, blocks.assign),), boxes, scores, gt, anchors, strides, align,
              ov, cand, pos[0], pos[1], A, M, scores.shape[1], float(imgsz[1]), float(imgsz[0]),
              float(cfg.stride_val), float(cfg.eps), CIOU_EPS,
              R=R, ALPHA=float(cfg.alpha), ALPHA_N=power_steps(cfg.alpha), BETA=float(cfg.beta),
@@ -279,7 +280,7 @@ def topk_mask(align: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`topk_mask_torch` in one launch (lowest anchor index first on ties), for rows of up
     to ``TOPK_ROW_MAX`` anchors; longer rows take torch.topk."""
     B, M, A = align.shape
-    block = triton.next_power_of_2(A)
+    block = next_power_of_2(A)
     if block > TOPK_ROW_MAX or k > A:
         return topk_mask_torch(align, k)
     sel = torch.empty(align.shape, dtype=torch.int8, device=align.device)
@@ -302,7 +303,7 @@ def keep_topk2(gidx, align, ov, pos_align, pos_ov, k: int) -> None:
     """The second k in place on the kernels' ``gidx`` and per-gt maxima (one launch; rows of more
     than ``TOPK_ROW_MAX`` anchors, or ``k`` above the anchors, take :func:`keep_topk2_torch`)."""
     B, M, A = align.shape
-    block = triton.next_power_of_2(A)
+    block = next_power_of_2(A)
     if block > TOPK_ROW_MAX or k > A:
         gidx.copy_(keep_topk2_torch(gidx, align, k))
         one = gidx[:, None] == torch.arange(M, device=gidx.device).view(1, M, 1)
@@ -316,7 +317,7 @@ def keep_topk2(gidx, align, ov, pos_align, pos_ov, k: int) -> None:
 def resolve(sel, cand, align, ov, pos_align, pos_ov) -> torch.Tensor:
     B, M, A = align.shape
     gidx = torch.empty(B, A, dtype=torch.int32, device=align.device)
-    launcher(resolve_kernel, (B * triton.cdiv(A, blocks.assign),), sel, cand, align, ov, gidx, pos_align,
+    launcher(resolve_kernel, (B * cdiv(A, blocks.assign),), sel, cand, align, ov, gidx, pos_align,
              pos_ov, A, M, BLOCK=blocks.assign, num_warps=4)
     return gidx
 
@@ -329,7 +330,7 @@ def target_scores(gidx, align, pos_align, pos_ov, gt, cfg: AssignConfig) -> Assi
     label = torch.empty(B, A, dtype=torch.int32, device=dev)
     tss = torch.empty((), dtype=torch.float32, device=dev)
     block = blocks.scores
-    grid = triton.cdiv(n, block)
+    grid = cdiv(n, block)
     partials, counter = scratch(dev, grid)
     launcher(scores_kernel, (grid,), gidx, align, pos_align, pos_ov, gt, t, label, tss, partials, counter,
              A, M, n, float(cfg.eps), BLOCK=block, num_warps=4)

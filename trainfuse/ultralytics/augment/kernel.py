@@ -44,6 +44,7 @@ import triton.language as tl
 
 from trainfuse._runtime import precompile
 from trainfuse._runtime.backend import interpreting, use_triton
+from trainfuse._runtime.launch import cdiv
 from trainfuse.ultralytics.augment.color import _tables, bgr_to_hsv, hsv_to_bgr
 
 BORDER = 114
@@ -359,7 +360,7 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
         return out
     sdiv, hdiv = _hsv_tables(packed.device)
     block = INTERPRETER_BLOCK if interpreting() else _BLOCK
-    grid = (triton.cdiv(h_out * w_out, block), n)
+    grid = (cdiv(h_out * w_out, block), n)
     args = (packed.reshape(-1) if packed.numel() else packed.new_zeros(1), table.contiguous(),
             luts.contiguous() if luts is not None else packed.new_zeros(1), sdiv, hdiv, out,
             h_out, w_out, w_out - w_out % vector_block if vector_block > 0 else 0)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from trainfuse._runtime import precompile
 from trainfuse._runtime.backend import use_triton
+from trainfuse._runtime.launch import next_power_of_2
 
 
 # ---- kernel -------------------------------------------------------------------------------------
@@ -59,8 +60,8 @@ def match_kernels(iou: torch.Tensor, nlabels: torch.Tensor, count: torch.Tensor,
     tp = torch.zeros(B, D, T, dtype=torch.int8, device=iou.device)
     if B == 0 or D == 0 or M == 0 or T == 0:
         return tp.bool()
-    m_pad = triton.next_power_of_2(M)
-    t_pad = triton.next_power_of_2(T)
+    m_pad = next_power_of_2(M)
+    t_pad = next_power_of_2(T)
     # the claimed table and a column of it per register: ~32 values a thread
     warps = min(16, max(1, m_pad * t_pad // 1024))
     thresholds = thresholds.to(iou.device, torch.float32).contiguous()
