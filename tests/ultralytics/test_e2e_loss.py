@@ -257,7 +257,9 @@ def test_topk2_kernel_matches_torch_assigner(topk2, kernels, small_blocks, garba
         raise AssertionError("no inputs in 50 draws where the second k drops an anchor of largest overlap")
     got = tal.assign_kernels(*args, cfg)
     assert torch.equal(got.gidx, want.gidx) and torch.equal(got.label, want.label)
-    torch.testing.assert_close(got.t, want.t, rtol=1e-5, atol=1e-9)
+    # t = align * (largest overlap) / (largest align): three factors, each within 1e-5 of torch's
+    # (test_loss.py bounds the metric so), so within 3e-5 (as test_loss.py bounds t)
+    torch.testing.assert_close(got.t, want.t, rtol=3e-5, atol=1e-9)
     torch.testing.assert_close(got.tss, want.tss, rtol=1e-6, atol=0)
     per_gt = torch.stack([(got.gidx == g).sum(1) for g in range(M)], 1)
     assert per_gt.max() == topk2 and (got.gidx >= 0).sum() < (first_only.gidx >= 0).sum()
