@@ -253,11 +253,13 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_
                              sdux_ptr, cnt_ptr, dw_ptr, db_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, hN,
                              hC, hS, SPLIT, tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr,
                              BC: tl.constexpr, UNROLL: tl.constexpr, EVEN_S: tl.constexpr,
-                             MASKED: tl.constexpr, PART: tl.constexpr, REL32: tl.constexpr):
+                             MASKED: tl.constexpr, PART: tl.constexpr, REL32: tl.constexpr,
+                             G_SAME: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel
     at ``[i, c]``; the last of channel block ``j``'s ``P`` programs to arrive adds them up in a
     fixed order into ``dw`` and ``db``. ``dy``'s channels from ``SPLIT`` on are ``dy1``'s (C, and
-    ``dy`` again, for one part); the tiles walked as the statistics walk them."""
+    ``dy`` again, for one part); the tiles walked as the statistics walk them. ``G_SAME``: one
+    part laid out as ``x``, read at ``x``'s offsets."""
     i, j, c = tiles.program(CB, BC)
     cm = c < C
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
@@ -271,7 +273,10 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_
         gp, gN_, gC_, gS_, cg = tiles.block_part(j, c, SPLIT, dy_ptr, dy1_ptr, gN, gC, gS, hN, hC, hS, BC)
     else:  # (PART 2 reads its addresses tile by tile)
         gp, gN_, gC_, gS_, cg = dy_ptr, gN, gC, gS, c
-    rel_g = tiles.tile_offsets(cg, gC_, gS_, BR, REL32)
+    if G_SAME:  # dy laid out as x: the same offsets (fewer registers held across the loop)
+        rel_g = rel
+    else:
+        rel_g = tiles.tile_offsets(cg, gC_, gS_, BR, REL32)
     sdu = tl.zeros([BR, BC], tl.float32)
     sdux = tl.zeros([BR, BC], tl.float32)
     grouped = valid // UNROLL * UNROLL
@@ -485,7 +490,7 @@ class _BatchNormSiLU(torch.autograd.Function):
         launcher(bn_silu_grad_sums_kernel, (P * rcb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
                  _counters(x.device, rcb), *sums, C, rcb, S, rnsb, N * rnsb, *x.stride(), *dy.stride(),
                  *dy1.stride(), split, per, P, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
-                 UNROLL=rc.unroll, num_warps=rc.num_warps,
+                 UNROLL=rc.unroll, num_warps=rc.num_warps, G_SAME=split >= C and dy.stride() == x.stride(),
                  **_flags(rc, C, S, x.stride(), dy.stride(), dy1.stride(), split=split))
         cfg = _config(x.stride(), C)
         cb = cdiv(C, cfg.channels)
