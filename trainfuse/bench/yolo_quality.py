@@ -11,10 +11,11 @@ for detection, :func:`~trainfuse.ultralytics.task_shapes.make_task_dataset`'s fo
 pose, OBB and classification models); ``--seeds`` are ultralytics' training ``seed=``. The variants:
 
 - ``stock``: ultralytics' trainer of the model's task (DetectionTrainer, SegmentationTrainer, ...);
-- ``trainfuse``: the fused trainer of that task (:func:`~trainfuse.ultralytics.trainer_for`), every
-  change on (``fused_loss=True`` included);
+- ``trainfuse``: the fused trainer of that task (:func:`~trainfuse.ultralytics.trainer_for`), with
+  its defaults (``fused_loss=True`` included);
 - ``no-graphs``, ``no-casts``, ``stock-loss``: that fused trainer with ``cuda_graphs``,
-  ``fuse_casts`` or ``fused_loss`` False, to tell which change moves the mAP if one does.
+  ``fuse_casts`` or ``fused_loss`` False, to tell which change moves the mAP if one does;
+- ``fuse-blocks``: that fused trainer with ``fuse_blocks=True`` (off by default).
 
 Measures mAP50 and mAP50-95 of each run's final validation (best.pt: of the masks for segmentation,
 of the keypoints for pose, and for those two the boxes' mAP50-95 too; top-1 and top-5 accuracy for
@@ -51,7 +52,8 @@ from trainfuse.bench._common import (
 
 # variant -> the fused trainer's class attributes it changes (None: ultralytics' own trainer)
 VARIANTS = {"stock": None, "trainfuse": {"fused_loss": True}, "no-graphs": {"cuda_graphs": False},
-            "no-casts": {"fuse_casts": False}, "stock-loss": {"fused_loss": False}}
+            "no-casts": {"fuse_casts": False}, "stock-loss": {"fused_loss": False},
+            "fuse-blocks": {"fuse_blocks": True}}
 DATA_SEED = 0  # every run trains and validates on the same images; --seeds only vary training
 MAP_DELTA_GOAL = 0.01  # 1 point of mAP
 RESULT = "RESULT "  # prefix of the child's one line of results
