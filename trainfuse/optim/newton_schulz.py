@@ -183,11 +183,19 @@ def _read(mat, col, i, j, r, c, tall, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _lerp(a, b, w):
-    """``torch.lerp(a, b, w)``: its two formulas, as its CUDA kernel writes them (compiled, the
-    multiply and the add fuse as nvcc fuses them there)."""
+def _lerp(a, b, w, EXACT_FMA: tl.constexpr):
+    """``torch.lerp(a, b, w)``: its two formulas, each one fused multiply-add, as torch's CUDA
+    kernel (nvcc) and its vectorized CPU kernel compute them. The interpreter's ``fma`` rounds
+    twice, so there (``EXACT_FMA``) the product and the sum are formed in float64, where the
+    product of two float32 numbers is exact, and rounded once to float32."""
     d = b - a
-    return tl.where(w < 0.5, a + w * d, b - d * (1.0 - w))
+    if EXACT_FMA:
+        d64 = d.to(tl.float64)
+        w64 = tl.cast(w, tl.float64)
+        small = a.to(tl.float64) + w64 * d64
+        large = b.to(tl.float64) - d64 * (1.0 - w64)
+        return tl.where(w < 0.5, small, large).to(tl.float32)
+    return tl.where(w < 0.5, tl.fma(w, d, a), tl.fma(-d, 1.0 - w, b))
 
 
 @triton.jit
@@ -198,7 +206,8 @@ def _gather(mats, tiles, X, mu_ptr, mu, rest, FROM: tl.constexpr, BLEND: tl.cons
     # float32 matrix at address mats[FROM]; with BLEND, torch.optim.Muon's blend of the momentum
     # (at mats[_MOMENTUM]) and the grads (at mats[FROM]): u = m.lerp(g, 1 - mu), g.lerp(u, mu)
     # for Nesterov; mu and 1 - mu as float32 from the float64 at mu_ptr (MU_ON_DEVICE) or as given
-    # RNE: round to nearest even by hand (the interpreter's conversion truncates; the GPU's rounds)
+    # RNE (the interpreter): round to nearest even by hand (the interpreter's conversion truncates;
+    # the GPU's rounds) and fused multiply-adds formed exactly
     _, mat, i, j, M, N, r, c, tall = _tile_of(mats, tiles, ALIGNED, TILE)
     x = _read(mat, FROM, i, j, r, c, tall, ALIGNED)
     if BLEND:
@@ -206,9 +215,9 @@ def _gather(mats, tiles, X, mu_ptr, mu, rest, FROM: tl.constexpr, BLEND: tl.cons
             m64 = tl.load(mu_ptr)
             mu = m64.to(tl.float32)
             rest = (1.0 - m64).to(tl.float32)
-        u = _lerp(_read(mat, _MOMENTUM, i, j, r, c, tall, ALIGNED), x, rest)
+        u = _lerp(_read(mat, _MOMENTUM, i, j, r, c, tall, ALIGNED), x, rest, RNE)
         if NESTEROV:
-            x = _lerp(x, u, mu)
+            x = _lerp(x, u, mu, RNE)
         else:
             x = u
     if RNE:
