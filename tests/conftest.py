@@ -79,6 +79,24 @@ def kernels(monkeypatch):
     return config
 
 
+def pytest_addoption(parser):
+    parser.addoption("--kernel-manifest", metavar="DIR", default=None,
+                     help="write the kernel specializations the interpreter launches to DIR, for "
+                          "python -m trainfuse._runtime.cross_compile DIR (tests/_kernel_record.py)")
+
+
+def pytest_configure(config):
+    folder = config.getoption("--kernel-manifest")
+    if folder is not None:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise pytest.UsageError("--kernel-manifest records the Triton interpreter's launches: "
+                                    "run it on a machine without CUDA")
+        from tests import _kernel_record
+
+        os.makedirs(folder, exist_ok=True)
+        _kernel_record.install()
+
+
 def pytest_report_header(config):
     import triton
 
@@ -99,6 +117,11 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
+    folder = config.getoption("--kernel-manifest")
+    if folder is not None:
+        from tests import _kernel_record
+
+        _kernel_record.save(folder)
     for folder in (_YOLO_CONFIG, _CACHE):
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)

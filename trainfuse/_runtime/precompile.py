@@ -444,10 +444,16 @@ def resolve(e: dict):
     return obj
 
 
+def constexprs_of(e: dict) -> dict:
+    """An entry's constexprs as a launch passes them (Triton dtypes, JIT functions, ``tl.constexpr``
+    objects back from their JSON form)."""
+    return {k: _unconst(v) for k, v in e["constexprs"].items()}
+
+
 def compile_entry(e: dict) -> None:
     """Compile one entry into Triton's cache, its launcher too."""
     fn = resolve(e)
-    constexprs = {k: _unconst(v) for k, v in e["constexprs"].items()}
+    constexprs = constexprs_of(e)
     jit_keys.settle(fn, *constexprs.values())  # the keys the run's launch computes (jit_keys)
     kernel = fn.warmup(*[mock_arg(s) for s in e["args"]], grid=(1,), num_warps=e["num_warps"],
                        **constexprs, **e.get("options", {}))

@@ -1,0 +1,142 @@
+"""Compiling kernel specializations for a CUDA GPU this machine does not have.
+
+The CPU tier drives every kernel through Triton's interpreter, which runs the kernel's Python on
+NumPy arrays: a kernel the interpreter runs may still fail to compile for a GPU (a block shape or
+a ``tl.dot`` size the code generator refuses, a type it cannot convert, more shared memory than
+the GPU has). Triton needs no GPU to compile: its code generator, LLVM and ``ptxas`` ship with it.
+This module compiles :mod:`~trainfuse._runtime.precompile` manifest entries (a kernel, what its
+arguments specialize on, its constexprs and launch options) for a named CUDA architecture.
+
+The entries come from a shipped manifest, from a machine's recorded ones, or from the CPU suite
+itself: ``python -m pytest --kernel-manifest DIR`` writes one entry per specialization the
+interpreter launched (``tests/_kernel_record.py``), then::
+
+    python -m trainfuse._runtime.cross_compile DIR [--arch 90] [--jobs 2]
+
+compiles each to a cubin, prints the ones that failed with their errors, and exits with their
+count. It checks compiling, nothing that running on the GPU would show (numerics, speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import sys
+from pathlib import Path
+
+from trainfuse._runtime import precompile
+
+# torch dtype names (as manifest entries hold them) and Triton's pointer element types
+_TRITON_TYPES = {
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
+    "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1",
+    "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
+}
+_DIVISIBLE = [["tt.divisibility", 16]]
+# constexprs that only the interpreter sets (its rounding and fused multiply-adds emulated by hand),
+# and the value a GPU launch passes: an entry recorded under the interpreter compiles as the GPU's
+INTERPRETER_ONLY = {"RNE": False, "UPCAST": False}
+
+
+def source(e: dict):
+    """Triton's compile input for entry ``e``: its kernel, the signature and the specialization
+    attributes a launch with such arguments gets (16-byte aligned pointers and integers divisible
+    by 16 marked so, integers equal to 1 made constants), its constexprs with the kernel's
+    defaults for those the launch left out."""
+    from triton.compiler import ASTSource
+
+    fn = precompile.resolve(e)
+    given = precompile.constexprs_of(e)
+    given.update((k, v) for k, v in INTERPRETER_ONLY.items() if k in given)
+    unspecialized = {p.name for p in fn.params if p.do_not_specialize}
+    signature, constants, attrs = {}, {}, {}
+    args = iter(e["args"])
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            if p.name not in given and not p.has_default:
+                raise ValueError(f"{e['fn']}: constexpr {p.name!r} has no value and no default")
+            signature[p.name] = "constexpr"
+            constants[(i,)] = given[p.name] if p.name in given else p.default
+            continue
+        spec = next(args)
+        if spec[0] == "tensor":
+            signature[p.name] = "*" + _TRITON_TYPES[spec[1]]
+            if spec[2]:
+                attrs[(i,)] = _DIVISIBLE
+        elif spec[0] == "int":
+            _, one, by16, wide = spec
+            if one and p.name not in unspecialized:
+                signature[p.name], constants[(i,)] = "constexpr", 1
+                continue
+            signature[p.name] = "i64" if wide else "i32"
+            if by16 and p.name not in unspecialized:
+                attrs[(i,)] = _DIVISIBLE
+        else:
+            signature[p.name] = "fp32"
+    return ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+
+
+def compile_for(e: dict, arch: int) -> dict:
+    """Compile entry ``e`` for CUDA architecture ``arch`` (90: Hopper) down to its cubin; returns
+    its metadata: registers are not known before loading, so the shared memory in bytes and the
+    cubin's size."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    options = {"num_warps": e.get("num_warps", 4), **e.get("options", {})}
+    kernel = triton.compile(source(e), target=GPUTarget("cuda", arch, 32), options=options)
+    return {"shared": kernel.metadata.shared, "cubin_bytes": len(kernel.asm["cubin"])}
+
+
+def entries_in(path: Path) -> list[dict]:
+    """The distinct entries of a manifest file, or of every ``*.json`` manifest under a folder."""
+    path = Path(path)
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    seen: dict[str, dict] = {}
+    for f in files:
+        for e in precompile.load(f):
+            seen.setdefault(json.dumps(e, sort_keys=True), e)
+    return list(seen.values())
+
+
+def _one(args: tuple[dict, int]) -> tuple[dict, str | None]:
+    e, arch = args
+    try:
+        compile_for(e, arch)
+    except Exception as error:  # noqa: BLE001 - every failure is reported, none stops the others
+        text = f"{type(error).__name__}: {error}".strip()
+        return e, text[:4000]
+    return e, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainfuse._runtime.cross_compile",
+                                     description="compile manifest entries for a CUDA GPU, no GPU needed")
+    parser.add_argument("manifest", type=Path, help="a manifest file, or a folder of them")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, 90 for sm_90")
+    parser.add_argument("--jobs", type=int, default=1, help="compiling processes")
+    args = parser.parse_args(argv)
+    entries = entries_in(args.manifest)
+    if not entries:
+        print(f"no manifest entries in {args.manifest}")
+        return 1
+    work = [(e, args.arch) for e in entries]
+    if args.jobs > 1:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(_one, work))
+    else:
+        results = [_one(w) for w in work]
+    failed = [(e, error) for e, error in results if error is not None]
+    kernels = {e["fn"] for e in entries}
+    print(f"{len(entries) - len(failed)} of {len(entries)} specializations of {len(kernels)} kernels "
+          f"compiled for sm_{args.arch}")
+    for e, error in failed:
+        consts = ", ".join(f"{k}={v}" for k, v in sorted(e["constexprs"].items()))
+        print(f"FAILED {e['fn']} ({consts}; num_warps={e.get('num_warps')})\n    "
+              + error.replace("\n", "\n    "))
+    return min(len(failed), 100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
