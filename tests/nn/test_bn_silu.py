@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from tests._helpers import cuda, cuda_kernel_names, no_host_sync
-from trainfuse.nn import bn_silu
-from trainfuse.nn.bn_silu import BNLaunch, batch_norm_silu, batch_norm_silu_torch
+from trainfuse.nn import bn_silu, bn_stats
+from trainfuse.nn.bn_silu import batch_norm_silu, batch_norm_silu_torch
+from trainfuse.nn.bn_stats import BNLaunch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS32 = torch.finfo(torch.float32).eps
@@ -30,11 +31,11 @@ def small_tiles(kernels, monkeypatch):
     make several programs of several tiles. channels_last's reductions tile otherwise than its
     elementwise kernels (other channel blocks, other rows, three tiles a loop turn)."""
     if DEVICE.type == "cpu":
-        monkeypatch.setattr(bn_silu, "CONTIGUOUS", BNLaunch(rows=8, channels=4, programs_per_sm=1))
+        monkeypatch.setattr(bn_stats, "CONTIGUOUS", BNLaunch(rows=8, channels=4, programs_per_sm=1))
         reduce = BNLaunch(rows=2, channels=16, programs_per_sm=1, unroll=3)
-        monkeypatch.setattr(bn_silu, "CHANNELS_LAST",
+        monkeypatch.setattr(bn_stats, "CHANNELS_LAST",
                             BNLaunch(rows=4, channels=8, programs_per_sm=1, reduce=reduce))
-        monkeypatch.setattr(bn_silu, "FINALIZE_ROWS", 2)
+        monkeypatch.setattr(bn_stats, "FINALIZE_ROWS", 2)
 
 
 MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
@@ -270,7 +271,7 @@ def test_split_refuses_what_has_no_two_halves():
 
 
 def _forced_general(flags):
-    """``bn_silu._flags`` made to pick the kernels' general paths: masks, per-element counts,
+    """``bn_stats.flags`` made to pick the kernels' general paths: masks, per-element counts,
     channel-by-channel parts, 64-bit offsets."""
     def general(*args, **kwargs):
         chosen = flags(*args, **kwargs)
@@ -291,8 +292,8 @@ def test_whole_tiles_skip_the_masks_and_give_the_general_paths_bits(monkeypatch,
     shape = (2, 32, 4, 4) if DEVICE.type == "cpu" else (2, 128, 16, 16)  # whole tiles either way
     x, w, b, rm, rv, dy = make(shape, dtype, channels_last)
     chosen = []
-    natural = bn_silu._flags
-    monkeypatch.setattr(bn_silu, "_flags", lambda *a, **k: chosen.append(natural(*a, **k)) or chosen[-1])
+    natural = bn_stats.flags
+    monkeypatch.setattr(bn_stats, "flags", lambda *a, **k: chosen.append(natural(*a, **k)) or chosen[-1])
 
     def run():
         xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
@@ -308,6 +309,6 @@ def test_whole_tiles_skip_the_masks_and_give_the_general_paths_bits(monkeypatch,
     fast = run()
     assert chosen and all(not f["MASKED"] and f["EVEN_S"] and f["REL32"] for f in chosen), chosen
     assert {f.get("PART") for f in chosen} == ({None, 1} if split else {None, 0})
-    monkeypatch.setattr(bn_silu, "_flags", _forced_general(natural))
+    monkeypatch.setattr(bn_stats, "flags", _forced_general(natural))
     for got, want in zip(run(), fast):
         assert torch.equal(got, want)
