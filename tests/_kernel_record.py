@@ -1,5 +1,5 @@
-"""What kernels the CPU tier launches, as manifest entries: ``python -m pytest --kernel-manifest
-DIR`` writes one manifest per test process into DIR, each entry one specialization the Triton
+"""What kernels the CPU tier launches, as manifest entries: ``TRAINFUSE_KERNEL_MANIFEST=DIR
+python -m pytest`` writes one manifest per test process into DIR, each entry one specialization the Triton
 interpreter ran (its kernel, its arguments' types and alignment, its constexprs, ``num_warps``),
 for :mod:`trainfuse._runtime.cross_compile` to compile for a GPU. Tests only: it wraps the
 interpreter's launch (``InterpretedFunction.run``); a launch whose specialization no entry can

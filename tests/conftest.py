@@ -79,21 +79,19 @@ def kernels(monkeypatch):
     return config
 
 
-def pytest_addoption(parser):
-    parser.addoption("--kernel-manifest", metavar="DIR", default=None,
-                     help="write the kernel specializations the interpreter launches to DIR, for "
-                          "python -m trainfuse._runtime.cross_compile DIR (tests/_kernel_record.py)")
+# TRAINFUSE_KERNEL_MANIFEST=DIR: write the kernel specializations the interpreter launches to DIR,
+# for python -m trainfuse._runtime.cross_compile DIR (tests/_kernel_record.py)
+KERNEL_MANIFEST = os.environ.get("TRAINFUSE_KERNEL_MANIFEST")
 
 
 def pytest_configure(config):
-    folder = config.getoption("--kernel-manifest")
-    if folder is not None:
+    if KERNEL_MANIFEST:
         if os.environ.get("TRITON_INTERPRET") != "1":
-            raise pytest.UsageError("--kernel-manifest records the Triton interpreter's launches: "
-                                    "run it on a machine without CUDA")
+            raise pytest.UsageError("TRAINFUSE_KERNEL_MANIFEST records the Triton interpreter's launches: "
+                                    "run the tests on a machine without CUDA")
         from tests import _kernel_record
 
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(KERNEL_MANIFEST, exist_ok=True)
         _kernel_record.install()
 
 
@@ -117,11 +115,10 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
-    folder = config.getoption("--kernel-manifest")
-    if folder is not None:
+    if KERNEL_MANIFEST:
         from tests import _kernel_record
 
-        _kernel_record.save(folder)
+        _kernel_record.save(KERNEL_MANIFEST)
     for folder in (_YOLO_CONFIG, _CACHE):
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)

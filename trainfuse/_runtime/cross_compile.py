@@ -8,7 +8,7 @@ This module compiles :mod:`~trainfuse._runtime.precompile` manifest entries (a k
 arguments specialize on, its constexprs and launch options) for a named CUDA architecture.
 
 The entries come from a shipped manifest, from a machine's recorded ones, or from the CPU suite
-itself: ``python -m pytest --kernel-manifest DIR`` writes one entry per specialization the
+itself: ``TRAINFUSE_KERNEL_MANIFEST=DIR python -m pytest`` writes one entry per specialization the
 interpreter launched (``tests/_kernel_record.py``), then::
 
     python -m trainfuse._runtime.cross_compile DIR [--arch 90] [--jobs 2]
