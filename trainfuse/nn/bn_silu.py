@@ -265,8 +265,10 @@ def batch_norm_silu_torch(x: Tensor, running_mean: Tensor | None, running_var: T
     return F.silu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps))
 
 
-def _check(x, running_mean, running_var, weight, bias, training) -> None:
-    fn = "batch_norm_silu"
+def check(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None,
+          bias: Tensor | None, training: bool, fn: str = "batch_norm_silu") -> None:
+    """Raise ``ValueError`` naming the argument (and ``fn``) where the arguments are not what
+    ``F.batch_norm`` takes."""
     if x.dim() < 2:
         raise ValueError(f"{fn}: x must be (N, C, ...); got shape {tuple(x.shape)}")
     C = x.shape[1]
@@ -306,7 +308,7 @@ def batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: Tensor 
     Returns:
         ``y`` in ``x``'s dtype and memory format.
     """
-    _check(x, running_mean, running_var, weight, bias, training)
+    check(x, running_mean, running_var, weight, bias, training)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.numel() == 0 or not use_triton(
             x.device):
         return batch_norm_silu_torch(x, running_mean, running_var, weight, bias, training, momentum, eps)
@@ -323,7 +325,7 @@ def split_batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: T
     halves' grads where they are, with no copy side by side (the kernels take the second part's
     address and strides). Where :func:`batch_norm_silu` takes torch's path, the halves are
     ``chunk``'s views."""
-    _check(x, running_mean, running_var, weight, bias, training)
+    check(x, running_mean, running_var, weight, bias, training)
     if x.dim() != 4 or x.shape[1] % 2:
         raise ValueError(f"split_batch_norm_silu: x must be (N, C, H, W) with an even C; got shape "
                          f"{tuple(x.shape)}")
@@ -335,5 +337,5 @@ def split_batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: T
                   True)
 
 
-__all__ = ["batch_norm_silu", "batch_norm_silu_torch", "bn_silu_apply_kernel", "bn_silu_dx_kernel",
+__all__ = ["batch_norm_silu", "batch_norm_silu_torch", "check", "bn_silu_apply_kernel", "bn_silu_dx_kernel",
            "bn_silu_grad_sums_kernel", "split_batch_norm_silu"]
