@@ -92,7 +92,14 @@ def test_only_conv_batchnorm_silu_blocks_are_fusable():
 
 
 @pytest.mark.cpu_training
-def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps(monkeypatch):
+@pytest.mark.parametrize(("cfg", "concat", "changed"),
+                         [("yolov8n-cls.yaml", False, 4), ("yolov8n-cls.yaml", True, 4),
+                          ("yolo11n-cls.yaml", True, 6)],
+                         ids=["yolov8n-halves", "yolov8n-concat", "yolo11n-concat"])
+def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps(monkeypatch, cfg, concat,
+                                                                             changed):
+    """The ultralytics client's fusing, with C2f's halves dense, or with every C2f and C3 block's
+    concatenation written in place (yolov8n: C2f with shortcuts; yolo11n: C3k2 holding C3k)."""
     pytest.importorskip("ultralytics")
     # float32 convolutions in float32 (cuDNN's default is TF32, whose rounding the 26 BatchNorms
     # amplify past the bound below) and the same algorithms in both models
@@ -107,21 +114,22 @@ def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps(monk
     # what a CPU run of this test costs)
     from trainfuse.ultralytics.changes.blocks import fuse_model, unfuse_model
 
-    stock = ClassificationModel("yolov8n-cls.yaml", nc=2, verbose=False).to(DEVICE).train()
+    stock = ClassificationModel(cfg, nc=2, verbose=False).to(DEVICE).train()
     fused = copy.deepcopy(stock)
-    # the ultralytics client's fusing: every Conv block, and the C2f blocks' cv1 as two dense halves
-    blocks, c2f = fuse_model(fused)
-    assert len(blocks) == sum(type(m) is Conv for m in fused.modules()) > 20 and len(c2f) == 4
+    blocks, c2f = fuse_model(fused, concat)
+    silu = [m for m in fused.modules() if type(m) is Conv and type(m.act) is nn.SiLU]  # not attention's
+    assert len(blocks) == len(silu) > 20 and len(c2f) == changed
     x = torch.rand(2, 3, 64, 64, device=DEVICE)
     for model in (stock, fused):
         (model(x).float() ** 2).mean().backward()
     # float32 rounding differs (the fused op's sums in another order), and 20-odd BatchNorms over
     # as few as 8 values a channel (the deepest layers at 64 px) amplify it: each grad within 1e-3
-    # of its norm
+    # of its norm; grads that are zero in exact arithmetic (yolo11n's attention: a BatchNorm's bias
+    # read only through the next normalization) come out as float32 noise of norm ~1e-8 in both
     grads = {n: p.grad for n, p in stock.named_parameters()}
     for name, p in fused.named_parameters():
-        gap = (p.grad - grads[name]).norm() / grads[name].norm().clamp_min(1e-12)
-        assert gap < 1e-3, f"{name}: relative gap {gap:.2e}"
+        gap = (p.grad - grads[name]).norm()
+        assert gap < 1e-3 * grads[name].norm() + 1e-7, f"{name}: gap {gap:.2e} of {grads[name].norm():.2e}"
     for (name, a), (_, b) in zip(stock.named_buffers(), fused.named_buffers()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     unfuse_model(blocks, c2f)

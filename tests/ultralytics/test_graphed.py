@@ -253,6 +253,25 @@ def test_graph_replay_trains_exactly_like_eager(tmp_path_factory, model, optimiz
         assert graphed_metrics[epoch] == pytest.approx(items, rel=1e-4, abs=1e-5), epoch
 
 
+@cuda
+@pytest.mark.parametrize("concat", ["0", "1"], ids=["halves", "concat-in-place"])
+def test_fused_blocks_replay_trains_exactly_like_eager(tmp_path_factory, monkeypatch, concat):
+    """``fuse_blocks=True`` on yolo11n (C3k2 blocks holding C3k ones), with C2f's halves dense or
+    with every C2f and C3 block's concatenation written in place (TRAINFUSE_FUSE_CONCAT=1): the
+    blocks' kernels replayed from graphs train bit for bit as eagerly."""
+    monkeypatch.setenv("TRAINFUSE_FUSE_CONCAT", concat)
+    root = tmp_path_factory.mktemp("shapes200")
+    data = str(make_shapes_dataset(root, n_train=40, n_val=8, imgsz=64, seed=1))
+    project = tmp_path_factory.mktemp("runs")
+    eager, eager_rec, _ = _gpu_run(data, project, False, "yolo11n.yaml", fuse_blocks=True)
+    graphed, graphed_rec, _ = _gpu_run(data, project, True, "yolo11n.yaml", fuse_blocks=True)
+    row = {r.kind: r for r in graphed.trainer.report}["blocks"]
+    assert row.action == "on" and (" C2f and C3 blocks: each branch" in row.detail) == (concat == "1")
+    assert graphed.trainer.graph_stats.replays >= 150
+    _same_training(eager, graphed, eager_rec, graphed_rec)
+    assert not any("forward" in vars(m) for m in graphed.trainer.model.modules())
+
+
 # On an H200 (torch 2.11) the YOLO26 pose run replayed from graphs leaves the eager one at iteration
 # 18 of 200 by one float32 ulp of the loss (126.70658875 against 126.70658112) and stays apart; two
 # eager runs are equal throughout, so the difference is how a kernel computes under capture, not a

@@ -55,6 +55,11 @@ class FusedBlocksStepTrainer(FusedStepTrainer):
     fuse_blocks = True
 
 
+class FusedConcatStepTrainer(FusedBlocksStepTrainer):
+    """FusedBlocksStepTrainer run with ``TRAINFUSE_FUSE_CONCAT=1``: the C3 blocks' concatenations
+    written in place (on CPU by torch's ops and copies into the buffer)."""
+
+
 STEPS_IN_TWO_EPOCHS = 5  # optimizer steps of the runs below (warmup ramps accumulate from 1 to 2)
 CLIPPED = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
 GAIN = 0.1  # see the module docstring
@@ -445,6 +450,19 @@ def test_fuse_blocks_swaps_every_conv_block_and_gives_it_back(runs):
     assert upsampling.action == "off" and upsampling.detail == "no AMP on CUDA: autocast casts nothing"
     off = {r.kind: r for r in plain.trainer.report}["blocks"]
     assert off.action == "off" and off.detail == "fuse_blocks=False"
+
+
+@pytest.mark.cpu_training
+def test_concatenations_written_in_place_train_like_stock_and_come_back(runs, monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_FUSE_CONCAT", "1")
+    plain, concat = runs(FusedStepTrainer), runs(FusedConcatStepTrainer)
+    # the same values; the grads of a branch read twice are summed in another order
+    torch.testing.assert_close(concat.losses, plain.losses, rtol=1e-5, atol=1e-6)
+    _assert_same_state(concat.trainer.model, plain.trainer.model, rtol=1e-4, atol=1e-6)
+    row = {r.kind: r for r in concat.trainer.report}["blocks"]
+    csp = sum(type(m).__name__ == "C3" for m in concat.trainer.model.modules())
+    assert csp == 8 and f"; {csp} C2f and C3 blocks: each branch written into its slice" in row.detail
+    assert not any("forward" in m.__dict__ for m in concat.trainer.model.modules())  # given back
 
 
 @pytest.mark.cpu_training

@@ -19,6 +19,7 @@ from ultralytics.nn.modules.conv import Conv
 
 from trainfuse.clients import ON, Row
 from trainfuse.nn import conv_block
+from trainfuse.ultralytics.changes import concat_free
 from trainfuse.ultralytics.changes.base import Change, Run
 
 
@@ -44,12 +45,18 @@ class _HalvesForward(conv_block.InstanceForward):
         return block.cv2(torch.cat(y, 1))
 
 
-def fuse_model(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+def fuse_model(model: nn.Module, concat: bool = False) -> tuple[list[nn.Module], list[nn.Module]]:
     """Every fusable ``Conv`` block of ``model`` fused, and its C2f blocks given ``cv1``'s dense
-    halves (module docstring); returns the Conv blocks and the C2f blocks changed, for
-    :func:`unfuse_model`."""
+    halves (module docstring), or with ``concat`` its C2f and C3 blocks their concatenations
+    written in place (:mod:`~trainfuse.ultralytics.changes.concat_free`); returns the Conv blocks
+    and the C2f / C3 blocks changed, for :func:`unfuse_model`."""
     c2f = _c2f_blocks(model)  # before their cv1 takes its fused forward
     blocks = [m for m in _blocks(model) if conv_block.install(m)]
+    if concat:
+        csp = concat_free.blocks(model)
+        for block in csp:
+            concat_free.install(block)
+        return blocks, csp
     for block in c2f:
         block.forward = _HalvesForward(block)
     return blocks, c2f
@@ -60,6 +67,7 @@ def unfuse_model(blocks: list[nn.Module], c2f: list[nn.Module]) -> None:
     for block in c2f:
         if isinstance(block.__dict__.get("forward"), _HalvesForward):
             del block.forward
+        concat_free.uninstall(block)
     for block in blocks:
         conv_block.uninstall(block)
 
@@ -73,6 +81,7 @@ class FuseBlocks(Change):
         self.on = on
         self._blocks: list[nn.Module] = []
         self._c2f: list[nn.Module] = []
+        self._concat = False
 
     @override
     def name(self, run: Run) -> str:
@@ -90,14 +99,20 @@ class FuseBlocks(Change):
 
     @override
     def apply(self, run: Run) -> None:
-        self._blocks, self._c2f = fuse_model(run.model)
+        self._concat = concat_free.enabled()
+        self._blocks, self._c2f = fuse_model(run.model, self._concat)
 
     @override
     def rows(self, run: Run) -> list[Row]:
         if not self._blocks:
             return []
-        halves = (f"; {len(self._c2f)} C2f blocks: cv1's two halves written as two dense tensors (no copy "
-                  "before the first bottleneck)") if self._c2f else ""
+        if self._concat:
+            halves = (f"; {len(self._c2f)} C2f and C3 blocks: each branch written into its slice of the "
+                      "concatenation by its last BatchNorm (no torch.cat; TRAINFUSE_FUSE_CONCAT=1)")
+        else:
+            halves = (f"; {len(self._c2f)} C2f blocks: cv1's two halves written as two dense tensors (no "
+                      "copy before the first bottleneck)")
+        halves = halves if self._c2f else ""
         return [Row(self.kind, self.name(run), ON, f"{len(self._blocks)} Conv blocks: BatchNorm2d and SiLU "
                     "as one op (two launches forward, two backward; the BatchNorm's output is not kept)"
                     + halves)]
