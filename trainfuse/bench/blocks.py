@@ -13,9 +13,10 @@ beside its bytes (the launch, the reductions' last program adding up the partial
 Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultralytics detection
 model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
 torch runs it (contiguous, ultralytics' layout), in channels_last, with every ``Conv`` block's
-BatchNorm and SiLU as one op, and both: which route pays before the training loop is changed
-(the GPU time of the step replayed from a CUDA graph, and do_bench's time of the eager call).
-With ``--compile`` a fifth variant, ``torch.compile(model)`` in channels_last (inductor's own
+BatchNorm and SiLU as one op, both, and both with the C2f and C3 blocks' concatenations written in
+place (``TRAINFUSE_FUSE_CONCAT=1`` in the trainer): which route pays before the training loop is
+changed (the GPU time of the step replayed from a CUDA graph, and do_bench's time of the eager
+call). With ``--compile`` a sixth variant, ``torch.compile(model)`` in channels_last (inductor's own
 kernels, default mode: no CUDA graphs of its own), and the seconds its first call took to compile.
 ``python -m trainfuse.bench yolo --model yolo11m.yaml --fuse-blocks`` times the op in the loop."""
 
@@ -88,12 +89,13 @@ def _model_step(model: nn.Module, x: torch.Tensor):
     return run
 
 
-VARIANTS = ("contiguous", "channels_last", "fused blocks", "fused blocks, channels_last")
+CONCAT = "fused blocks, concatenations in place, channels_last"
+VARIANTS = ("contiguous", "channels_last", "fused blocks", "fused blocks, channels_last", CONCAT)
 COMPILED = "torch.compile, channels_last"
 
 
 def _models(report: dict, names: list[str], batch: int, compile_too: bool = False) -> None:
-    """Each model's training forward + backward in its four variants, and compiled with
+    """Each model's training forward + backward in its five variants, and compiled with
     ``compile_too`` (module docstring)."""
     from ultralytics.nn.tasks import DetectionModel
 
@@ -110,8 +112,8 @@ def _models(report: dict, names: list[str], batch: int, compile_too: bool = Fals
             if "channels_last" in variant:
                 model = model.to(memory_format=torch.channels_last)
                 x = x.contiguous(memory_format=torch.channels_last)
-            if "fused" in variant:  # as the trainer's fuse_blocks=True: C2f's halves dense too
-                fuse_model(model)
+            if "fused" in variant:  # as the trainer's fuse_blocks=True: C2f's halves dense too, or
+                fuse_model(model, concat=variant == CONCAT)  # the CSP blocks' concatenations in place
             if variant == COMPILED:
                 model = torch.compile(model)
                 start = time.perf_counter()

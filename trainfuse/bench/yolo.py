@@ -34,6 +34,7 @@ ours on those GPUs, and ours on one GPU for the scaling (:mod:`trainfuse.bench.y
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -61,6 +62,9 @@ def _parser():
     parser.add_argument("--fuse-blocks", action="store_true",
                         help="fuse_blocks=True: each Conv block's BatchNorm2d and SiLU as one op (off by "
                         "default)")
+    parser.add_argument("--fuse-concat", action="store_true",
+                        help="with --fuse-blocks, TRAINFUSE_FUSE_CONCAT=1: the C2f and C3 blocks' "
+                        "concatenations written in place (opt-in)")
     parser.add_argument("--gpu-augment", action="store_true",
                         help="gpu_augment=True: the training pixels augmented on the GPU even with the "
                         "bench's cache='ram' (segment, pose and OBB data too, which ask for it)")
@@ -142,6 +146,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
         workload += " gpu_augment=True"
     if args.fuse_blocks:
         workload += " fuse_blocks=True"
+    if args.fuse_concat:
+        workload += " TRAINFUSE_FUSE_CONCAT=1"
     print(f"\n{workload}, {args.epochs} epoch(s), ultralytics {version}")
     print(runs_table(runs))
     for kind, r in runs.items():
@@ -199,7 +205,7 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     if args.quick:
         note(report, "--quick: 1 epoch; the quality goals need the full run")
     name = family(args.model, args.optimizer, fused_loss=args.fused_loss, gpu_augment=args.gpu_augment,
-                  fuse_blocks=args.fuse_blocks)
+                  fuse_blocks=args.fuse_blocks, fuse_concat=args.fuse_concat)
     png = plot_runs(runs, out / f"{name}.png",
                     title=f"{workload}, {args.epochs} epoch(s), {report['device']}")
     print(f"plot: {png}")
@@ -281,6 +287,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         options["gpu_augment"] = True
     if args.fuse_blocks:
         options["fuse_blocks"] = True
+    if args.fuse_concat:
+        if not args.fuse_blocks:
+            raise SystemExit("--fuse-concat writes the concatenations from the fused blocks: add "
+                             "--fuse-blocks")
+        os.environ["TRAINFUSE_FUSE_CONCAT"] = "1"  # read when the trainer starts (stock ignores it)
     for kind in ("stock", "trainfuse"):
         runs[kind], trainers[kind] = train_run(kind, args, data, out / "yolo-runs", device=args.devices,
                                                **(options if kind == "trainfuse" else {}))
@@ -289,7 +300,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     _summarize(report, args, runs, ultralytics.__version__)
     report["_bench"] = "yolo"
     save_report(report, args.out, family(args.model, args.optimizer, fused_loss=args.fused_loss,
-                                         gpu_augment=args.gpu_augment, fuse_blocks=args.fuse_blocks))
+                                         gpu_augment=args.gpu_augment, fuse_blocks=args.fuse_blocks,
+                                         fuse_concat=args.fuse_concat))
     return report
 
 
@@ -313,15 +325,16 @@ def _dataset(args, task: str) -> str:
 
 
 def family(model: str, optimizer: str = "auto", devices: str = "0", fused_loss: bool = False,
-           gpu_augment: bool = False, fuse_blocks: bool = False) -> str:
+           gpu_augment: bool = False, fuse_blocks: bool = False, fuse_concat: bool = False) -> str:
     """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
     ``-<optimizer>`` appended for an optimizer other than ``auto``, ``-fused-loss`` with
     ``--fused-loss``, ``-gpu-augment`` with ``--gpu-augment``, ``-fuse-blocks`` with
-    ``--fuse-blocks``, ``-<N>gpus`` for DDP."""
+    ``--fuse-blocks`` (``-fuse-concat`` after it with ``--fuse-concat``), ``-<N>gpus`` for DDP."""
     name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
     name = name if optimizer == "auto" else f"{name}-{optimizer}"
     name = f"{name}-fused-loss" if fused_loss else name
     name = f"{name}-gpu-augment" if gpu_augment else name
     name = f"{name}-fuse-blocks" if fuse_blocks else name
+    name = f"{name}-fuse-concat" if fuse_concat else name
     n = len(devices.split(","))
     return name if n == 1 else f"{name}-{n}gpus"
