@@ -75,3 +75,18 @@ def test_interpreted_launches_compile_for_sm90_and_a_refused_kernel_is_named(tmp
     assert "2 of 3 specializations of 2 kernels compiled for sm_90" in out, out
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and "probe_kernels:scale_by_python" in failed[0], out
+
+
+def test_interpreter_only_constexprs_compile_with_the_gpus_values():
+    """An entry recorded under the interpreter names the interpreter's emulations (RNE, UPCAST)
+    and its own block sizes: compiled for a GPU, it takes what a GPU launch passes."""
+    from trainfuse._runtime.cross_compile import as_on_gpu
+    from trainfuse.ultralytics.augment.kernel import GPU_BLOCK, INTERPRETER_BLOCK
+
+    e = {"fn": "trainfuse.ultralytics.augment.kernel:_augment_kernel", "args": [], "num_warps": 4,
+         "constexprs": {"BLOCK": INTERPRETER_BLOCK, "HSV": True}}
+    assert as_on_gpu(e)["constexprs"] == {"BLOCK": GPU_BLOCK, "HSV": True}
+    e = {"fn": "trainfuse.optim.newton_schulz:_gather", "args": [], "num_warps": 4,
+         "constexprs": {"RNE": True, "TILE": 64}}
+    assert as_on_gpu(e)["constexprs"] == {"RNE": False, "TILE": 64}
+    assert e["constexprs"]["RNE"] is True  # the recorded entry is left as it was

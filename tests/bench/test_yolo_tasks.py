@@ -37,7 +37,8 @@ def test_results_are_named_by_model_optimizer_fused_loss_and_gpus():
     assert yolo.family("yolo11n-seg.yaml", fused_loss=True) == "yolo-yolo11n-seg-fused-loss"
     assert yolo.family("yolo11n-pose.yaml", gpu_augment=True) == "yolo-yolo11n-pose-gpu-augment"
     assert yolo.family("yolo11m.yaml", fuse_blocks=True) == "yolo-yolo11m-fuse-blocks"
-    assert yolo.family("yolo11s.yaml", fuse_blocks=True, fuse_concat=True) == "yolo-yolo11s-fuse-blocks-fuse-concat"
+    concat = yolo.family("yolo11s.yaml", fuse_blocks=True, fuse_concat=True)
+    assert concat == "yolo-yolo11s-fuse-blocks-fuse-concat"
     assert yolo.family("yolo11n.yaml", "MuSGD", "0,1") == "yolo-yolo11n-MuSGD-2gpus"
 
 

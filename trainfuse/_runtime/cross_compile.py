@@ -37,6 +37,23 @@ _DIVISIBLE = [["tt.divisibility", 16]]
 # constexprs that only the interpreter sets (its rounding and fused multiply-adds emulated by hand),
 # and the value a GPU launch passes: an entry recorded under the interpreter compiles as the GPU's
 INTERPRETER_ONLY = {"RNE": False, "UPCAST": False}
+# sizes a kernel's host code picks otherwise under the interpreter (for the interpreter's speed),
+# by kernel: the constexpr and where the GPU's value is ("module:name")
+INTERPRETER_SIZES = {
+    "trainfuse.ultralytics.augment.kernel:_augment_kernel": {
+        "BLOCK": "trainfuse.ultralytics.augment.kernel:GPU_BLOCK"},
+}
+
+
+def as_on_gpu(e: dict) -> dict:
+    """Entry ``e`` (recorded under the interpreter) with the constexprs a GPU launch passes
+    instead of :data:`INTERPRETER_ONLY` and :data:`INTERPRETER_SIZES`."""
+    consts = dict(e["constexprs"])
+    consts.update((k, v) for k, v in INTERPRETER_ONLY.items() if k in consts)
+    for name, where in INTERPRETER_SIZES.get(e["fn"], {}).items():
+        if name in consts:
+            consts[name] = precompile.resolve({"fn": where})
+    return {**e, "constexprs": consts}
 
 
 def source(e: dict):
@@ -48,7 +65,6 @@ def source(e: dict):
 
     fn = precompile.resolve(e)
     given = precompile.constexprs_of(e)
-    given.update((k, v) for k, v in INTERPRETER_ONLY.items() if k in given)
     unspecialized = {p.name for p in fn.params if p.do_not_specialize}
     signature, constants, attrs = {}, {}, {}
     args = iter(e["args"])
@@ -90,12 +106,14 @@ def compile_for(e: dict, arch: int) -> dict:
 
 
 def entries_in(path: Path) -> list[dict]:
-    """The distinct entries of a manifest file, or of every ``*.json`` manifest under a folder."""
+    """The distinct entries of a manifest file, or of every ``*.json`` manifest under a folder, as
+    a GPU launches them (:func:`as_on_gpu`)."""
     path = Path(path)
     files = sorted(path.glob("*.json")) if path.is_dir() else [path]
     seen: dict[str, dict] = {}
     for f in files:
         for e in precompile.load(f):
+            e = as_on_gpu(e)
             seen.setdefault(json.dumps(e, sort_keys=True), e)
     return list(seen.values())
 

@@ -44,8 +44,8 @@ def into_apply_kernel(x_ptr, r_ptr, y_ptr, d_ptr, scale_ptr, shift_ptr, C, CB, S
                       yN, yC, yS, dN, dC, dS, DF, BR: tl.constexpr, BC: tl.constexpr, EVEN_S: tl.constexpr,
                       MASKED: tl.constexpr, RESIDUAL: tl.constexpr, DENSE: tl.constexpr, REL32: tl.constexpr):
     """Tile ``q`` of channel block ``j`` (program ``q * CB + j``): ``y`` into the slice at
-    ``y_ptr`` and, channels from ``DF`` on, into the dense tensor at ``d_ptr`` (as its channels
-    from 0)."""
+    ``y_ptr`` and, channels from ``DF`` on, into the dense tensor at ``d_ptr`` as its channels from
+    0 (``DENSE``: 0 none, 1 every channel, 2 from ``DF`` on)."""
     q, j, c = tiles.program(CB, BC)
     cm = c < C
     base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
@@ -61,23 +61,29 @@ def into_apply_kernel(x_ptr, r_ptr, y_ptr, d_ptr, scale_ptr, shift_ptr, C, CB, S
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + r
     ybase, _ = tiles.tile_start(q, NSB, yN, yS, BR)
     tiles.store_tile(y_ptr + ybase + tiles.tile_offsets(c, yC, yS, BR, REL32), y, m, MASKED)
-    if DENSE:
+    if DENSE != 0:
         dbase, _ = tiles.tile_start(q, NSB, dN, dS, BR)
         ptrs = d_ptr + dbase + tiles.tile_offsets(c - DF, dC, dS, BR, REL32)
-        tl.store(ptrs, y.to(d_ptr.dtype.element_ty), mask=m & (c >= DF)[None, :])
+        if DENSE == 1:  # every channel (DF = 0): the slice's mask, none for whole tiles
+            tiles.store_tile(ptrs, y, m, MASKED)
+        else:
+            tl.store(ptrs, y.to(d_ptr.dtype.element_ty), mask=m & (c >= DF)[None, :])
 
 
 @triton.jit
 def _grads(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, S, NSB, sN, sS, gN, gS, eN, eS, DF,
            BR: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, ADD: tl.constexpr):
-    """Tile ``q``'s ``x``, its grad ``g`` (the slice's, plus the dense tensor's on the channels
-    from ``DF`` on with ``ADD``; float32) and its mask."""
+    """Tile ``q``'s ``x``, its grad ``g`` (the slice's, plus the dense tensor's, ``ADD`` as the
+    forward's ``DENSE``; float32) and its mask."""
     base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
     m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
     x = tiles.load_tile(x_ptr + base + rel, m, MASKED)
     gbase, _ = tiles.tile_start(q, NSB, gN, gS, BR)
     g = tiles.load_tile(g_ptr + gbase + rel_g, m, MASKED)
-    if ADD:
+    if ADD == 1:  # every channel (DF = 0)
+        ebase, _ = tiles.tile_start(q, NSB, eN, eS, BR)
+        g += tiles.load_tile(e_ptr + ebase + rel_e, m, MASKED)
+    elif ADD == 2:
         ebase, _ = tiles.tile_start(q, NSB, eN, eS, BR)
         g += tl.load(e_ptr + ebase + rel_e, mask=m & (c >= DF)[None, :], other=0.0).to(tl.float32)
     return x, g, m
@@ -160,6 +166,11 @@ def _like(x: torch.Tensor, channels: int) -> torch.Tensor:
     return torch.empty((N, channels, H, W), device=x.device, dtype=x.dtype, memory_format=fmt)
 
 
+def _part(dense: bool, dense_from: int) -> int:
+    """The kernels' ``DENSE`` / ``ADD``: 0 no dense tensor, 1 all channels, 2 from ``dense_from``."""
+    return 0 if not dense else 1 if dense_from == 0 else 2
+
+
 class _BatchNormSiLUInto(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, running_mean, running_var, training, momentum, eps, piece,
@@ -184,7 +195,8 @@ class _BatchNormSiLUInto(torch.autograd.Function):
         cb, nsb = cdiv(C, cfg.channels), cdiv(S, cfg.rows)
         launch(into_apply_kernel, (N * nsb * cb,), xf, rf, of, df, scale, shift, C, cb, S, nsb, *xf.stride(),
                *rf.stride(), *of.stride(), *df.stride(), dense_from, BR=cfg.rows, BC=cfg.channels,
-               RESIDUAL=residual is not None, DENSE=dense is not None, num_warps=cfg.num_warps,
+               RESIDUAL=residual is not None, DENSE=_part(dense is not None, dense_from),
+               num_warps=cfg.num_warps,
                **flags(cfg, C, S, xf.stride(), rf.stride(), of.stride(), df.stride()))
         ctx.save_for_backward(xf, weight, consts)
         ctx.training, ctx.shape, ctx.dense_from = training, x.shape, dense_from
@@ -203,8 +215,8 @@ class _BatchNormSiLUInto(torch.autograd.Function):
             dout = torch.zeros_like(x)
         gf = dout.reshape(N, C, S)  # a view for a slice of a contiguous or channels_last grad
         ef = bn_stats.flat(ddense) if ddense is not None else gf
-        add = ddense is not None
         df = ctx.dense_from
+        add = _part(ddense is not None, df)
         rc = bn_stats.config(xf.stride(), C, reduce=True)
         rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
         P, per = bn_stats.split(N * rnsb, rcb, xf.device, rc)

@@ -48,7 +48,7 @@ from trainfuse._runtime.launch import cdiv
 from trainfuse.ultralytics.augment.color import _tables, bgr_to_hsv, hsv_to_bgr
 
 BORDER = 114
-_BLOCK = 256
+GPU_BLOCK = 256
 # under the Triton interpreter a program's every operation costs Python overhead whatever its size:
 # whole images a program (numpy does the pixels), where the GPU takes 256 pixels a program
 INTERPRETER_BLOCK = 16384
@@ -359,7 +359,7 @@ def augment_images(packed: torch.Tensor, table: torch.Tensor, luts: torch.Tensor
     if out.numel() == 0:
         return out
     sdiv, hdiv = _hsv_tables(packed.device)
-    block = INTERPRETER_BLOCK if interpreting() else _BLOCK
+    block = INTERPRETER_BLOCK if interpreting() else GPU_BLOCK
     grid = (cdiv(h_out * w_out, block), n)
     args = (packed.reshape(-1) if packed.numel() else packed.new_zeros(1), table.contiguous(),
             luts.contiguous() if luts is not None else packed.new_zeros(1), sdiv, hdiv, out,
