@@ -2,6 +2,7 @@
 without one; a kernel the interpreter runs and the GPU compiler refuses is reported."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -73,6 +74,7 @@ def test_interpreted_launches_compile_for_sm90_and_a_refused_kernel_is_named(tmp
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert "2 of 3 specializations of 2 kernels compiled for sm_90" in out, out
+    assert re.search(r"^  scale: 2, \d+, \d+, 0$", out, re.M), out  # registers and no spills, from the cubin
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and "probe_kernels:scale_by_python" in failed[0], out
 

@@ -13,8 +13,10 @@ interpreter launched (``tests/_kernel_record.py``), then::
 
     python -m trainfuse._runtime.cross_compile DIR [--arch 90] [--jobs 2]
 
-compiles each to a cubin, prints the ones that failed with their errors, and exits with their
-count. It checks compiling, nothing that running on the GPU would show (numerics, speed).
+compiles each to a cubin, prints each kernel's registers, shared memory and spills (from the
+cubin, ``cuobjdump -res-usage``) and the specializations that failed with their errors, and exits
+with their count. It checks compiling, nothing that running on the GPU would show (numerics,
+speed).
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from trainfuse._runtime import precompile
@@ -95,14 +101,37 @@ def source(e: dict):
 
 def compile_for(e: dict, arch: int) -> dict:
     """Compile entry ``e`` for CUDA architecture ``arch`` (90: Hopper) down to its cubin; returns
-    its metadata: registers are not known before loading, so the shared memory in bytes and the
-    cubin's size."""
+    what the cubin says of it (:func:`resources`)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     options = {"num_warps": e.get("num_warps", 4), **e.get("options", {})}
     kernel = triton.compile(source(e), target=GPUTarget("cuda", arch, 32), options=options)
-    return {"shared": kernel.metadata.shared, "cubin_bytes": len(kernel.asm["cubin"])}
+    return {"shared": kernel.metadata.shared, **resources(kernel.asm["cubin"])}
+
+
+def _cuobjdump() -> str | None:
+    import triton.backends.nvidia as nvidia
+
+    bundled = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else shutil.which("cuobjdump")
+
+
+def resources(cubin: bytes) -> dict:
+    """A kernel's registers per thread and its stack and local memory in bytes (spilled registers
+    live there) as ``cuobjdump -res-usage`` reads them from the cubin (empty where it is missing)."""
+    tool = _cuobjdump()
+    if tool is None:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if found is None:
+        return {}
+    reg, stack, _, local = (int(v) for v in found.groups())
+    return {"registers": reg, "stack": stack, "local": local}
 
 
 def entries_in(path: Path) -> list[dict]:
@@ -118,14 +147,12 @@ def entries_in(path: Path) -> list[dict]:
     return list(seen.values())
 
 
-def _one(args: tuple[dict, int]) -> tuple[dict, str | None]:
+def _one(args: tuple[dict, int]) -> tuple[dict, dict | str]:
     e, arch = args
     try:
-        compile_for(e, arch)
+        return e, compile_for(e, arch)
     except Exception as error:  # noqa: BLE001 - every failure is reported, none stops the others
-        text = f"{type(error).__name__}: {error}".strip()
-        return e, text[:4000]
-    return e, None
+        return e, f"{type(error).__name__}: {error}".strip()[:4000]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,10 +172,21 @@ def main(argv: list[str] | None = None) -> int:
             results = list(pool.map(_one, work))
     else:
         results = [_one(w) for w in work]
-    failed = [(e, error) for e, error in results if error is not None]
+    failed = [(e, r) for e, r in results if isinstance(r, str)]
     kernels = {e["fn"] for e in entries}
     print(f"{len(entries) - len(failed)} of {len(entries)} specializations of {len(kernels)} kernels "
           f"compiled for sm_{args.arch}")
+    usage: dict[str, list[dict]] = {}
+    for e, r in results:
+        if not isinstance(r, str) and r.get("registers") is not None:
+            usage.setdefault(e["fn"].partition(":")[2], []).append(r)
+    if usage:
+        print("kernel: specializations, registers per thread (most), shared bytes (most), spilled "
+              "(stack or local memory)")
+        for name, rs in sorted(usage.items()):
+            spilled = sum(1 for r in rs if r["stack"] or r["local"])
+            print(f"  {name}: {len(rs)}, {max(r['registers'] for r in rs)}, {max(r['shared'] for r in rs)}, "
+                  f"{spilled}")
     for e, error in failed:
         consts = ", ".join(f"{k}={v}" for k, v in sorted(e["constexprs"].items()))
         print(f"FAILED {e['fn']} ({consts}; num_warps={e.get('num_warps')})\n    "
