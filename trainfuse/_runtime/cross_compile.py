@@ -70,6 +70,9 @@ def source(e: dict):
     from triton.compiler import ASTSource
 
     fn = precompile.resolve(e)
+    if not hasattr(fn, "params"):
+        raise TypeError(f"{e['fn']} is the Triton interpreter's function here: compile with "
+                        "TRITON_INTERPRET unset")
     given = precompile.constexprs_of(e)
     unspecialized = {p.name for p in fn.params if p.do_not_specialize}
     signature, constants, attrs = {}, {}, {}
@@ -142,6 +145,8 @@ def entries_in(path: Path) -> list[dict]:
     seen: dict[str, dict] = {}
     for f in files:
         for e in precompile.load(f):
+            if e["fn"].startswith("tests."):  # the suite's own probe kernels (and importing the
+                continue  # tests' conftest switches the interpreter on in this process)
             e = as_on_gpu(e)
             seen.setdefault(json.dumps(e, sort_keys=True), e)
     return list(seen.values())
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("manifest", type=Path, help="a manifest file, or a folder of them")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, 90 for sm_90")
     parser.add_argument("--jobs", type=int, default=1, help="compiling processes")
+    parser.add_argument("--kernel", default=None, help="list this kernel's specializations one by one")
     args = parser.parse_args(argv)
     entries = entries_in(args.manifest)
     if not entries:
@@ -187,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             spilled = sum(1 for r in rs if r["stack"] or r["local"])
             print(f"  {name}: {len(rs)}, {max(r['registers'] for r in rs)}, {max(r['shared'] for r in rs)}, "
                   f"{spilled}")
+    for e, r in results:
+        if args.kernel is not None and e["fn"].partition(":")[2] == args.kernel and not isinstance(r, str):
+            consts = ", ".join(f"{k}={v}" for k, v in sorted(e["constexprs"].items()))
+            print(f"  {args.kernel}({consts}; num_warps={e.get('num_warps')}): {r}")
     for e, error in failed:
         consts = ", ".join(f"{k}={v}" for k, v in sorted(e["constexprs"].items()))
         print(f"FAILED {e['fn']} ({consts}; num_warps={e.get('num_warps')})\n    "

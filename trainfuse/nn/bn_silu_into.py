@@ -90,10 +90,23 @@ def _grads(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, S, NSB, sN, sS, gN,
 
 
 @triton.jit
+def _du(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, s, t, S, NSB, sN, sS, gN, gS, eN, eS, DF,
+        BR: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, ADD: tl.constexpr):
+    """Tile ``q``'s ``x`` and ``du = g silu'(u)`` (0 where masked)."""
+    x, g, m = _grads(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, S, NSB, sN, sS, gN, gS, eN, eS, DF, BR,
+                     EVEN_S, MASKED, ADD)
+    du = bn_stats.silu_du(x, g, s, t)
+    if MASKED:
+        du = tl.where(m, du, 0.0)
+    return x, du
+
+
+@triton.jit
 def into_grad_sums_kernel(x_ptr, g_ptr, e_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr, sdux_ptr,
                           cnt_ptr, dw_ptr, db_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, eN, eC, eS, DF,
                           tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                          EVEN_S: tl.constexpr, MASKED: tl.constexpr, ADD: tl.constexpr, REL32: tl.constexpr):
+                          UNROLL: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, ADD: tl.constexpr,
+                          REL32: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel,
     added up in a fixed order into ``dw`` and ``db`` by the last of channel block ``j``'s ``P``
     programs to arrive (as ``bn_silu_grad_sums_kernel``)."""
@@ -110,12 +123,16 @@ def into_grad_sums_kernel(x_ptr, g_ptr, e_ptr, scale_ptr, shift_ptr, mean_ptr, i
     rel_e = tiles.tile_offsets(c - DF, eC, eS, BR, REL32)
     sdu = tl.zeros([BR, BC], tl.float32)
     sdux = tl.zeros([BR, BC], tl.float32)
-    for k in range(0, valid):
-        x, g, m = _grads(x_ptr, g_ptr, e_ptr, q0 + k, c, cm, rel, rel_g, rel_e, S, NSB, sN, sS, gN, gS, eN,
-                         eS, DF, BR, EVEN_S, MASKED, ADD)
-        du = bn_stats.silu_du(x, g, s, t)
-        if MASKED:
-            du = tl.where(m, du, 0.0)
+    grouped = valid // UNROLL * UNROLL
+    for k0 in range(0, grouped, UNROLL):
+        for k1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
+            x, du = _du(x_ptr, g_ptr, e_ptr, q0 + k0 + k1, c, cm, rel, rel_g, rel_e, s, t, S, NSB, sN, sS, gN,
+                        gS, eN, eS, DF, BR, EVEN_S, MASKED, ADD)
+            sdu += du
+            sdux += du * (x - mean[None, :])
+    for k in range(grouped, valid):
+        x, du = _du(x_ptr, g_ptr, e_ptr, q0 + k, c, cm, rel, rel_g, rel_e, s, t, S, NSB, sN, sS, gN, gS, eN,
+                    eS, DF, BR, EVEN_S, MASKED, ADD)
         sdu += du
         sdux += du * (x - mean[None, :])
     tl.store(sdu_ptr + i * C + c, tl.sum(sdu, 0), mask=cm)
@@ -226,7 +243,7 @@ class _BatchNormSiLUInto(torch.autograd.Function):
             launch(into_grad_sums_kernel, (P * rcb,), xf, gf, ef, scale, shift, mean, invstd, *partials,
                    bn_stats.counters(xf.device, rcb), *sums, C, rcb, S, rnsb, N * rnsb, *xf.stride(),
                    *gf.stride(), *ef.stride(), df, per, P, BP=bn_stats.FINALIZE_ROWS, BR=rc.rows,
-                   BC=rc.channels, ADD=add, num_warps=rc.num_warps,
+                   BC=rc.channels, UNROLL=rc.unroll, ADD=add, num_warps=rc.num_warps,
                    **flags(rc, C, S, xf.stride(), gf.stride(), ef.stride()))
         need_dx, need_dr = ctx.needs_input_grad[0], ctx.residual and ctx.needs_input_grad[3]
         dx = _like(x, C) if need_dx else None
