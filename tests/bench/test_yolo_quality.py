@@ -71,7 +71,7 @@ def test_an_unknown_variant_is_refused_with_the_known_ones(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "argument --variants: unknown variant fast" in err
-    assert "stock, trainfuse, no-graphs, no-casts, stock-loss, fuse-blocks" in err
+    assert "stock, trainfuse, no-graphs, no-casts, stock-loss, fuse-blocks, fuse-concat" in err
 
 
 @pytest.mark.cpu_training
