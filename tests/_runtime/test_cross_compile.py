@@ -92,3 +92,52 @@ def test_interpreter_only_constexprs_compile_with_the_gpus_values():
          "constexprs": {"RNE": True, "TILE": 64}}
     assert as_on_gpu(e)["constexprs"] == {"RNE": False, "TILE": 64}
     assert e["constexprs"]["RNE"] is True  # the recorded entry is left as it was
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="records the Triton interpreter's launches")
+def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path, kernels):
+    """What a GPU would compile, compiled here: the shipped manifest (the kernels of ultralytics'
+    default run) and the BatchNorm-SiLU kernels at the tiles a GPU launches them with (the
+    layout's own, not the tests' shrunk ones), the concatenation's op included."""
+    import shutil
+
+    from trainfuse._runtime import precompile
+    from trainfuse.nn.bn_silu import batch_norm_silu, split_batch_norm_silu
+    from trainfuse.nn.bn_silu_into import batch_norm_silu_into
+    from trainfuse.nn.concat import ConcatBuffer
+
+    if os.environ.get("TRAINFUSE_KERNEL_MANIFEST"):
+        pytest.skip("this session records every launch already (TRAINFUSE_KERNEL_MANIFEST)")
+    folder = tmp_path / "manifest"
+    folder.mkdir()
+    shipped = Path(precompile.__file__).with_name("manifests") / "ultralytics.json"
+    shutil.copy(shipped, folder / "shipped.json")
+    stop = _kernel_record.install()
+    try:
+        for C, side in ((64, 8), (48, 5)):  # whole tiles, and masked ones
+            cl = torch.channels_last
+            x = torch.randn(2, C, side, side, dtype=torch.float16).contiguous(memory_format=cl)
+            x.requires_grad_()
+            w, b = torch.ones(C, requires_grad=True), torch.zeros(C, requires_grad=True)
+            rm, rv = torch.zeros(C), torch.ones(C)
+            g = torch.randn(2, 2 * C, side, side).contiguous(memory_format=cl)
+            (batch_norm_silu(x, rm, rv, w, b, True).float() * g[:, :C]).sum().backward()
+            (split_batch_norm_silu(x, rm, rv, w, b, True)[1].float() * g[:, C // 2:C]).sum().backward()
+            buffer = ConcatBuffer(2 * C)
+            s0, d0 = batch_norm_silu_into(x, rm, rv, w, b, True, 0.1, 1e-5, buffer, C // 2)
+            r = d0.repeat(1, 2, 1, 1)  # a shortcut with a grad
+            s1, d1 = batch_norm_silu_into(x, rm, rv, w, b, True, 0.1, 1e-5, buffer, 0, residual=r)
+            ((buffer.join(s0, s1).float() * g).sum() + d1.float().sum()).backward()
+    finally:
+        stop()
+    _kernel_record.save(folder, "blocks")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-m", "trainfuse._runtime.cross_compile", str(folder), "--arch",
+                           "90", "--jobs", "2"], env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    names = ("bn_stats_kernel", "bn_silu_apply_kernel", "bn_silu_grad_sums_kernel", "bn_silu_dx_kernel",
+             "into_apply_kernel", "into_grad_sums_kernel", "into_dx_kernel", "update_kernel")
+    assert all(f"  {n}: " in out for n in names), out
