@@ -149,3 +149,43 @@ def test_sequential_pairs_fuse_and_come_back():
         seq[1](x[0])
     conv_block.unfuse_pairs(seq, taken)
     assert type(seq[1]) is nn.BatchNorm2d and type(seq[2]) is nn.SiLU
+
+
+@pytest.mark.parametrize("kind", ["C2f-n0", "C2f-n2-shortcut", "C3-n0", "C3k2-c3k"])
+def test_csp_blocks_with_their_concatenation_in_place_compute_the_stock_block(kind):
+    """A C2f, C3 or C3k2 block with the concatenation written in place, against the stock block
+    in channels_last: the same outputs, grads and running statistics (float32: the fused op's
+    sums in another order), the ends of the block's range too (no bottleneck; a C3k inside)."""
+    pytest.importorskip("ultralytics")
+    from ultralytics.nn.modules.block import C3, C2f, C3k2
+
+    from trainfuse.ultralytics.changes import concat_free
+
+    torch.manual_seed(0)
+    stock = {"C2f-n0": lambda: C2f(8, 12, n=0), "C2f-n2-shortcut": lambda: C2f(8, 8, n=2, shortcut=True),
+             "C3-n0": lambda: C3(8, 10, n=0), "C3k2-c3k": lambda: C3k2(8, 8, n=1, c3k=True)}[kind]()
+    stock = stock.to(DEVICE).to(memory_format=torch.channels_last).train()
+    fused = copy.deepcopy(stock)
+    convs = [m for m in fused.modules() if conv_block.install(m)]
+    blocks = concat_free.blocks(fused)
+    assert blocks and len(convs) >= 2
+    for block in blocks:
+        concat_free.install(block)
+    x = torch.randn(2, 8, 6, 5, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    outs = []
+    for model in (stock, fused):
+        xg = x.clone().requires_grad_()
+        y = model(xg)
+        (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
+        outs.append((y, xg.grad))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-5)
+    for (name, a), (_, b) in zip(stock.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for (name, a), (_, b) in zip(stock.named_buffers(), fused.named_buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for block in blocks:
+        concat_free.uninstall(block)
+    for block in convs:
+        conv_block.uninstall(block)
+    assert not any("forward" in m.__dict__ for m in fused.modules())

@@ -61,7 +61,7 @@ def _c2f_inner(block: nn.Module, x: Tensor) -> Tensor:
     """``torch.cat([*cv1(x).chunk(2, 1), m_1(...), ...], 1)`` of ``C2f.forward``, written in place."""
     c, n = block.c, len(block.m)
     buffer = ConcatBuffer((2 + n) * c)
-    first, y = _into(block.cv1, x, buffer, c)  # the first half in the buffer only
+    first, y = _into(block.cv1, x, buffer, c if n else 2 * c)  # the first half in the buffer only
     slices = [first]
     for i, m in enumerate(block.m):
         s, y = _into(m, y, buffer, 0 if i < n - 1 else c)  # the last in the buffer only
