@@ -8,7 +8,11 @@ bytes (forward 2 reads and a write, backward 4 reads and a write of the activati
 measured copy bandwidth. Each fused call is also profiled by kernel (statistics, apply,
 grad sums, dx: GPU µs of each, and its share of its own floor: the statistics read the activation
 once, apply and the grad sums move it twice, dx three times), which shows what a small layer pays
-beside its bytes (the launch, the reductions' last program adding up the partials).
+beside its bytes (the launch, the reductions' last program adding up the partials). Then a C2f
+bottleneck's tail on the same sizes in channels_last: BatchNorm, SiLU and the shortcut's add
+concatenated after another branch, its output read by the next bottleneck too, as torch's ops and
+``torch.cat`` run it against :func:`trainfuse.nn.bn_silu_into.batch_norm_silu_into` writing into
+the concatenation's buffer.
 
 Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultralytics detection
 model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
@@ -37,6 +41,8 @@ from trainfuse.bench._common import (
     save_report,
 )
 from trainfuse.nn.bn_silu import batch_norm_silu
+from trainfuse.nn.bn_silu_into import batch_norm_silu_into
+from trainfuse.nn.concat import ConcatBuffer
 
 # (channels, side): YOLO11m's stages at 640 px (64 at 320 to 512 at 20) and YOLOv5n's first
 LAYERS = [(64, 320), (128, 160), (256, 80), (512, 40), (512, 20), (16, 320)]
@@ -60,6 +66,53 @@ def _fused_step(bn: nn.BatchNorm2d, x: torch.Tensor, dy: torch.Tensor):
         y = batch_norm_silu(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 0.03, 1e-3)
         y.backward(dy)
     return run
+
+
+def _concat_steps(bn: nn.BatchNorm2d, x: torch.Tensor, r: torch.Tensor, other: torch.Tensor,
+                  dout: torch.Tensor, g: torch.Tensor):
+    """A C2f bottleneck's tail, forward and backward: ``y = r + silu(bn(x))`` concatenated after
+    ``other``, ``y`` read by the next bottleneck too (its grad ``g``): torch's ops and ``cat``,
+    and :func:`~trainfuse.nn.bn_silu_into.batch_norm_silu_into` into a ``ConcatBuffer``."""
+    act = nn.SiLU()
+
+    def stock() -> None:
+        y = r + act(bn(x))
+        out = torch.cat([other, y], 1)
+        torch.autograd.backward([out, y], [dout, g])
+
+    def ours() -> None:
+        buffer = ConcatBuffer(other.shape[1] + x.shape[1])
+        first = buffer.write(other)
+        piece, y = batch_norm_silu_into(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 0.03,
+                                        1e-3, buffer, 0, residual=r)
+        torch.autograd.backward([buffer.join(first, piece), y], [dout, g])
+    return stock, ours
+
+
+def _concat_layers(report: dict, batch: int) -> None:
+    """:func:`_concat_steps` on the channels_last layer sizes."""
+    rows = []
+    for channels, side in LAYERS:
+        def make(c: int, side: int = side) -> torch.Tensor:
+            t = torch.randn(batch, c, side, side, device="cuda", dtype=torch.float16)
+            return t.contiguous(memory_format=torch.channels_last)
+        x, r, other = make(channels).requires_grad_(), make(channels).requires_grad_(), make(channels)
+        dout, g = make(2 * channels), make(channels)
+        bn = nn.BatchNorm2d(channels, eps=1e-3, momentum=0.03).cuda()
+        stock, ours = _concat_steps(bn, x, r, other, dout, g)
+        shape = f"({batch}, {channels}, {side}, {side})"
+        workload = ("BatchNorm2d + SiLU + shortcut into a concatenation, training, forward + backward: "
+                    f"{shape} float16 channels_last")
+        times = {"torch": graph_ms(stock), "ours": graph_ms(ours)}
+        add_row(report, workload, "torch (cuDNN BatchNorm, SiLU, add, cat)", trainfuse=False,
+                graph_ms=times["torch"], do_bench_ms=kernel_ms(stock))
+        add_row(report, workload, "batch_norm_silu_into", trainfuse=True, graph_ms=times["ours"],
+                do_bench_ms=kernel_ms(ours))
+        speedup = times["torch"] / times["ours"]
+        rows.append([shape, f"{times['torch']:.3f}", f"{times['ours']:.3f}", f"{speedup:.2f}x"])
+    print_table("a bottleneck's BatchNorm, SiLU and shortcut into a C2f concatenation, GPU ms per call "
+                "replayed from a CUDA graph",
+                ["activation", "torch + cat", "into the buffer", "speedup"], rows)
 
 
 def _kernel_us(run, calls: int = 5) -> dict[str, float]:
@@ -179,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 ["activation", "layout", "torch", "fused", "speedup", "fused % of floor"], rows)
     print_table("the fused op's kernels, GPU µs per call (% of each kernel's floor)",
                 ["activation", "layout", "statistics", "apply", "grad sums", "dx"], kernel_rows)
+    _concat_layers(report, args.batch)
     if args.models != "none":
         _models(report, [m for m in args.models.split(",") if m], args.batch, args.compile)
     report["summary_skip"] = list(dict.fromkeys(r["workload"] for r in report["rows"]))
