@@ -15,8 +15,9 @@ from tests import _kernel_record
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# two kernels the interpreter runs alike; the second calls a plain Python function, which the
-# interpreter executes and Triton's code generator refuses
+# kernels the interpreter runs alike: the second calls a plain Python function, which the
+# interpreter executes and Triton's code generator refuses; the third compiles to more shared
+# memory than a Hopper block may have
 PROBE = textwrap.dedent('''
     import triton
     import triton.language as tl
@@ -40,12 +41,23 @@ PROBE = textwrap.dedent('''
     def scale_by_python(X, n, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(X + i, twice(tl.load(X + i, mask=i < n)), mask=i < n)
+
+
+    @triton.jit
+    def big_dot(A, B, C, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        i = tl.arange(0, BM)[:, None]
+        j = tl.arange(0, BN)[None, :]
+        k = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            acc += tl.dot(tl.load(A + i * K + (k0 + k)[None, :]), tl.load(B + (k0 + k)[:, None] * BN + j))
+        tl.store(C + i * BN + j, acc)
 ''')
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="records the Triton interpreter's launches")
-def test_interpreted_launches_compile_for_sm90_and_a_refused_kernel_is_named(tmp_path):
+def test_interpreted_launches_compile_for_sm90_and_the_refused_kernels_are_named(tmp_path):
     if os.environ.get("TRAINFUSE_KERNEL_MANIFEST"):
         pytest.skip("this session records every launch already (TRAINFUSE_KERNEL_MANIFEST)")
     (tmp_path / "probe_kernels.py").write_text(PROBE)
@@ -60,6 +72,9 @@ def test_interpreted_launches_compile_for_sm90_and_a_refused_kernel_is_named(tmp
         half = x.to(torch.float16)
         probe_kernels.scale[(1,)](half[1:], 99, 2.0, BLOCK=128, DOUBLE=True, num_warps=2)
         probe_kernels.scale_by_python[(2,)](x, 100, BLOCK=64)
+        a, b = torch.randn(256, 128), torch.randn(128, 256)
+        c = torch.empty(256, 256)
+        probe_kernels.big_dot[(1,)](a, b, c, 128, BM=256, BN=256, BK=128, num_warps=8)
     finally:
         stop()
         sys.path.remove(str(tmp_path))
@@ -72,11 +87,13 @@ def test_interpreted_launches_compile_for_sm90_and_a_refused_kernel_is_named(tmp
     done = subprocess.run([sys.executable, "-m", "trainfuse._runtime.cross_compile", str(manifest.parent),
                            "--arch", "90"], env=env, capture_output=True, text=True, timeout=300)
     out = done.stdout + done.stderr
-    assert done.returncode == 1, out
-    assert "2 of 3 specializations of 2 kernels compiled for sm_90" in out, out
+    assert done.returncode == 2, out
+    assert "2 of 4 specializations of 3 kernels compiled for sm_90" in out, out
     assert re.search(r"^  scale: 2, \d+, \d+, 0$", out, re.M), out  # registers and no spills, from the cubin
-    failed = [line for line in out.splitlines() if line.startswith("FAILED")]
-    assert len(failed) == 1 and "probe_kernels:scale_by_python" in failed[0], out
+    failed = sorted(line for line in out.splitlines() if line.startswith("FAILED"))
+    assert len(failed) == 2, out
+    assert "probe_kernels:big_dot" in failed[0] and "probe_kernels:scale_by_python" in failed[1], out
+    assert "bytes of shared memory, sm_90 allows 232448" in out, out  # would not launch on an H200
 
 
 def test_interpreter_only_constexprs_compile_with_the_gpus_values():

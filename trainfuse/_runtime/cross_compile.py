@@ -102,15 +102,24 @@ def source(e: dict):
     return ASTSource(fn, signature, constexprs=constants, attrs=attrs)
 
 
+# shared memory a block may have, by compute capability (the opt-in maximum): a kernel compiled
+# with more would fail to launch ("out of resource: shared memory") on that GPU
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
 def compile_for(e: dict, arch: int) -> dict:
     """Compile entry ``e`` for CUDA architecture ``arch`` (90: Hopper) down to its cubin; returns
-    what the cubin says of it (:func:`resources`)."""
+    what the cubin says of it (:func:`resources`). Raises where its shared memory exceeds what a
+    block of that architecture may have (the launch would fail)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     options = {"num_warps": e.get("num_warps", 4), **e.get("options", {})}
     kernel = triton.compile(source(e), target=GPUTarget("cuda", arch, 32), options=options)
-    return {"shared": kernel.metadata.shared, **resources(kernel.asm["cubin"])}
+    shared, limit = kernel.metadata.shared, SHARED_LIMIT.get(arch)
+    if limit is not None and shared > limit:
+        raise RuntimeError(f"out of resource: {shared} bytes of shared memory, sm_{arch} allows {limit}")
+    return {"shared": shared, **resources(kernel.asm["cubin"])}
 
 
 def _cuobjdump() -> str | None:
