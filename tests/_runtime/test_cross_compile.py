@@ -113,10 +113,12 @@ def test_interpreter_only_constexprs_compile_with_the_gpus_values():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="records the Triton interpreter's launches")
-def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path, kernels):
+def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path, monkeypatch):
     """What a GPU would compile, compiled here: the shipped manifest (the kernels of ultralytics'
-    default run) and the BatchNorm-SiLU kernels at the tiles a GPU launches them with (the
-    layout's own, not the tests' shrunk ones), the concatenation's op included."""
+    default run), the BatchNorm-SiLU kernels at the tiles a GPU launches them with (the layout's
+    own, not the tests' shrunk ones), the concatenation's op included, and the optimizers' update
+    at its default launch shape (AdamW on float32 and bfloat16 params, MuSGD's Newton-Schulz)."""
+    monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")  # the kernels, at their default shapes
     import shutil
 
     from trainfuse._runtime import precompile
@@ -146,6 +148,18 @@ def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path
             r = d0.repeat(1, 2, 1, 1)  # a shortcut with a grad
             s1, d1 = batch_norm_silu_into(x, rm, rv, w, b, True, 0.1, 1e-5, buffer, 0, residual=r)
             ((buffer.join(s0, s1).float() * g).sum() + d1.float().sum()).backward()
+        from trainfuse.optim import FusedAdamW, FusedMuSGD
+
+        for dtype in (torch.float32, torch.bfloat16):
+            params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in ((64, 48), (80,))]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            FusedAdamW(params, lr=1e-3, weight_decay=0.1).step()
+        params = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 48), (80,))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        FusedMuSGD([{"params": params[:1], "use_muon": True}, {"params": params[1:], "use_muon": False}],
+                   lr=0.01, momentum=0.9).step()
     finally:
         stop()
     _kernel_record.save(folder, "blocks")
@@ -156,5 +170,6 @@ def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     names = ("bn_stats_kernel", "bn_silu_apply_kernel", "bn_silu_grad_sums_kernel", "bn_silu_dx_kernel",
-             "into_apply_kernel", "into_grad_sums_kernel", "into_dx_kernel", "update_kernel")
+             "into_apply_kernel", "into_grad_sums_kernel", "into_dx_kernel", "update_kernel", "_gather",
+             "_scatter")
     assert all(f"  {n}: " in out for n in names), out
