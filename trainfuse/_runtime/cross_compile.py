@@ -15,7 +15,8 @@ interpreter launched (``tests/_kernel_record.py``), then::
 
 compiles each to a cubin, prints each kernel's registers, shared memory and spills (from the
 cubin, ``cuobjdump -res-usage``) and the specializations that failed with their errors, and exits
-with their count. It checks compiling, nothing that running on the GPU would show (numerics,
+with their count; ``--kernel NAME`` lists one kernel's specializations, with the widths of their
+global loads and stores in the PTX (how far the accesses vectorized). It checks compiling, nothing that running on the GPU would show (numerics,
 speed).
 """
 
@@ -119,7 +120,19 @@ def compile_for(e: dict, arch: int) -> dict:
     shared, limit = kernel.metadata.shared, SHARED_LIMIT.get(arch)
     if limit is not None and shared > limit:
         raise RuntimeError(f"out of resource: {shared} bytes of shared memory, sm_{arch} allows {limit}")
-    return {"shared": shared, **resources(kernel.asm["cubin"])}
+    return {"shared": shared, **resources(kernel.asm["cubin"]), **accesses(kernel.asm["ptx"])}
+
+
+def accesses(ptx: str) -> dict:
+    """The kernel's global loads and stores in its PTX by width (``ld``/``st``: ``{"v4.b32": 2,
+    "b16": 8, ...}``): how far its accesses vectorized, counted in the code (each arm and unrolled
+    copy once), not as executed."""
+    out: dict[str, dict[str, int]] = {"ld": {}, "st": {}}
+    for op, qualifiers in re.findall(r"\b(ld|st)\.global((?:\.[\w:]+)+)", ptx):
+        parts = qualifiers.strip(".").split(".")
+        width = ".".join(p for p in parts if re.fullmatch(r"v[248]|[bfsu](8|16|32|64|128)", p))
+        out[op][width] = out[op].get(width, 0) + 1
+    return out
 
 
 def _cuobjdump() -> str | None:
