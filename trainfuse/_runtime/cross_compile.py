@@ -16,8 +16,8 @@ interpreter launched (``tests/_kernel_record.py``), then::
 compiles each to a cubin, prints each kernel's registers, shared memory and spills (from the
 cubin, ``cuobjdump -res-usage``) and the specializations that failed with their errors, and exits
 with their count; ``--kernel NAME`` lists one kernel's specializations, with the widths of their
-global loads and stores in the PTX (how far the accesses vectorized). It checks compiling, nothing that running on the GPU would show (numerics,
-speed).
+global loads and stores in the PTX (how far the accesses vectorized). It checks compiling,
+nothing that running on the GPU would show (numerics, speed).
 """
 
 from __future__ import annotations

@@ -197,15 +197,15 @@ class _BatchNormSiLUInto(torch.autograd.Function):
         launch, flags = bn_stats.launcher, bn_stats.flags
         out = piece.view()
         N, C, H, W = x.shape
-        xf = bn_stats.flat(x)
         S = H * W
+        if out.stride(2) != W * out.stride(3):  # (a ConcatBuffer's slices always merge)
+            raise ValueError("batch_norm_silu_into: the slice's spatial dimensions must merge (a channel "
+                             "slice of a contiguous or channels_last buffer)")
+        of = out.view(N, C, S)
+        xf = bn_stats.flat(x)
         consts = bn_stats.statistics(xf, weight, bias, running_mean, running_var, training, momentum, eps)
         scale, shift = consts[0], consts[1]
         dense = _like(x, C - dense_from) if dense_from < C else None
-        of = out.view(N, C, S) if out.stride(2) == W * out.stride(3) else None
-        if of is None:
-            raise ValueError("batch_norm_silu_into: the slice's spatial dimensions must merge (a channel "
-                             "slice of a contiguous or channels_last buffer)")
         rf = bn_stats.flat(residual) if residual is not None else xf
         df = bn_stats.flat(dense) if dense is not None else xf
         cfg = bn_stats.config(xf.stride(), C)
