@@ -209,12 +209,29 @@ def test_loss_kernels_match_torch_float64_reference(weighted, kernels, small_blo
     assert_kernels_match_float64_reference(fused, preds, batch, (64.0, 64.0), tal.assign_torch, weighted)
 
 
+def test_box_backward_making_each_sides_softmax_again_gives_the_same_grads(kernels, small_blocks,
+                                                                           garbage_empty, model, monkeypatch):
+    """TRAINFUSE_BOX_RECOMPUTE's backward (each side's softmax made again next to its grad, opt-in)
+    writes the grads of the default backward bit for bit, and matches float64 as it does."""
+    from trainfuse.losses.detection import box_loss
+
+    fused = FusedDetectionLoss(model)
+    preds, batch = draw(fused, [4, 3, 0])
+    grads = []
+    for again in (False, True):
+        monkeypatch.setattr(box_loss, "RECOMPUTE_SOFTMAX", again)
+        grads.append(assert_kernels_match_float64_reference(fused, preds, batch, (64.0, 64.0),
+                                                            tal.assign_torch, False, grads=True))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def assert_kernels_match_float64_reference(fused: FusedDetectionLoss, preds, batch, imgsz, assign,
-                                           weighted: bool) -> torch.Tensor:
+                                           weighted: bool, grads: bool = False):
     """DetectionLossFunction (the box and class loss kernels) against :func:`loss_terms_torch` in
     float64 on ``assign``'s assignment: terms within 1e-5 relative, grads of both prediction
     tensors within 1e-5 of their largest, for gains and an upstream grad other than ones (class
-    weights if ``weighted``). Returns the float64 terms."""
+    weights if ``weighted``). Returns the float64 terms (with ``grads``: the kernels' grads of the
+    boxes and the scores)."""
     B, _, A = preds["scores"].shape
     sizes = tuple((f.shape[2], f.shape[3]) for f in preds["feats"])
     anchors, strides = anchor_grid(sizes, fused._strides, DEVICE)
@@ -239,7 +256,7 @@ def assert_kernels_match_float64_reference(fused: FusedDetectionLoss, preds, bat
     for g, w in ((b.grad, b64.grad), (s.grad, s64.grad)):
         torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-5 * w.abs().max().item())
     assert b.grad.abs().max() > 0 and s.grad.abs().max() > 0
-    return terms.detach()
+    return (b.grad, s.grad) if grads else terms.detach()
 
 
 @pytest.mark.parametrize("anchors", [84, 37, 300])

@@ -27,6 +27,8 @@ whole loss are in ``terms.py`` (``DetectionLossFunction``, ``loss_terms_torch``)
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -35,6 +37,9 @@ from trainfuse.losses.box_math import ciou_xyxy, ciou_xyxy_grad1
 from trainfuse.losses.detection.sums import arrive, gather_sum
 
 CIOU_EPS = 1e-7  # bbox_iou's default eps, as BboxLoss and the assigner call it
+# TRAINFUSE_BOX_RECOMPUTE=1: the backward makes each side's softmax again (box_loss_bwd_kernel's
+# RECOMPUTE), opt-in until timed on a GPU
+RECOMPUTE_SOFTMAX = os.environ.get("TRAINFUSE_BOX_RECOMPUTE", "0") == "1"
 
 
 @triton.jit
@@ -179,11 +184,23 @@ def _side_l1_grad(g_base, k, offs, am, fg, g_dist, c_l1, d, y, s, n, A):
     tl.store(g_base + k * A + offs, g.to(g_base.dtype.element_ty), mask=am)
 
 
+@triton.jit
+def _side_grad_again(base, g_base, k, offs, am, fg, g_dist, c_dfl, y, hi, A, R: tl.constexpr):
+    """:func:`_side_grad` with side ``k``'s softmax made again (the same ops, the same bits): one
+    side's ``(BLOCK, R)`` tile live at a time instead of all four."""
+    _, p, _, dist = side_softmax(base, k, offs, fg, A, R)
+    lo, wl, wr = _dfl_target(y, hi)
+    _side_grad(g_base, k, offs, am, fg, p, dist, g_dist, c_dfl, lo, wl, wr, A, R)
+
+
 @triton.jit(do_not_specialize=["M"])
 def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss_ptr, go_ptr, go_stride,
-                        A, M, W, H, hi, eps, box_gain, dfl_gain, batch, R: tl.constexpr, BLOCK: tl.constexpr):
+                        A, M, W, H, hi, eps, box_gain, dfl_gain, batch, R: tl.constexpr, BLOCK: tl.constexpr,
+                        RECOMPUTE: tl.constexpr = False):
     """The grad of ``go . out`` (``out`` from :func:`box_loss_fwd_kernel`) for the box outputs;
-    zeros on background anchors."""
+    zeros on background anchors. ``RECOMPUTE`` (:data:`RECOMPUTE_SOFTMAX`): each side's softmax
+    made again for its grad rather than held for all four sides (compiled for sm_90 at 128
+    anchors a block: 255 registers and 120 bytes spilled against 304)."""
     pid = tl.program_id(0)
     nblk = tl.cdiv(A, BLOCK)
     b = pid // nblk
@@ -193,6 +210,11 @@ def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_pt
     base = boxes + b.to(tl.int64) * (4 * R) * A
     g_base = grad + b.to(tl.int64) * (4 * R) * A
     if R == 1:
+        d0 = side_distance(base, 0, offs, fg, A, R)
+        d1 = side_distance(base, 1, offs, fg, A, R)
+        d2 = side_distance(base, 2, offs, fg, A, R)
+        d3 = side_distance(base, 3, offs, fg, A, R)
+    elif RECOMPUTE:
         d0 = side_distance(base, 0, offs, fg, A, R)
         d1 = side_distance(base, 1, offs, fg, A, R)
         d2 = side_distance(base, 2, offs, fg, A, R)
@@ -217,6 +239,11 @@ def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_pt
         _side_l1_grad(g_base, 1, offs, am, fg, -gy1, c_dfl, d1, ay - Y1, s, H, A)
         _side_l1_grad(g_base, 2, offs, am, fg, gx2, c_dfl, d2, X2 - ax, s, W, A)
         _side_l1_grad(g_base, 3, offs, am, fg, gy2, c_dfl, d3, Y2 - ay, s, H, A)
+    elif RECOMPUTE:
+        _side_grad_again(base, g_base, 0, offs, am, fg, -gx1, c_dfl, ax - X1, hi, A, R)
+        _side_grad_again(base, g_base, 1, offs, am, fg, -gy1, c_dfl, ay - Y1, hi, A, R)
+        _side_grad_again(base, g_base, 2, offs, am, fg, gx2, c_dfl, X2 - ax, hi, A, R)
+        _side_grad_again(base, g_base, 3, offs, am, fg, gy2, c_dfl, Y2 - ay, hi, A, R)
     else:
         lo0, wl0, wr0 = _dfl_target(ax - X1, hi)
         lo1, wl1, wr1 = _dfl_target(ay - Y1, hi)
@@ -228,5 +255,5 @@ def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_pt
         _side_grad(g_base, 3, offs, am, fg, p3, d3, gy2, c_dfl, lo3, wl3, wr3, A, R)
 
 
-__all__ = ["CIOU_EPS", "box_loss_bwd_kernel", "box_loss_fwd_kernel", "label_box", "side_distance",
-           "side_softmax"]
+__all__ = ["CIOU_EPS", "RECOMPUTE_SOFTMAX", "box_loss_bwd_kernel", "box_loss_fwd_kernel", "label_box",
+           "side_distance", "side_softmax"]

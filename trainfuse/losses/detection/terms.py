@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from trainfuse._runtime.function import applier
+from trainfuse.losses.detection import box_loss
 from trainfuse.losses.detection.assigner import Assignment, decode, distances
 from trainfuse.losses.detection.box_loss import CIOU_EPS, box_loss_bwd_kernel, box_loss_fwd_kernel
 from trainfuse.losses.detection.cls_loss import cls_loss_bwd_kernel, cls_loss_fwd_kernel, cls_tiles
@@ -73,9 +74,10 @@ class DetectionLossFunction(torch.autograd.Function):
             return g_boxes, g_scores, None, None, None, None, None, None
         if ctx.needs_input_grad[0]:
             g_boxes = torch.empty_like(boxes)
+            again = {"RECOMPUTE": True} if box_loss.RECOMPUTE_SOFTMAX and C > 4 else {}  # opt-in
             launcher(box_loss_bwd_kernel, (B * -(-A // blocks.box),), boxes, g_boxes, gidx, t, gt, anchors,
                      strides, tss, go, go.stride(0), A, gt.shape[1], k.width, k.height, k.dfl_hi, CIOU_EPS,
-                     k.gains[0], k.gains[2], k.batch, R=C // 4, BLOCK=blocks.box, num_warps=4)
+                     k.gains[0], k.gains[2], k.batch, R=C // 4, BLOCK=blocks.box, num_warps=4, **again)
         if ctx.needs_input_grad[1]:
             g_scores = torch.empty_like(scores)
             nc = scores.shape[1]
