@@ -196,7 +196,7 @@ def _side_grad_again(base, g_base, k, offs, am, fg, g_dist, c_dfl, y, hi, A, R: 
 @triton.jit(do_not_specialize=["M"])
 def box_loss_bwd_kernel(boxes, grad, gidx_ptr, t_ptr, gt_ptr, anc_ptr, stride_ptr, tss_ptr, go_ptr, go_stride,
                         A, M, W, H, hi, eps, box_gain, dfl_gain, batch, R: tl.constexpr, BLOCK: tl.constexpr,
-                        RECOMPUTE: tl.constexpr = False):
+                        RECOMPUTE: tl.constexpr):
     """The grad of ``go . out`` (``out`` from :func:`box_loss_fwd_kernel`) for the box outputs;
     zeros on background anchors. ``RECOMPUTE`` (:data:`RECOMPUTE_SOFTMAX`): each side's softmax
     made again for its grad rather than held for all four sides (compiled for sm_90 at 128

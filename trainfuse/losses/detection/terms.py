@@ -74,10 +74,10 @@ class DetectionLossFunction(torch.autograd.Function):
             return g_boxes, g_scores, None, None, None, None, None, None
         if ctx.needs_input_grad[0]:
             g_boxes = torch.empty_like(boxes)
-            again = {"RECOMPUTE": True} if box_loss.RECOMPUTE_SOFTMAX and C > 4 else {}  # opt-in
             launcher(box_loss_bwd_kernel, (B * -(-A // blocks.box),), boxes, g_boxes, gidx, t, gt, anchors,
                      strides, tss, go, go.stride(0), A, gt.shape[1], k.width, k.height, k.dfl_hi, CIOU_EPS,
-                     k.gains[0], k.gains[2], k.batch, R=C // 4, BLOCK=blocks.box, num_warps=4, **again)
+                     k.gains[0], k.gains[2], k.batch, R=C // 4, BLOCK=blocks.box,
+                     RECOMPUTE=box_loss.RECOMPUTE_SOFTMAX and C > 4, num_warps=4)
         if ctx.needs_input_grad[1]:
             g_scores = torch.empty_like(scores)
             nc = scores.shape[1]
