@@ -39,6 +39,8 @@ def test_results_are_named_by_model_optimizer_fused_loss_and_gpus():
     assert yolo.family("yolo11m.yaml", fuse_blocks=True) == "yolo-yolo11m-fuse-blocks"
     concat = yolo.family("yolo11s.yaml", fuse_blocks=True, fuse_concat=True)
     assert concat == "yolo-yolo11s-fuse-blocks-fuse-concat"
+    timed = yolo.family("yolo11m.yaml", fuse_blocks=True, cudnn_benchmark=True)
+    assert timed == "yolo-yolo11m-fuse-blocks-cudnn-benchmark"
     assert yolo.family("yolo11n.yaml", "MuSGD", "0,1") == "yolo-yolo11n-MuSGD-2gpus"
 
 

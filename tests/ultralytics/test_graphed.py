@@ -272,6 +272,40 @@ def test_fused_blocks_replay_trains_exactly_like_eager(tmp_path_factory, monkeyp
     assert not any("forward" in vars(m) for m in graphed.trainer.model.modules())
 
 
+def _note_benchmark(seen: set, _trainer_or_validator) -> None:
+    seen.add(torch.backends.cudnn.benchmark)
+
+
+@cuda
+def test_cudnn_benchmark_times_the_training_convolutions_and_gives_the_setting_back(tmp_path_factory):
+    """``cudnn_benchmark=True``: on for every training batch (the graphs' warm-up and capture
+    included), the user's setting for validation and after the run; the run trains as one without
+    it up to the roundings of other convolution algorithms."""
+    root = tmp_path_factory.mktemp("shapes-cudnn")
+    data = str(make_shapes_dataset(root, n_train=16, n_val=8, imgsz=64, seed=2))
+    project = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for on in (False, True):
+        model = YOLO("yolov5n.yaml")
+        record, seen = Record(model), {"train": set(), "val": set()}
+        for event, phase in (("on_train_batch_start", "train"), ("on_val_start", "val")):
+            model.add_callback(event, functools.partial(_note_benchmark, seen[phase]))
+        assert torch.backends.cudnn.benchmark is False
+        model.train(data=data, epochs=2, imgsz=64, batch=4, workers=0, device=0, plots=False, seed=0,
+                    deterministic=True, verbose=False, project=str(project), name=f"cudnn-{on}",
+                    exist_ok=True, trainer=functools.partial(FusedDetectionTrainer, cudnn_benchmark=on))
+        assert torch.backends.cudnn.benchmark is False  # the user's setting back
+        runs[on] = model, record, seen
+    (plain, plain_rec, plain_seen), (timed, timed_rec, timed_seen) = runs[False], runs[True]
+    assert plain_seen == {"train": {False}, "val": {False}}
+    assert timed_seen == {"train": {True}, "val": {False}}  # the final validation included
+    rows = {r.kind: r for r in timed.trainer.report}
+    assert rows["convolutions"].action == "on" and "deterministic algorithms" in rows["convolutions"].detail
+    assert {r.kind: r for r in plain.trainer.report}["convolutions"].detail == "cudnn_benchmark=False"
+    assert timed.trainer.graph_stats.replays >= 4
+    torch.testing.assert_close(timed_rec.losses[0], plain_rec.losses[0], rtol=1e-3, atol=1e-3)
+
+
 # On an H200 (torch 2.11) the YOLO26 pose run replayed from graphs leaves the eager one at iteration
 # 18 of 200 by one float32 ulp of the loss (126.70658875 against 126.70658112) and stays apart; two
 # eager runs are equal throughout, so the difference is how a kernel computes under capture, not a

@@ -476,6 +476,7 @@ def test_the_report_says_what_was_fused_and_what_stayed_stock(runs):
     assert rows["val workers"].action == "off" and rows["val workers"].detail.startswith("val=False")
     assert rows["device cache"].action == "off" and "on for CUDA devices only" in rows["device cache"].detail
     assert rows["upsample"].action == "off" and rows["upsample"].detail == "fuse_blocks=False"
+    assert rows["convolutions"].action == "off" and rows["convolutions"].detail == "cudnn_benchmark=False"
     off = {r.kind: r for r in step_only.trainer.report}["loss"]
     assert off.action == "off"
     assert off.detail == "fused_loss=False (fused_loss=True trains with FusedDetectionLoss)"

@@ -18,9 +18,11 @@ Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultra
 model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
 torch runs it (contiguous, ultralytics' layout), in channels_last, with every ``Conv`` block's
 BatchNorm and SiLU as one op, both, and both with the C2f and C3 blocks' concatenations written in
-place (``TRAINFUSE_FUSE_CONCAT=1`` in the trainer): which route pays before the training loop is
-changed (the GPU time of the step replayed from a CUDA graph, and do_bench's time of the eager
-call). With ``--compile`` a sixth variant, ``torch.compile(model)`` in channels_last (inductor's own
+place (``TRAINFUSE_FUSE_CONCAT=1`` in the trainer), and channels_last stock and fused with cuDNN's
+convolution algorithms chosen by timing them (``torch.backends.cudnn.benchmark``, the trainer's
+``cudnn_benchmark=True``): which route pays before the training loop is changed (the GPU time of
+the step replayed from a CUDA graph, and do_bench's time of the eager call). With ``--compile`` an
+eighth variant, ``torch.compile(model)`` in channels_last (inductor's own
 kernels, default mode: no CUDA graphs of its own), and the seconds its first call took to compile.
 ``python -m trainfuse.bench yolo --model yolo11m.yaml --fuse-blocks`` times the op in the loop."""
 
@@ -143,12 +145,14 @@ def _model_step(model: nn.Module, x: torch.Tensor):
 
 
 CONCAT = "fused blocks, concatenations in place, channels_last"
-VARIANTS = ("contiguous", "channels_last", "fused blocks", "fused blocks, channels_last", CONCAT)
+TIMED = ", cudnn.benchmark"  # cuDNN's algorithms chosen by timing them (the trainer's cudnn_benchmark)
+VARIANTS = ("contiguous", "channels_last", "fused blocks", "fused blocks, channels_last", CONCAT,
+            "channels_last" + TIMED, "fused blocks, channels_last" + TIMED)
 COMPILED = "torch.compile, channels_last"
 
 
 def _models(report: dict, names: list[str], batch: int, compile_too: bool = False) -> None:
-    """Each model's training forward + backward in its five variants, and compiled with
+    """Each model's training forward + backward in its seven variants, and compiled with
     ``compile_too`` (module docstring)."""
     from ultralytics.nn.tasks import DetectionModel
 
@@ -167,6 +171,7 @@ def _models(report: dict, names: list[str], batch: int, compile_too: bool = Fals
                 x = x.contiguous(memory_format=torch.channels_last)
             if "fused" in variant:  # as the trainer's fuse_blocks=True: C2f's halves dense too, or
                 fuse_model(model, concat=variant == CONCAT)  # the CSP blocks' concatenations in place
+            torch.backends.cudnn.benchmark = variant.endswith(TIMED)  # timed in graph_ms's warm-up
             if variant == COMPILED:
                 model = torch.compile(model)
                 start = time.perf_counter()
@@ -182,6 +187,7 @@ def _models(report: dict, names: list[str], batch: int, compile_too: bool = Fals
                     do_bench_ms=kernel_ms(_model_step(model, x), warmup=100, rep=500))  # ms: ~20 calls
             if variant == COMPILED:
                 torch.compiler.reset()
+            torch.backends.cudnn.benchmark = False
             del model, x
             torch.cuda.empty_cache()
         base = times["contiguous"]

@@ -65,6 +65,9 @@ def _parser():
     parser.add_argument("--fuse-concat", action="store_true",
                         help="with --fuse-blocks, TRAINFUSE_FUSE_CONCAT=1: the C2f and C3 blocks' "
                         "concatenations written in place (opt-in)")
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="cudnn_benchmark=True: cuDNN times the training step's convolution algorithms "
+                        "(off by default)")
     parser.add_argument("--gpu-augment", action="store_true",
                         help="gpu_augment=True: the training pixels augmented on the GPU even with the "
                         "bench's cache='ram' (segment, pose and OBB data too, which ask for it)")
@@ -148,6 +151,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
         workload += " fuse_blocks=True"
     if args.fuse_concat:
         workload += " TRAINFUSE_FUSE_CONCAT=1"
+    if args.cudnn_benchmark:
+        workload += " cudnn_benchmark=True"
     print(f"\n{workload}, {args.epochs} epoch(s), ultralytics {version}")
     print(runs_table(runs))
     for kind, r in runs.items():
@@ -205,7 +210,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     if args.quick:
         note(report, "--quick: 1 epoch; the quality goals need the full run")
     name = family(args.model, args.optimizer, fused_loss=args.fused_loss, gpu_augment=args.gpu_augment,
-                  fuse_blocks=args.fuse_blocks, fuse_concat=args.fuse_concat)
+                  fuse_blocks=args.fuse_blocks, fuse_concat=args.fuse_concat,
+                  cudnn_benchmark=args.cudnn_benchmark)
     png = plot_runs(runs, out / f"{name}.png",
                     title=f"{workload}, {args.epochs} epoch(s), {report['device']}")
     print(f"plot: {png}")
@@ -287,6 +293,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         options["gpu_augment"] = True
     if args.fuse_blocks:
         options["fuse_blocks"] = True
+    if args.cudnn_benchmark:
+        options["cudnn_benchmark"] = True
     if args.fuse_concat:
         if not args.fuse_blocks:
             raise SystemExit("--fuse-concat writes the concatenations from the fused blocks: add "
@@ -301,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     report["_bench"] = "yolo"
     save_report(report, args.out, family(args.model, args.optimizer, fused_loss=args.fused_loss,
                                          gpu_augment=args.gpu_augment, fuse_blocks=args.fuse_blocks,
-                                         fuse_concat=args.fuse_concat))
+                                         fuse_concat=args.fuse_concat, cudnn_benchmark=args.cudnn_benchmark))
     return report
 
 
@@ -325,16 +333,19 @@ def _dataset(args, task: str) -> str:
 
 
 def family(model: str, optimizer: str = "auto", devices: str = "0", fused_loss: bool = False,
-           gpu_augment: bool = False, fuse_blocks: bool = False, fuse_concat: bool = False) -> str:
+           gpu_augment: bool = False, fuse_blocks: bool = False, fuse_concat: bool = False,
+           cudnn_benchmark: bool = False) -> str:
     """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
     ``-<optimizer>`` appended for an optimizer other than ``auto``, ``-fused-loss`` with
     ``--fused-loss``, ``-gpu-augment`` with ``--gpu-augment``, ``-fuse-blocks`` with
-    ``--fuse-blocks`` (``-fuse-concat`` after it with ``--fuse-concat``), ``-<N>gpus`` for DDP."""
+    ``--fuse-blocks`` (``-fuse-concat`` after it with ``--fuse-concat``), ``-cudnn-benchmark``
+    with ``--cudnn-benchmark``, ``-<N>gpus`` for DDP."""
     name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
     name = name if optimizer == "auto" else f"{name}-{optimizer}"
     name = f"{name}-fused-loss" if fused_loss else name
     name = f"{name}-gpu-augment" if gpu_augment else name
     name = f"{name}-fuse-blocks" if fuse_blocks else name
     name = f"{name}-fuse-concat" if fuse_concat else name
+    name = f"{name}-cudnn-benchmark" if cudnn_benchmark else name
     n = len(devices.split(","))
     return name if n == 1 else f"{name}-{n}gpus"

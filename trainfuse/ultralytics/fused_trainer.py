@@ -37,7 +37,7 @@ from trainfuse.ultralytics.warm_start import KernelsAhead
 
 _PREFIX = colorstr("trainfuse:")
 OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks", "prefetch",
-           "parallel_plots", "device_cache")
+           "parallel_plots", "device_cache", "cudnn_benchmark")
 # what None, the default, means for the options that take it
 _NONE_MEANS = {"gpu_augment": "on for CUDA where images are read from disk", "device_cache": "on for CUDA"}
 
@@ -71,6 +71,9 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         device_cache: keep the training images the GPU decoded and the validation batches on the
             device between epochs, within a tenth of its memory: True, False, or None (the default:
             on for CUDA; :mod:`trainfuse.ultralytics.changes.cache`).
+        cudnn_benchmark: on CUDA, cuDNN times the training step's convolution algorithms once per
+            shape (``torch.backends.cudnn.benchmark`` during the training epochs, the user's setting
+            for validation; default False: :mod:`trainfuse.ultralytics.changes.conv_algorithms`).
 
     Attributes:
         report: what the trainer changed and what it left stock, with why (rows of
@@ -90,6 +93,7 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
     prefetch = True
     parallel_plots = False
     device_cache: bool | None = None
+    cudnn_benchmark = False
 
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, **kwargs):
         options = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
@@ -188,7 +192,8 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         if line := self.kernels.started():
             LOGGER.info(f"{_PREFIX} {line}")
         self._run = Run(self, Options(self.fused_loss, self.fuse_casts, self.cuda_graphs, self.fold_stem,
-                                      self.fuse_blocks, self.device_cache), self.loading)
+                                      self.fuse_blocks, self.device_cache, self.cudnn_benchmark),
+                        self.loading)
         self._applied.apply(changes(self._run.options), self._run)
 
     @override

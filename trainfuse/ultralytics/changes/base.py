@@ -28,6 +28,7 @@ class Options:
     fold_stem: bool
     fuse_blocks: bool = False
     device_cache: bool | None = None
+    cudnn_benchmark: bool = False
 
 
 @dataclasses.dataclass
