@@ -68,6 +68,8 @@ def test_each_tasks_headline_metrics(task, keys):
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "reduction"),
     ("ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_nn", "matmul"),
     ("nvjet_sm90_hsh_128x160_64x5_2x1_v_ssched_bz_TNT", "matmul"),
+    ("Memcpy DtoH (Device -> Pageable)", "to host"),
+    ("Memcpy DtoD (Device -> Device)", "copy/cat"),
     ("void at::native::scatter_add_kernel", "other"),  # "scatter" is not a concatenation
     ("_adamw_chunk_kernel", "other"),
 ])

@@ -136,10 +136,12 @@ def device_launches(prof) -> int:
 
 # kinds of GPU work by kernel name, first match wins: BatchNorm (cuDNN's and the fused op), cuDNN's
 # convolutions (forward, data and weight grads: xmma/implicit-GEMM kernels), other matmuls (cuBLAS's
-# nvjet kernels too, which run cuDNN's 1x1 convolutions in channels_last), copies and
-# concatenation, elementwise kernels (activations, adds, casts), reductions; the rest (trainfuse's
-# loss and optimizer kernels, ultralytics' own) is "other"
+# nvjet kernels too, which run cuDNN's 1x1 convolutions in channels_last), copies to the host (a
+# checkpoint's, the logged losses': not the step's, and on another stream where the trainer writes
+# checkpoints in the background), copies and concatenation, elementwise kernels (activations, adds,
+# casts), reductions; the rest (trainfuse's loss and optimizer kernels, ultralytics' own) is "other"
 KERNEL_KINDS = (
+    ("to host", ("memcpy dtoh",)),
     ("batchnorm", ("batch_norm", "batchnorm", "bn_", "welford")),
     ("convolution", ("conv", "cudnn", "xmma", "implicit", "dgrad", "wgrad", "fprop", "nchwtonhwc",
                      "nhwctonchw")),
