@@ -87,21 +87,25 @@ def data(tmp_path_factory) -> str:
 
 
 class Run:
-    """One training run: the YOLO object, its per-iteration losses and a mid-run checkpoint."""
+    """One training run: the YOLO object, its per-iteration losses, a mid-run checkpoint and the
+    model's state when training started."""
 
-    def __init__(self, model: YOLO, losses: list[float], mid: Path):
-        self.model, self.losses, self.mid = model, losses, mid
+    def __init__(self, model: YOLO, losses: list[float], mid: Path, start: dict[str, torch.Tensor]):
+        self.model, self.losses, self.mid, self.start = model, losses, mid, start
         self.trainer = model.trainer
 
 
 def _train(data: str, project: Path, trainer=None, optimizer: str = "SGD", epochs: int = 2,
-           resume: Path | None = None, model: str = "yolov5n.yaml") -> Run:
+           resume: Path | None = None, model: str = "yolov5n.yaml", **train_args) -> Run:
     name = (f"{trainer.__name__ if trainer else 'stock'}-{optimizer}-{Path(model).stem}"
-            f"{'-' + resume.stem if resume else ''}")
+            f"{'-' + resume.stem if resume else ''}{''.join(f'-{k}{v}' for k, v in train_args.items())}")
     model = YOLO(str(resume) if resume else model)
     losses: list[float] = []
     mid = project / f"{name}-epoch1.pt"
     model.add_callback("on_train_batch_end", lambda t: losses.append(float(t.loss.detach())))
+    start: dict[str, torch.Tensor] = {}
+    model.add_callback("on_train_start",
+                       lambda t: start.update({k: v.clone() for k, v in t.model.state_dict().items()}))
 
     def keep_first_checkpoint(t):  # a checkpoint with optimizer state, as an interrupted run leaves it
         if t.epoch == 0:
@@ -115,8 +119,8 @@ def _train(data: str, project: Path, trainer=None, optimizer: str = "SGD", epoch
         model.train(data=data, epochs=epochs, imgsz=64, batch=4, nbs=8, workers=0, device="cpu", plots=False,
                     val=False, seed=0, deterministic=True, verbose=False, optimizer=optimizer,
                     box=7.5 * GAIN, cls=0.5 * GAIN, dfl=1.5 * GAIN, project=str(project), name=name,
-                    exist_ok=True, **extra)
-    return Run(model, losses, mid)
+                    exist_ok=True, **extra, **train_args)
+    return Run(model, losses, mid, start)
 
 
 @pytest.fixture(scope="module")
@@ -463,6 +467,29 @@ def test_concatenations_written_in_place_train_like_stock_and_come_back(runs, mo
     csp = sum(type(m).__name__ == "C3" for m in concat.trainer.model.modules())
     assert csp == 8 and f"; {csp} C2f and C3 blocks: each branch written into its slice" in row.detail
     assert not any("forward" in m.__dict__ for m in concat.trainer.model.modules())  # given back
+
+
+@pytest.mark.cpu_training
+def test_frozen_layers_keep_their_weights_and_the_rest_trains_like_stock(data, tmp_path, monkeypatch):
+    """``freeze=3`` (ultralytics' first three layers: two Conv blocks and a C3) with the fused
+    optimizer phase, the blocks fused and the C3 blocks' concatenations in place: the frozen
+    weights and their BatchNorms' running statistics stay as they started (ultralytics puts those
+    BatchNorms in eval mode, so the fused blocks normalize them with the running statistics), the
+    layers after them train, and the run is stock's."""
+    monkeypatch.setenv("TRAINFUSE_FUSE_CONCAT", "1")
+    stock = _train(data, tmp_path, None, freeze=3)
+    fused = _train(data, tmp_path, FusedConcatStepTrainer, freeze=3)
+    assert {r.kind: r for r in fused.trainer.report}["blocks"].action == "on"
+    torch.testing.assert_close(fused.losses, stock.losses, rtol=1e-5, atol=1e-6)
+    _assert_same_state(fused.trainer.model, stock.trainer.model, rtol=1e-4, atol=1e-6)
+    built, trained = fused.start, fused.trainer.model.state_dict()
+    frozen = [k for k in trained if k.startswith(("model.0.", "model.1.", "model.2."))]
+    weights = [k for k in frozen if k.endswith((".weight", ".bias"))]
+    statistics = [k for k in frozen if k.endswith(".running_mean")]
+    assert len(weights) > 10 and len(statistics) > 4
+    assert all(torch.equal(trained[k], built[k]) for k in weights + statistics)
+    for k in ("model.4.cv1.conv.weight", "model.4.cv1.bn.running_mean", "model.3.bn.running_var"):
+        assert not torch.equal(trained[k], built[k]), k
 
 
 @pytest.mark.cpu_training
