@@ -96,11 +96,12 @@ class RankRecord:
         Path(os.path.join(self.out, f"{self.name}-stats.json")).write_text(json.dumps({"replays": replays}))
 
 
-def _ddp_run(trainer, data: str, project: Path, name: str, **kw) -> list[tuple[dict, dict]]:
-    model = YOLO("yolov5n.yaml")
+def _ddp_run(trainer, data: str, project: Path, name: str, model: str = "yolov5n.yaml",
+             epochs: int = 20, **kw) -> list[tuple[dict, dict]]:
+    model = YOLO(model)
     RankRecord(str(project), name).attach(model)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off
-    model.train(data=data, epochs=20, imgsz=64, batch=8, nbs=16, workers=0, device="0,1", plots=False,
+    model.train(data=data, epochs=epochs, imgsz=64, batch=8, nbs=16, workers=0, device="0,1", plots=False,
                 val=False, seed=0, deterministic=True, verbose=False, project=str(project), name=name,
                 exist_ok=True, optimizer="SGD", lr0=0.02, trainer=trainer, **kw)
     ranks = [(json.loads((project / f"{name}-rank{r}.json").read_text()),
@@ -144,6 +145,31 @@ def test_ddp_with_graphs_trains_as_eager_ddp_and_keeps_the_ranks_equal(tmp_path_
     losses = {"graphs": g0["losses"], "eager DDP": e0["losses"]}
     assert all(math.isfinite(x) for run in losses.values() for x in run), losses
     assert g1["losses"] != g0["losses"]  # the ranks saw other images
+
+
+@two_gpus
+@pytest.mark.parametrize("task,model", [("segment", "yolo11n-seg.yaml"), ("pose", "yolo11n-pose.yaml"),
+                                        ("obb", "yolo11n-obb.yaml"), ("classify", "yolo11n-cls.yaml")])
+def test_each_tasks_trainer_trains_under_ddp_from_graphs_with_the_ranks_equal(tmp_path_factory, task, model):
+    """Every task's fused trainer with ``device="0,1"`` (the class's defaults: its fused loss, graphs,
+    the optimizer phase inside them): the step replays on both ranks, the grads are averaged (every
+    rank ends with the same weights) and the loss stays finite."""
+    from trainfuse.ultralytics import trainer_for
+    from trainfuse.ultralytics.task_shapes import make_task_dataset
+
+    root = tmp_path_factory.mktemp(f"{task}-ddp")
+    data = str(make_task_dataset(root, task, n_train=40, n_val=8, imgsz=64, seed=1, max_objects=4))
+    project = tmp_path_factory.mktemp(f"{task}-runs-ddp")
+    trainer = trainer_for(YOLO(model))
+    (r0, w0), (r1, w1) = _ddp_run(trainer, data, project, task, model=model, epochs=4)
+    assert r0["world_size"] == 2 and r0["graphs_reason"] == "", r0
+    assert r0["optimizer"] == "FusedSGD" and ["ddp", "swapped"] in r0["report"]
+    assert r0["replays"] >= 10, r0["replays"]  # 5 iterations an epoch, the first of each shape eager
+    assert len(r0["losses"]) == len(r1["losses"]) == 20
+    assert all(math.isfinite(x) for x in r0["losses"] + r1["losses"])
+    for k in w0["state"]:
+        if "running" not in k and "num_batches" not in k:
+            assert torch.equal(w0["state"][k], w1["state"][k]), k
 
 
 @two_gpus
