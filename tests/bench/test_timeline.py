@@ -24,12 +24,19 @@ def test_parts_add_up_to_the_wall_clock_of_a_default_run(tmp_path, monkeypatch):
     from ultralytics import YOLO
 
     model = YOLO("yolov5n.yaml")
-    timeline = Timeline().attach(model)
+    # as a DDP rank zero records them for the process that called train() (module docstring)
+    monkeypatch.setenv("RANK", "0")
+    timeline = Timeline(share=tmp_path / "moments.json").attach(model)
     timeline.start()
     model.train(data=str(data), epochs=2, imgsz=64, batch=2, workers=0, project=str(tmp_path / "runs"),
                 name="t", exist_ok=True, plots=False, device="cpu")
     timeline.stop()
     parts = timeline.parts()
+    caller = Timeline(share=tmp_path / "moments.json")  # its own callbacks never ran
+    caller.t0, caller.t1 = timeline.t0, timeline.t1
+    caller.stop()
+    caller.t1 = timeline.t1
+    assert caller.marks == timeline.marks and caller.parts() == parts
     assert math.isclose(sum(parts[p] for p in PARTS), parts["wall"], rel_tol=1e-9, abs_tol=1e-9)
     assert all(parts[p] >= 0 for p in PARTS), parts
     assert len(parts["epochs"]) == 2 and len(parts["epoch_total"]) == 2
@@ -123,6 +130,27 @@ def test_a_long_run_is_measured_in_parts_on_one_machine(tmp_path, monkeypatch):
     assert [r["impl"] for r in second["rows"]] == ["ultralytics DetectionTrainer", "FusedDetectionTrainer"]
     assert bench.family_of(_args()) == "yolo-default-run-100-epochs-1024-images"
     assert bench.family_of(_args(epochs=20, images=2048, val_images=512)) == "yolo-default-run"
+    assert bench.family_of(_args(epochs=20, images=2048, val_images=512, devices="0,1")) == \
+        "yolo-default-run-2gpus"
+
+
+def test_several_devices_train_every_run_on_them(tmp_path, monkeypatch):
+    from trainfuse.bench import yolo_default
+
+    devices = []
+
+    def spawn(kind, data, epochs, project, name, env, seed, plots, device):
+        devices.append(device)
+        return {"wall": 10.0, **{p: 1.0 for p in PARTS}, "map50_95": 0.5}
+
+    monkeypatch.setattr(yolo_default, "_spawn", spawn)
+    monkeypatch.setattr(yolo_default, "_forget_labels", lambda data: None)
+    report: dict = {"rows": []}
+    yolo_default.run(report, _args(devices="0,1"), "data.yaml", tmp_path / "o", "8")
+    assert devices == ["0,1"] * 3 and report["settings"]["devices"] == "0,1"
+    assert "device=0,1 (DDP, 16 images a step over the 2 GPUs)" in report["rows"][0]["workload"]
+    yolo_default.run({"rows": []}, _args(devices="0"), "data.yaml", tmp_path / "o", "8")
+    assert devices[3:] == [""] * 3  # one GPU: ultralytics' own default device
 
 
 def test_runs_of_another_machine_or_a_warm_run_alone_are_refused(tmp_path, monkeypatch):

@@ -14,11 +14,20 @@ work it queued) and :meth:`Timeline.parts` splits the run's wall clock into part
   up to the next epoch's first iteration;
 - ``final``: after the last epoch's end until ``train()`` returns (ultralytics' final validation
   of best.pt, plots).
+
+Under ultralytics' DDP (``device="0,1"``) the callbacks run in the ranks' processes, which
+ultralytics starts with a pickled copy of the trainer's callbacks: with ``share=`` (a file path),
+rank zero writes its moments there at ``on_train_end`` and :meth:`Timeline.stop` reads them in the
+process that called ``train()``. The moments are ``time.perf_counter()``'s, the system-wide
+monotonic clock on Linux, so both processes' moments lie on one time line.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -43,9 +52,10 @@ class Timeline:
     EVENTS = ("on_train_start", "on_train_epoch_start", "on_train_batch_end", "on_train_epoch_end",
               "on_val_start", "on_val_end", "on_fit_epoch_end", "on_model_save", "on_train_end")
 
-    def __init__(self) -> None:
+    def __init__(self, share: str | Path | None = None) -> None:
         self.t0 = self.t1 = float("nan")
         self.marks: list[tuple[str, int, float]] = []  # (event, epoch, time)
+        self.share = None if share is None else str(share)  # where DDP's rank zero leaves its moments
         self._batches = 0
 
     def attach(self, model) -> Timeline:
@@ -61,6 +71,8 @@ class Timeline:
                     return  # only the first iteration's end is a moment of its own
             # validator callbacks get the validator: its trainer is not reachable, its device is
             self.marks.append((event, getattr(owner, "epoch", -1), _now(owner)))
+            if event == "on_train_end" and self.share and os.environ.get("RANK") == "0":
+                Path(self.share).write_text(json.dumps(self.marks))  # a DDP rank: for the caller
         record.reads_checkpoint = False  # a fused trainer's save need not wait for its files for this
         return record
 
@@ -71,6 +83,8 @@ class Timeline:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.t1 = time.perf_counter()
+        if not self.marks and self.share and Path(self.share).is_file():  # the run's ranks recorded them
+            self.marks = [tuple(m) for m in json.loads(Path(self.share).read_text())]
 
     def _times(self, event: str) -> list[float]:
         return [t for e, _, t in self.marks if e == event]

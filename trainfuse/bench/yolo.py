@@ -29,7 +29,9 @@ of stock, stock mAP50 >= 0.5 with ours within +-1 point.
 ``--quick`` is a smoke run (1 epoch, 256 images).
 
 ``--devices 0,1`` trains with ultralytics' DDP instead, ``--batch`` images per GPU: stock against
-ours on those GPUs, and ours on one GPU for the scaling (:mod:`trainfuse.bench.yolo_ddp`).
+ours on those GPUs, and ours on one GPU for the scaling (:mod:`trainfuse.bench.yolo_ddp`); with
+``--photo`` the photo runs train on those GPUs, and with ``--default-run`` every default run does
+(ultralytics' default batch of 16 over all of them: :mod:`trainfuse.bench.yolo_default`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def _parser():
                         help="ultralytics' optimizer= (auto, SGD, AdamW, MuSGD, NAdam, ...)")
     parser.add_argument("--batch", type=int, default=None, help="images per GPU (16; 64 for classification)")
     parser.add_argument("--devices", default="0",
-                        help="CUDA devices; several (0,1) train with ultralytics' DDP (bench.yolo_ddp)")
+                        help="CUDA devices; several (0,1) train with ultralytics' DDP (bench.yolo_ddp; with "
+                        "--photo or --default-run, those runs)")
     parser.add_argument("--imgsz", type=int, default=None, help="640; 224 for classification")
     parser.add_argument("--images", type=int, default=None, help="synthetic training images (512; 1,024 "
                         "with --photo)")

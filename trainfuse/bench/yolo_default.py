@@ -14,7 +14,9 @@ validation, epoch ends, final evaluation). Runs, in this order:
 - with ``--stock-warm``, ``stock-warm``: stock again (its label caches there).
 
 ``--parallel-plots`` runs ours with ``parallel_plots=True`` (the figures drawn by worker processes),
-saved as the family ``yolo-default-run-parallel-plots``. Another length than 20 epochs on 2,048
+saved as the family ``yolo-default-run-parallel-plots``. ``--devices 0,1`` trains every run with
+``device="0,1"`` (ultralytics' DDP; the default ``batch=16`` is the batch over all GPUs, as a user
+running the defaults gets it), the family ``yolo-default-run-2gpus``. Another length than 20 epochs on 2,048
 images is a family of its own too (``yolo-default-run-100-epochs-1024-images``).
 
 A long run whose runs do not fit one command's time limit is measured in parts on one machine:
@@ -57,12 +59,17 @@ def goals_for(epochs: int) -> dict[str, float]:
     return dict(GOALS)
 
 
+def _gpus(args) -> int:
+    return len(str(getattr(args, "devices", "0")).split(","))
+
+
 def family_of(args) -> str:
     """The results family of the bench's arguments."""
     name = "yolo-default-run"
     if (args.epochs, args.images, args.val_images) != DEFAULT_LENGTH:
         name += f"-{args.epochs}-epochs-{args.images}-images"
-    return name + ("-parallel-plots" if args.parallel_plots else "")
+    name += "-parallel-plots" if args.parallel_plots else ""
+    return name + (f"-{_gpus(args)}gpus" if _gpus(args) > 1 else "")
 
 
 def machine_id() -> str:
@@ -104,17 +111,21 @@ def previous_runs(path: str | None) -> dict:
 
 
 def one_run(kind: str, data: str, epochs: int, project: str, name: str, seed: int = 0,
-            parallel_plots: bool = False) -> dict:
+            parallel_plots: bool = False, device: str | None = None) -> dict:
     """One default ``train()`` of ``kind`` (``stock`` or ``trainfuse``) in this process: its
-    :meth:`~trainfuse.bench.timeline.Timeline.parts`, final mAPs and what it compiled ahead."""
+    :meth:`~trainfuse.bench.timeline.Timeline.parts`, final mAPs and what it compiled ahead.
+    ``device``: ultralytics' ``device=`` (None: its default); several GPUs train under DDP, whose
+    rank zero hands its moments back through a file."""
     from ultralytics import YOLO
 
     from trainfuse.bench.timeline import Timeline
 
     model = YOLO("yolov5n.yaml")
-    timeline = Timeline().attach(model)
+    shared = Path(project, f"{name}-timeline.json")
+    shared.unlink(missing_ok=True)
+    timeline = Timeline(share=shared).attach(model)
     kwargs = {"data": data, "epochs": epochs, "project": project, "name": name, "exist_ok": True,
-              "seed": seed}
+              "seed": seed, **({"device": device} if device else {})}
     if kind == "trainfuse":
         from trainfuse.ultralytics import FusedDetectionTrainer
 
@@ -129,11 +140,11 @@ def one_run(kind: str, data: str, epochs: int, project: str, name: str, seed: in
 
 
 def _spawn(kind: str, data: str, epochs: int, project: Path, name: str, env: dict, seed: int,
-           parallel_plots: bool) -> dict:
+           parallel_plots: bool, device: str = "") -> dict:
     result = project / f"{name}.json"
     result.unlink(missing_ok=True)
     command = [sys.executable, "-m", "trainfuse.bench.yolo_default", kind, data, str(epochs), str(project),
-               name, str(seed), str(int(parallel_plots))]
+               name, str(seed), str(int(parallel_plots)), device]
     subprocess.run(command, env=env, check=True)
     return json.loads(result.read_text())
 
@@ -161,7 +172,9 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
         for kind, name, cold in plan:
             if cold:
                 _forget_labels(data)
-            runs[name] = _spawn(kind, data, args.epochs, project, name, env, args.seed, args.parallel_plots)
+            device = getattr(args, "devices", "") if _gpus(args) > 1 else ""
+            runs[name] = _spawn(kind, data, args.epochs, project, name, env, args.seed, args.parallel_plots,
+                                device)
             runs[name]["machine"] = machine_id()
             print(f"{name}: {runs[name]['wall']:.1f} s", flush=True)
             # each finished run's parts at once: a bench cut off later (a time limit) keeps them
@@ -174,6 +187,8 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
                 f"{args.val_images} to validate each epoch")
     if args.parallel_plots:
         workload += ", ours with parallel_plots=True"
+    if _gpus(args) > 1:
+        workload += f", device={args.devices} (DDP, 16 images a step over the {_gpus(args)} GPUs)"
     first = {name: r["setup"] + r["first_step"] for name, r in runs.items()}
     rows = [[name, f"{r['wall']:.1f}", f"{first[name]:.1f}", *(f"{r[p]:.2f}" for p in PARTS),
              "-" if r["map50_95"] is None else f"{r['map50_95']:.3f}"] for name, r in runs.items()]
@@ -182,7 +197,7 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
     report["settings"] = {"model": "yolov5n.yaml", "epochs": args.epochs, "images": args.images,
                           "val_images": args.val_images, "seed": args.seed, "ultralytics": version,
                           "defaults": "val=True, plots=True, cache=False, workers=8, batch=16, imgsz=640",
-                          "parallel_plots": args.parallel_plots}
+                          "parallel_plots": args.parallel_plots, "devices": getattr(args, "devices", "0")}
     ours = [caches for caches in ("cold", "warm") if f"trainfuse-{caches}" in runs]
     if "stock" not in runs or not ours:
         note(report, f"only {', '.join(runs)} ran: the ratios need stock and one of ours (--previous with "
@@ -215,6 +230,6 @@ def run(report: dict, args, data: str, out: Path, version: str) -> None:
 
 
 if __name__ == "__main__":
-    kind, data, epochs, project, name, seed, plots = sys.argv[1:8]
-    result = one_run(kind, data, int(epochs), project, name, int(seed), plots == "1")
+    kind, data, epochs, project, name, seed, plots, device = sys.argv[1:9]
+    result = one_run(kind, data, int(epochs), project, name, int(seed), plots == "1", device or None)
     Path(project, f"{name}.json").write_text(json.dumps(result))
