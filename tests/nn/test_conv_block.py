@@ -116,7 +116,7 @@ def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps(monk
     stock = ClassificationModel(cfg, nc=2, verbose=False).to(DEVICE).train()
     fused = copy.deepcopy(stock)
     blocks, c2f = fuse_model(fused, concat)
-    silu = [m for m in fused.modules() if type(m) is Conv and type(m.act) is nn.SiLU]  # not attention's
+    silu = [m for m in fused.modules() if isinstance(m, Conv) and type(m.act) is nn.SiLU]  # not attention's
     assert len(blocks) == len(silu) > 20 and len(c2f) == changed
     x = torch.rand(2, 3, 64, 64, device=DEVICE)
     for model in (stock, fused):
@@ -133,6 +133,35 @@ def test_an_ultralytics_model_with_its_conv_blocks_fused_takes_stocks_steps(monk
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     unfuse_model(blocks, c2f)
     assert not any("forward" in m.__dict__ for m in fused.modules())
+
+
+def test_depthwise_conv_blocks_of_a_yolo11_head_fuse_too():
+    """``DWConv`` keeps ``Conv``'s forward: yolo11n's head has six, fused with the rest."""
+    pytest.importorskip("ultralytics")
+    from ultralytics.nn.modules.conv import Conv, DWConv
+    from ultralytics.nn.tasks import DetectionModel
+
+    from trainfuse.ultralytics.changes.blocks import fuse_model, unfuse_model
+
+    model = DetectionModel("yolo11n.yaml", nc=2, verbose=False).to(DEVICE)
+    stock = copy.deepcopy(model)
+    blocks, c2f = fuse_model(model)
+    depthwise = [m for m in blocks if type(m) is DWConv]
+    assert len(depthwise) == 6
+    assert len(blocks) == sum(isinstance(m, Conv) and type(m.act) is nn.SiLU for m in model.modules())
+    name = next(n for n, m in model.named_modules() if m is depthwise[0])
+    fused, plain = depthwise[0], stock.get_submodule(name)
+    x = torch.randn(2, fused.conv.in_channels, 5, 6, device=DEVICE, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = fused(x), plain(x2)
+    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-5)
+    weights = torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)
+    (y * weights).sum().backward()
+    (y2 * weights).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fused.bn.weight.grad, plain.bn.weight.grad, rtol=1e-4, atol=1e-5)
+    unfuse_model(blocks, c2f)
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_sequential_pairs_fuse_and_come_back():

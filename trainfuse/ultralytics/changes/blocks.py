@@ -24,8 +24,11 @@ from trainfuse.ultralytics.changes.base import Change, Run
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's ultralytics ``Conv`` blocks whose BatchNorm and SiLU the op computes."""
-    return [m for m in model.modules() if type(m) is Conv and conv_block.fusable(m)]
+    """The model's ultralytics ``Conv`` blocks whose BatchNorm and SiLU the op computes: ``Conv``
+    and the subclasses that keep its forward (``DWConv``, the depthwise blocks of YOLO11's and
+    YOLO26's heads)."""
+    return [m for m in model.modules()
+            if isinstance(m, Conv) and type(m).forward is Conv.forward and conv_block.fusable(m)]
 
 
 def _c2f_blocks(model: nn.Module) -> list[nn.Module]:
