@@ -116,8 +116,9 @@ def test_interpreter_only_constexprs_compile_with_the_gpus_values():
 def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path, monkeypatch):
     """What a GPU would compile, compiled here: the shipped manifest (the kernels of ultralytics'
     default run), the BatchNorm-SiLU kernels at the tiles a GPU launches them with (the layout's
-    own, not the tests' shrunk ones), the concatenation's op included, and the optimizers' update
-    at its default launch shape (AdamW on float32 and bfloat16 params, MuSGD's Newton-Schulz)."""
+    own, not the tests' shrunk ones), the concatenation's op and SPPF's poolings included, and the
+    optimizers' update at its default launch shape (AdamW on float32 and bfloat16 params, MuSGD's
+    Newton-Schulz)."""
     monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")  # the kernels, at their default shapes
     import shutil
 
@@ -125,6 +126,7 @@ def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path
     from trainfuse.nn.bn_silu import batch_norm_silu, split_batch_norm_silu
     from trainfuse.nn.bn_silu_into import batch_norm_silu_into
     from trainfuse.nn.concat import ConcatBuffer
+    from trainfuse.nn.pool_chain import max_pool_chain
 
     if os.environ.get("TRAINFUSE_KERNEL_MANIFEST"):
         pytest.skip("this session records every launch already (TRAINFUSE_KERNEL_MANIFEST)")
@@ -148,6 +150,10 @@ def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path
             r = d0.repeat(1, 2, 1, 1)  # a shortcut with a grad
             s1, d1 = batch_norm_silu_into(x, rm, rv, w, b, True, 0.1, 1e-5, buffer, 0, residual=r)
             ((buffer.join(s0, s1).float() * g).sum() + d1.float().sum()).backward()
+        # SPPF's poolings at the tile of its GPU sizes (32 channels a program, k 5, three levels)
+        y = torch.randn(2, 48, 5, 5, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        pooled = max_pool_chain(y.requires_grad_(), 5, 3)
+        pooled.backward(torch.randn_like(pooled))
         from trainfuse.optim import FusedAdamW, FusedMuSGD
 
         for dtype in (torch.float32, torch.bfloat16):
@@ -171,5 +177,5 @@ def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path
     assert done.returncode == 0, out
     names = ("bn_stats_kernel", "bn_silu_apply_kernel", "bn_silu_grad_sums_kernel", "bn_silu_dx_kernel",
              "into_apply_kernel", "into_grad_sums_kernel", "into_dx_kernel", "update_kernel", "_gather",
-             "_scatter")
+             "_scatter", "pool_chain_fwd_kernel", "pool_chain_bwd_kernel")
     assert all(f"  {n}: " in out for n in names), out

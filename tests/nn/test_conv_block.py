@@ -164,6 +164,36 @@ def test_depthwise_conv_blocks_of_a_yolo11_head_fuse_too():
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.parametrize("cfg", ["yolo11n.yaml", "yolo26n.yaml"])
+def test_sppf_blocks_pool_and_concatenate_in_one_op_as_the_block_does(cfg):
+    """yolo11n's SPPF (three 5 x 5 poolings) and YOLO26's (its shortcut added): the block with the
+    chain as one op gives the stock block's output and grads bit for bit (float32)."""
+    pytest.importorskip("ultralytics")
+    from ultralytics.nn.modules.block import SPPF
+    from ultralytics.nn.tasks import DetectionModel
+
+    from trainfuse.ultralytics.changes import sppf
+
+    model = DetectionModel(cfg, nc=2, verbose=False).to(DEVICE)
+    (block,) = sppf.blocks(model)
+    plain = copy.deepcopy(block)
+    sppf.install(block)
+    assert sppf.installed(block) and sppf.blocks(model) == []
+    assert type(copy.deepcopy(block).forward.__self__) is SPPF  # a copy runs the class's forward
+    x = torch.randn(2, block.cv1.conv.in_channels, 5, 4, device=DEVICE).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = block(x), plain(x2)
+    assert torch.equal(y, y2)
+    weights = torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)
+    (y * weights).sum().backward()
+    (y2 * weights).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    for (name, a), (_, b) in zip(block.named_parameters(), plain.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    sppf.uninstall(block)
+    assert "forward" not in block.__dict__
+
+
 def test_sequential_pairs_fuse_and_come_back():
     seq = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.SiLU(), nn.BatchNorm2d(4),
                         nn.ReLU()).to(DEVICE)

@@ -449,6 +449,8 @@ def test_fuse_blocks_swaps_every_conv_block_and_gives_it_back(runs):
     row = {r.kind: r for r in blocks.trainer.report}["blocks"]
     count = sum(type(m).__name__ == "Conv" for m in blocks.trainer.model.modules())
     assert row.action == "on" and row.detail.startswith(f"{count} Conv blocks: BatchNorm2d and SiLU as one")
+    assert row.detail.endswith("; 1 SPPF blocks: the poolings and their concatenation as one op (one launch "
+                               "forward, one backward)")
     assert not any("forward" in m.__dict__ for m in blocks.trainer.model.modules())  # given back
     upsampling = {r.kind: r for r in blocks.trainer.report}["upsample"]  # AMP is off on the CPU
     assert upsampling.action == "off" and upsampling.detail == "no AMP on CUDA: autocast casts nothing"

@@ -12,7 +12,9 @@ beside its bytes (the launch, the reductions' last program adding up the partial
 bottleneck's tail on the same sizes in channels_last: BatchNorm, SiLU and the shortcut's add
 concatenated after another branch, its output read by the next bottleneck too, as torch's ops and
 ``torch.cat`` run it against :func:`trainfuse.nn.bn_silu_into.batch_norm_silu_into` writing into
-the concatenation's buffer.
+the concatenation's buffer. Then SPPF's three poolings and their concatenation on yolo11m's and
+yolov5n's map sizes: torch's ``max_pool2d`` and ``cat`` against
+:func:`trainfuse.nn.pool_chain.max_pool_chain`.
 
 Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultralytics detection
 model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
@@ -45,6 +47,7 @@ from trainfuse.bench._common import (
 from trainfuse.nn.bn_silu import batch_norm_silu
 from trainfuse.nn.bn_silu_into import batch_norm_silu_into
 from trainfuse.nn.concat import ConcatBuffer
+from trainfuse.nn.pool_chain import max_pool_chain, max_pool_chain_torch
 
 # (channels, side): YOLO11m's stages at 640 px (64 at 320 to 512 at 20) and YOLOv5n's first
 LAYERS = [(64, 320), (128, 160), (256, 80), (512, 40), (512, 20), (16, 320)]
@@ -115,6 +118,38 @@ def _concat_layers(report: dict, batch: int) -> None:
     print_table("a bottleneck's BatchNorm, SiLU and shortcut into a C2f concatenation, GPU ms per call "
                 "replayed from a CUDA graph",
                 ["activation", "torch + cat", "into the buffer", "speedup"], rows)
+
+
+SPPF_MAPS = [(256, 20), (128, 20)]  # yolo11m's and yolov5n's SPPF maps at 640 px: (channels, side)
+
+
+def _pool_layers(report: dict, batch: int) -> None:
+    """SPPF's three 5 x 5 poolings and their concatenation, forward and backward, on its map sizes in
+    channels_last: torch's ``max_pool2d`` and ``cat`` against :func:`~trainfuse.nn.pool_chain.
+    max_pool_chain`."""
+    rows = []
+    for channels, side in SPPF_MAPS:
+        y = torch.randn(batch, channels, side, side, device="cuda", dtype=torch.float16)
+        y = y.contiguous(memory_format=torch.channels_last).requires_grad_()
+        g = torch.randn(batch, 4 * channels, side, side, device="cuda", dtype=torch.float16)
+        g = g.contiguous(memory_format=torch.channels_last)
+
+        def step(fn, y=y, g=g):
+            return lambda: fn(y, 5, 3).backward(g)
+
+        stock, ours = step(max_pool_chain_torch), step(max_pool_chain)
+        shape = f"({batch}, {channels}, {side}, {side})"
+        workload = (f"SPPF poolings (3 x 5x5) + concatenation, forward + backward: {shape} float16 "
+                    "channels_last")
+        times = {"torch": graph_ms(stock), "ours": graph_ms(ours)}
+        add_row(report, workload, "torch (max_pool2d x 3, cat)", trainfuse=False, graph_ms=times["torch"],
+                do_bench_ms=kernel_ms(stock))
+        add_row(report, workload, "max_pool_chain", trainfuse=True, graph_ms=times["ours"],
+                do_bench_ms=kernel_ms(ours))
+        rows.append([shape, f"{times['torch']:.3f}", f"{times['ours']:.3f}",
+                     f"{times['torch'] / times['ours']:.2f}x"])
+    print_table("SPPF's poolings and concatenation, GPU ms per call replayed from a CUDA graph",
+                ["map", "torch", "max_pool_chain", "speedup"], rows)
 
 
 def _kernel_us(run, calls: int = 5) -> dict[str, float]:
@@ -239,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     print_table("the fused op's kernels, GPU µs per call (% of each kernel's floor)",
                 ["activation", "layout", "statistics", "apply", "grad sums", "dx"], kernel_rows)
     _concat_layers(report, args.batch)
+    _pool_layers(report, args.batch)
     if args.models != "none":
         _models(report, [m for m in args.models.split(",") if m], args.batch, args.compile)
     report["summary_skip"] = list(dict.fromkeys(r["workload"] for r in report["rows"]))

@@ -7,6 +7,9 @@ with ``chunk``: in channels_last the second half is a strided view, which its fi
 convolution copies before reading (about 2 ms of yolo11m's step on an H200). With the blocks fused,
 ``cv1`` writes its two halves as two dense tensors instead (:func:`trainfuse.nn.conv_block.halves`),
 the same values and statistics.
+
+Each ``SPPF`` block's poolings and concatenation run as one op each way
+(:mod:`trainfuse.ultralytics.changes.sppf`), bit for bit the block's numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from ultralytics.nn.modules.conv import Conv
 
 from trainfuse.clients import ON, Row
 from trainfuse.nn import conv_block
-from trainfuse.ultralytics.changes import concat_free
+from trainfuse.ultralytics.changes import concat_free, sppf
 from trainfuse.ultralytics.changes.base import Change, Run
 
 
@@ -49,28 +52,33 @@ class _HalvesForward(conv_block.InstanceForward):
 
 
 def fuse_model(model: nn.Module, concat: bool = False) -> tuple[list[nn.Module], list[nn.Module]]:
-    """Every fusable ``Conv`` block of ``model`` fused, and its C2f blocks given ``cv1``'s dense
+    """Every fusable ``Conv`` block of ``model`` fused, its SPPF blocks' poolings and concatenation
+    as one op (:mod:`~trainfuse.ultralytics.changes.sppf`), and its C2f blocks given ``cv1``'s dense
     halves (module docstring), or with ``concat`` its C2f and C3 blocks their concatenations
     written in place (:mod:`~trainfuse.ultralytics.changes.concat_free`); returns the Conv blocks
-    and the C2f / C3 blocks changed, for :func:`unfuse_model`."""
+    and the other blocks changed (C2f / C3, SPPF), for :func:`unfuse_model`."""
     c2f = _c2f_blocks(model)  # before their cv1 takes its fused forward
     blocks = [m for m in _blocks(model) if conv_block.install(m)]
+    pools = sppf.blocks(model)
+    for block in pools:
+        sppf.install(block)
     if concat:
         csp = concat_free.blocks(model)
         for block in csp:
             concat_free.install(block)
-        return blocks, csp
+        return blocks, csp + pools
     for block in c2f:
         block.forward = _HalvesForward(block)
-    return blocks, c2f
+    return blocks, c2f + pools
 
 
-def unfuse_model(blocks: list[nn.Module], c2f: list[nn.Module]) -> None:
+def unfuse_model(blocks: list[nn.Module], changed: list[nn.Module]) -> None:
     """Undo :func:`fuse_model`: every block its class's forward back."""
-    for block in c2f:
+    for block in changed:
         if isinstance(block.__dict__.get("forward"), _HalvesForward):
             del block.forward
         concat_free.uninstall(block)
+        sppf.uninstall(block)
     for block in blocks:
         conv_block.uninstall(block)
 
@@ -109,13 +117,18 @@ class FuseBlocks(Change):
     def rows(self, run: Run) -> list[Row]:
         if not self._blocks:
             return []
+        pools = sum(sppf.installed(m) for m in self._c2f)
+        csp = len(self._c2f) - pools
         if self._concat:
-            halves = (f"; {len(self._c2f)} C2f and C3 blocks: each branch written into its slice of the "
+            halves = (f"; {csp} C2f and C3 blocks: each branch written into its slice of the "
                       "concatenation by its last BatchNorm (no torch.cat; TRAINFUSE_FUSE_CONCAT=1)")
         else:
-            halves = (f"; {len(self._c2f)} C2f blocks: cv1's two halves written as two dense tensors (no "
-                      "copy before the first bottleneck)")
-        halves = halves if self._c2f else ""
+            halves = (f"; {csp} C2f blocks: cv1's two halves written as two dense tensors (no copy before "
+                      "the first bottleneck)")
+        halves = halves if csp else ""
+        if pools:
+            halves += (f"; {pools} SPPF blocks: the poolings and their concatenation as one op (one launch "
+                       "forward, one backward)")
         return [Row(self.kind, self.name(run), ON, f"{len(self._blocks)} Conv blocks: BatchNorm2d and SiLU "
                     "as one op (two launches forward, two backward; the BatchNorm's output is not kept)"
                     + halves)]
