@@ -116,7 +116,8 @@ def test_interpreter_only_constexprs_compile_with_the_gpus_values():
 def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path, monkeypatch):
     """What a GPU would compile, compiled here: the shipped manifest (the kernels of ultralytics'
     default run), the BatchNorm-SiLU kernels at the tiles a GPU launches them with (the layout's
-    own, not the tests' shrunk ones), the concatenation's op and SPPF's poolings included, and the
+    own, not the tests' shrunk ones), the concatenation's op, SPPF's poolings and the neck's
+    upsampling into its concatenation included, and the
     optimizers' update at its default launch shape (AdamW on float32 and bfloat16 params, MuSGD's
     Newton-Schulz)."""
     monkeypatch.setenv("TRAINFUSE_BACKEND", "triton")  # the kernels, at their default shapes
@@ -127,6 +128,7 @@ def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path
     from trainfuse.nn.bn_silu_into import batch_norm_silu_into
     from trainfuse.nn.concat import ConcatBuffer
     from trainfuse.nn.pool_chain import max_pool_chain
+    from trainfuse.nn.upsample_concat import upsample_concat
 
     if os.environ.get("TRAINFUSE_KERNEL_MANIFEST"):
         pytest.skip("this session records every launch already (TRAINFUSE_KERNEL_MANIFEST)")
@@ -154,6 +156,11 @@ def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path
         y = torch.randn(2, 48, 5, 5, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
         pooled = max_pool_chain(y.requires_grad_(), 5, 3)
         pooled.backward(torch.randn_like(pooled))
+        # a neck's upsampling into its concatenation (64 channels a program)
+        a = torch.randn(2, 128, 3, 3, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        b = torch.randn(2, 64, 6, 6, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        joined = upsample_concat(a.requires_grad_(), b)
+        joined.backward(torch.randn_like(joined))
         from trainfuse.optim import FusedAdamW, FusedMuSGD
 
         for dtype in (torch.float32, torch.bfloat16):
@@ -177,5 +184,6 @@ def test_the_default_runs_kernels_and_the_fused_blocks_compile_for_sm90(tmp_path
     assert done.returncode == 0, out
     names = ("bn_stats_kernel", "bn_silu_apply_kernel", "bn_silu_grad_sums_kernel", "bn_silu_dx_kernel",
              "into_apply_kernel", "into_grad_sums_kernel", "into_dx_kernel", "update_kernel", "_gather",
-             "_scatter", "pool_chain_fwd_kernel", "pool_chain_bwd_kernel")
+             "_scatter", "pool_chain_fwd_kernel", "pool_chain_bwd_kernel", "up_concat_fwd_kernel",
+             "up_concat_bwd_kernel")
     assert all(f"  {n}: " in out for n in names), out

@@ -1,6 +1,6 @@
 """The neck's nearest upsamplings in 16 bits (trainfuse.ultralytics.changes.upsample): which layers
-qualify in ultralytics' models, and on a GPU, a model's forward and backward under AMP bit for bit
-stock's with them changed."""
+qualify in ultralytics' models, which of them join the Concat after them as one op, a model's step
+with them joined (CPU, float32) and on a GPU under AMP, bit for bit stock's with them changed."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from ultralytics.nn.tasks import ClassificationModel, DetectionModel  # noqa: E4
 
 from tests._helpers import cuda  # noqa: E402
 from trainfuse.nn import upsample  # noqa: E402
+from trainfuse.ultralytics.changes import upsample as change  # noqa: E402
 from trainfuse.ultralytics.changes.upsample import exact_upsamplings  # noqa: E402
 
 
@@ -59,6 +60,52 @@ def test_no_upsampling_in_a_classifier_or_a_plain_module():
     assert exact_upsamplings(nn.Sequential(nn.Upsample(scale_factor=2))) == ([], 0)
 
 
+@pytest.mark.parametrize("cfg,pairs", [("yolo11n.yaml", 2), ("yolo26n.yaml", 2), ("yolov3-tinyu.yaml", 1)])
+def test_each_upsampling_into_a_concat_of_two_becomes_one_op_and_comes_back(cfg, pairs):
+    model = DetectionModel(cfg, nc=3, verbose=False)
+    changed, joined, total = change.install(model)
+    assert (len(changed), len(joined)) == (0, pairs) and total == pairs
+    assert all("forward" in up.__dict__ and "forward" in concat.__dict__ for up, concat in joined)
+    change.uninstall(changed, joined)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    up = exact_upsamplings(model)[0][0]
+    up.scale_factor = 3.0  # not a doubling: in 16 bits, but not joined
+    changed, joined, _ = change.install(model)
+    assert up in changed and all(u is not up for u, _ in joined)
+    change.uninstall(changed, joined)
+
+
+@pytest.mark.parametrize("cfg", ["yolo11n.yaml", "yolov3-tinyu.yaml"])
+def test_a_model_with_its_upsamplings_joined_to_their_concats_takes_stocks_step(cfg, kernels):
+    """float32 (no autocast on the CPU): the joined op's forward and backward inside a whole model,
+    bit for bit the stock model's, the kernels through the interpreter."""
+    torch.manual_seed(0)
+    model = DetectionModel(cfg, nc=3, verbose=False).train()
+    x = torch.randn(2, 3, 64, 64)
+    ref_out, ref_grads = _step(model, x, autocast=False)
+    changed, joined, _ = change.install(model)
+    assert joined
+    out, grads = _step(model, x, autocast=False)
+    change.uninstall(changed, joined)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref_out))
+    differ = [k for k in grads if not torch.equal(grads[k], ref_grads[k])]
+    assert not differ, differ
+
+
+def _step(model: nn.Module, x: torch.Tensor, autocast: bool = True):
+    """The model's outputs and grads of one forward and backward (under float16 autocast on CUDA
+    with ``autocast``); its state (the BatchNorms' running statistics) as before."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=torch.float16, enabled=autocast):
+        out = model(x)
+    outs = _tensors(out)
+    sum((o.float() * (i + 1)).square().mean() for i, o in enumerate(outs)).backward()
+    model.load_state_dict(state)
+    return [o.detach().clone() for o in outs], {k: p.grad.clone() for k, p in model.named_parameters()
+                                                if p.grad is not None}
+
+
 def _tensors(out) -> list[torch.Tensor]:
     """The tensors of a detection model's training output (a dict of tensors and lists of them)."""
     if isinstance(out, torch.Tensor):
@@ -78,25 +125,18 @@ def _check_step_bit_for_bit(cfg: str) -> None:
     torch.manual_seed(0)
     model = DetectionModel(cfg, nc=3, verbose=False).cuda().to(memory_format=torch.channels_last).train()
     x = torch.randn(2, 3, 128, 128, device="cuda").to(memory_format=torch.channels_last)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16):
-            out = model(x)
-        outs = _tensors(out)
-        sum((o.float() * (i + 1)).square().mean() for i, o in enumerate(outs)).backward()
-        return [o.detach().clone() for o in outs], {k: p.grad.clone() for k, p in model.named_parameters()
-                                                    if p.grad is not None}
-
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    ref_out, ref_grads = step()
-    model.load_state_dict(state)  # the BatchNorms' running statistics as before
+    ref_out, ref_grads = _step(model, x)
     found, _ = exact_upsamplings(model)
     assert found and all(upsample.install(m) for m in found)
-    out, grads = step()
+    half = _step(model, x)  # the upsamplings in 16 bits, then torch's cat
     for m in found:
         upsample.uninstall(m)
-    assert all(torch.equal(a, b) for a, b in zip(out, ref_out))
-    assert grads.keys() == ref_grads.keys()
-    differ = [k for k in grads if not torch.equal(grads[k], ref_grads[k])]
-    assert not differ, differ
+    changed, joined, _ = change.install(model)
+    assert joined
+    fused = _step(model, x)  # each upsampling and its Concat as one op
+    change.uninstall(changed, joined)
+    for out, grads in (half, fused):
+        assert all(torch.equal(a, b) for a, b in zip(out, ref_out))
+        assert grads.keys() == ref_grads.keys()
+        differ = [k for k in grads if not torch.equal(grads[k], ref_grads[k])]
+        assert not differ, differ

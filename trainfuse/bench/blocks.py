@@ -14,7 +14,9 @@ concatenated after another branch, its output read by the next bottleneck too, a
 ``torch.cat`` run it against :func:`trainfuse.nn.bn_silu_into.batch_norm_silu_into` writing into
 the concatenation's buffer. Then SPPF's three poolings and their concatenation on yolo11m's and
 yolov5n's map sizes: torch's ``max_pool2d`` and ``cat`` against
-:func:`trainfuse.nn.pool_chain.max_pool_chain`.
+:func:`trainfuse.nn.pool_chain.max_pool_chain`; and a neck's 2x upsampling with the concatenation
+after it on yolo11m's sizes: ``interpolate`` and ``cat`` against
+:func:`trainfuse.nn.upsample_concat.upsample_concat`.
 
 Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultralytics detection
 model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
@@ -48,6 +50,7 @@ from trainfuse.nn.bn_silu import batch_norm_silu
 from trainfuse.nn.bn_silu_into import batch_norm_silu_into
 from trainfuse.nn.concat import ConcatBuffer
 from trainfuse.nn.pool_chain import max_pool_chain, max_pool_chain_torch
+from trainfuse.nn.upsample_concat import upsample_concat, upsample_concat_torch
 
 # (channels, side): YOLO11m's stages at 640 px (64 at 320 to 512 at 20) and YOLOv5n's first
 LAYERS = [(64, 320), (128, 160), (256, 80), (512, 40), (512, 20), (16, 320)]
@@ -150,6 +153,40 @@ def _pool_layers(report: dict, batch: int) -> None:
                      f"{times['torch'] / times['ours']:.2f}x"])
     print_table("SPPF's poolings and concatenation, GPU ms per call replayed from a CUDA graph",
                 ["map", "torch", "max_pool_chain", "speedup"], rows)
+
+
+NECK_JOINS = [(512, 512, 20), (512, 256, 40)]  # yolo11m's at 640 px: (upsampled, other, side before)
+
+
+def _neck_joins(report: dict, batch: int) -> None:
+    """A neck's 2x nearest upsampling and the concatenation after it, forward and backward, in
+    float16 channels_last on yolo11m's sizes: torch's ``interpolate`` and ``cat`` against
+    :func:`~trainfuse.nn.upsample_concat.upsample_concat`."""
+    rows = []
+    for ca, cb, side in NECK_JOINS:
+        def make(c: int, s: int) -> torch.Tensor:
+            t = torch.randn(batch, c, s, s, device="cuda", dtype=torch.float16)
+            return t.contiguous(memory_format=torch.channels_last)
+
+        a, b = make(ca, side).requires_grad_(), make(cb, 2 * side).requires_grad_()
+        g = make(ca + cb, 2 * side)
+
+        def step(fn, a=a, b=b, g=g):
+            return lambda: fn(a, b).backward(g)
+
+        stock, ours = step(upsample_concat_torch), step(upsample_concat)
+        shape = f"({batch}, {ca}, {side}, {side}) up + ({batch}, {cb}, {2 * side}, {2 * side})"
+        workload = (f"neck upsampling (2x nearest) + concatenation, forward + backward: {shape} float16 "
+                    "channels_last")
+        times = {"torch": graph_ms(stock), "ours": graph_ms(ours)}
+        add_row(report, workload, "torch (interpolate, cat)", trainfuse=False, graph_ms=times["torch"],
+                do_bench_ms=kernel_ms(stock))
+        add_row(report, workload, "upsample_concat", trainfuse=True, graph_ms=times["ours"],
+                do_bench_ms=kernel_ms(ours))
+        rows.append([shape, f"{times['torch']:.3f}", f"{times['ours']:.3f}",
+                     f"{times['torch'] / times['ours']:.2f}x"])
+    print_table("a neck's upsampling and concatenation, GPU ms per call replayed from a CUDA graph",
+                ["maps", "torch", "upsample_concat", "speedup"], rows)
 
 
 def _kernel_us(run, calls: int = 5) -> dict[str, float]:
@@ -275,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 ["activation", "layout", "statistics", "apply", "grad sums", "dx"], kernel_rows)
     _concat_layers(report, args.batch)
     _pool_layers(report, args.batch)
+    _neck_joins(report, args.batch)
     if args.models != "none":
         _models(report, [m for m in args.models.split(",") if m], args.batch, args.compile)
     report["summary_skip"] = list(dict.fromkeys(r["workload"] for r in report["rows"]))

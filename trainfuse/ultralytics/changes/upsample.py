@@ -9,10 +9,16 @@ in one convolution before anything else reads it (``Conv``, the ``C2f`` family: 
 like). Where two convolutions read it (the ``C3`` family's ``cv1`` and ``cv2``), stock adds their
 grads in float32 and the backward would add them in float16, a rounding apart; that upsampling,
 and any other, stays as it is.
+
+Where that ``Concat`` joins the upsampled map with one other (the necks of YOLOv8, 11 and 26), the
+upsampling and the concatenation run as one op each way (:mod:`trainfuse.nn.upsample_concat`): the
+``Upsample`` hands its input on as it is and the ``Concat`` upsamples it into its output, the same
+numbers again.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from typing_extensions import override
 from ultralytics.nn.modules.block import C2f
@@ -20,6 +26,8 @@ from ultralytics.nn.modules.conv import Concat, Conv
 
 from trainfuse.clients import ON, Row
 from trainfuse.nn import upsample
+from trainfuse.nn.conv_block import InstanceForward
+from trainfuse.nn.upsample_concat import upsample_concat
 from trainfuse.ultralytics.changes.base import Change, Run
 
 # forwards that read their input through one convolution first (autocast casts it to 16 bits once):
@@ -62,6 +70,75 @@ def exact_upsamplings(model: nn.Module) -> tuple[list[nn.Module], int]:
     return found, total
 
 
+def _doubles(m: nn.Module) -> bool:
+    """Whether nearest ``nn.Upsample`` ``m`` doubles the map's sides (``scale_factor=2``, no size)."""
+    factor = m.scale_factor
+    factors = factor if isinstance(factor, tuple) else (factor, factor)
+    return m.size is None and all(f is not None and float(f) == 2.0 for f in factors) \
+        and not m.recompute_scale_factor
+
+
+def concat_pair(model: nn.Module, up: nn.Module) -> tuple[nn.Module, int] | None:
+    """The ``Concat`` of two maps that reads ``up`` (one of :func:`exact_upsamplings`) and ``up``'s
+    place among its inputs, where the two can run as one op (a 2x nearest upsampling, the
+    concatenation along channels), else None."""
+    layers = model.model
+    concat = _readings(layers, up.i)[0]
+    sources = _sources(concat, concat.i)
+    if len(sources) != 2 or sources.count(up.i) != 1 or getattr(concat, "d", None) != 1 or not _doubles(up):
+        return None
+    if "forward" in concat.__dict__ or type(concat).forward is not Concat.forward:
+        return None
+    return concat, sources.index(up.i)
+
+
+class _Deferred(InstanceForward):
+    """An upsampling left to the Concat after it: its input as it is."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _UpsampleConcat(InstanceForward):
+    """``Concat.forward`` of an upsampled map (its upsampling deferred to here) and another, as one
+    op (:func:`trainfuse.nn.upsample_concat.upsample_concat`)."""
+
+    def __init__(self, block: nn.Module, up_at: int) -> None:
+        super().__init__(block)
+        self.up_at = up_at
+
+    def __call__(self, x: list[torch.Tensor]) -> torch.Tensor:
+        return upsample_concat(x[self.up_at], x[1 - self.up_at], up_first=self.up_at == 0)
+
+
+def install(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Module, nn.Module]], int]:
+    """Change ``model``'s :func:`exact_upsamplings`: each one that :func:`concat_pair` takes into
+    its Concat, the others in their input's dtype; returns ``(upsamplings in their input's dtype,
+    (Upsample, Concat) pairs, nearest upsamplings in all)`` for :func:`uninstall`."""
+    found, total = exact_upsamplings(model)
+    changed, pairs = [], []
+    for m in found:
+        pair = concat_pair(model, m)
+        if pair is not None and "forward" not in m.__dict__:  # upsampled into the Concat's output
+            concat, at = pair
+            m.forward = _Deferred(m)
+            concat.forward = _UpsampleConcat(concat, at)
+            pairs.append((m, concat))
+        elif upsample.install(m):
+            changed.append(m)
+    return changed, pairs, total
+
+
+def uninstall(changed: list[nn.Module], pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Undo :func:`install`: the modules' class forwards back."""
+    for m in changed:
+        upsample.uninstall(m)
+    for up, concat in pairs:
+        for module, kind in ((up, _Deferred), (concat, _UpsampleConcat)):
+            if isinstance(module.__dict__.get("forward"), kind):
+                del module.forward
+
+
 class Upsampling(Change):
     """The neck's nearest upsamplings in their input's dtype (module docstring)."""
 
@@ -70,6 +147,7 @@ class Upsampling(Change):
     def __init__(self, on: bool) -> None:
         self.on = on
         self._changed: list[nn.Module] = []
+        self._pairs: list[tuple[nn.Module, nn.Module]] = []  # (Upsample, Concat) run as one op
         self._total = 0
 
     @override
@@ -92,24 +170,25 @@ class Upsampling(Change):
 
     @override
     def apply(self, run: Run) -> None:
-        found, self._total = exact_upsamplings(run.model)
-        self._changed = [m for m in found if upsample.install(m)]
+        self._changed, self._pairs, self._total = install(run.model)
 
     @override
     def rows(self, run: Run) -> list[Row]:
-        if not self._changed:
+        changed = len(self._changed) + len(self._pairs)
+        if not changed:
             return []
-        left = self._total - len(self._changed)
+        left = self._total - changed
         rest = f" ({left} other nearest Upsample layers stay float32)" if left else ""
-        return [Row(self.kind, self.name(run), ON, f"{len(self._changed)} nearest Upsample layers in their "
-                    "input's 16 bits (autocast ran them in float32, and the Concat after them copied in "
-                    f"float32): the same numbers{rest}")]
+        joined = (f"; {len(self._pairs)} of them upsampled straight into the Concat after them, one op each "
+                  "way (trainfuse.nn.upsample_concat)" if self._pairs else "")
+        return [Row(self.kind, self.name(run), ON, f"{changed} nearest Upsample layers in their input's 16 "
+                    "bits (autocast ran them in float32, and the Concat after them copied in float32): the "
+                    f"same numbers{rest}{joined}")]
 
     @override
     def restore(self, run: Run, *, failed: bool) -> None:
-        for m in self._changed:
-            upsample.uninstall(m)
-        self._changed = []
+        uninstall(self._changed, self._pairs)
+        self._changed, self._pairs = [], []
 
 
-__all__ = ["Upsampling", "exact_upsamplings"]
+__all__ = ["Upsampling", "concat_pair", "exact_upsamplings", "install", "uninstall"]
