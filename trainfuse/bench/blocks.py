@@ -20,8 +20,10 @@ after it on yolo11m's sizes: ``interpolate`` and ``cat`` against
 
 Then whole models (``--models``, default YOLO11m; ``none`` skips them): an ultralytics detection
 model's forward and backward in training mode under float16 autocast, at batch 16 and 640 px, as
-torch runs it (contiguous, ultralytics' layout), in channels_last, with every ``Conv`` block's
-BatchNorm and SiLU as one op, both, and both with the C2f and C3 blocks' concatenations written in
+torch runs it (contiguous, ultralytics' layout), in channels_last, with the blocks fused as the
+trainer's ``fuse_blocks=True`` fuses them (every ``Conv`` block's BatchNorm and SiLU as one op,
+SPPF's poolings, the neck's upsamplings in 16 bits and joined to their concatenations), both, and
+both with the C2f and C3 blocks' concatenations written in
 place (``TRAINFUSE_FUSE_CONCAT=1`` in the trainer), and channels_last stock and fused with cuDNN's
 convolution algorithms chosen by timing them (``torch.backends.cudnn.benchmark``, the trainer's
 ``cudnn_benchmark=True``): which route pays before the training loop is changed (the GPU time of
@@ -228,6 +230,7 @@ def _models(report: dict, names: list[str], batch: int, compile_too: bool = Fals
     ``compile_too`` (module docstring)."""
     from ultralytics.nn.tasks import DetectionModel
 
+    from trainfuse.ultralytics.changes import upsample as upsamplings
     from trainfuse.ultralytics.changes.blocks import fuse_model
 
     rows = []
@@ -243,6 +246,7 @@ def _models(report: dict, names: list[str], batch: int, compile_too: bool = Fals
                 x = x.contiguous(memory_format=torch.channels_last)
             if "fused" in variant:  # as the trainer's fuse_blocks=True: C2f's halves dense too, or
                 fuse_model(model, concat=variant == CONCAT)  # the CSP blocks' concatenations in place
+                upsamplings.install(model)  # the neck's upsamplings in 16 bits, joined to their Concats
             torch.backends.cudnn.benchmark = variant.endswith(TIMED)  # timed in graph_ms's warm-up
             if variant == COMPILED:
                 model = torch.compile(model)
