@@ -164,23 +164,27 @@ def test_depthwise_conv_blocks_of_a_yolo11_head_fuse_too():
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-@pytest.mark.parametrize("cfg", ["yolo11n.yaml", "yolo26n.yaml"])
-def test_sppf_blocks_pool_and_concatenate_in_one_op_as_the_block_does(cfg):
-    """yolo11n's SPPF (three 5 x 5 poolings) and YOLO26's (its shortcut added): the block with the
-    chain as one op gives the stock block's output and grads bit for bit (float32)."""
+@pytest.mark.parametrize("shortcut", [False, True], ids=["yolo11", "yolo26-shortcut"])
+def test_sppf_blocks_pool_and_concatenate_in_one_op_as_the_block_does(shortcut):
+    """An SPPF block as yolo11's (three 5 x 5 poolings) and as YOLO26's (its shortcut added), at
+    few channels: the block with the chain as one op gives the stock block's output and grads bit
+    for bit (float32); yolo11n's and yolo26n's own SPPF blocks are the ones the change finds."""
     pytest.importorskip("ultralytics")
     from ultralytics.nn.modules.block import SPPF
     from ultralytics.nn.tasks import DetectionModel
 
     from trainfuse.ultralytics.changes import sppf
 
-    model = DetectionModel(cfg, nc=2, verbose=False).to(DEVICE)
-    (block,) = sppf.blocks(model)
+    for cfg in ("yolo11n.yaml", "yolo26n.yaml"):
+        model = DetectionModel(cfg, nc=2, verbose=False)
+        assert [type(m) for m in sppf.blocks(model)] == [SPPF]
+    block = SPPF(8, 8, 5, 3, shortcut).to(DEVICE)
+    assert block.add == shortcut and sppf.blocks(block) == [block]
     plain = copy.deepcopy(block)
     sppf.install(block)
-    assert sppf.installed(block) and sppf.blocks(model) == []
+    assert sppf.installed(block) and sppf.blocks(block) == []
     assert type(copy.deepcopy(block).forward.__self__) is SPPF  # a copy runs the class's forward
-    x = torch.randn(2, block.cv1.conv.in_channels, 5, 4, device=DEVICE).requires_grad_()
+    x = torch.randn(2, 8, 5, 4, device=DEVICE).requires_grad_()
     x2 = x.detach().clone().requires_grad_()
     y, y2 = block(x), plain(x2)
     assert torch.equal(y, y2)
@@ -192,6 +196,8 @@ def test_sppf_blocks_pool_and_concatenate_in_one_op_as_the_block_does(cfg):
         assert torch.equal(a.grad, b.grad), name
     sppf.uninstall(block)
     assert "forward" not in block.__dict__
+    block.m = torch.nn.MaxPool2d(5, 2, 2)  # a pooling that halves the map: not the op's
+    assert sppf.blocks(block) == []
 
 
 def test_sequential_pairs_fuse_and_come_back():

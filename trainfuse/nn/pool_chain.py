@@ -165,10 +165,11 @@ def pool_chain_bwd_kernel(g_ptr, arg_ptr, dx_ptr, tmp_ptr, C, CB, H, W, gN, gC, 
             _store(out + c[None, :] * xC + h[:, None] * xH + w[:, None] * xW, total, m, RNE)
 
 
-def _tile(C: int) -> tuple[int, int]:
-    """(positions, channels) of a tile: the channels cut to ``C``'s power of two (at least 4)."""
+def _tile(C: int, HW: int) -> tuple[int, int]:
+    """(positions, channels) of a tile: the channels cut to ``C``'s power of two (at least 4), the
+    positions grown to keep the tile's size, and cut to the map's ``HW`` power of two (at least 16)."""
     channels = min(CHANNELS, max(4, next_power_of_2(C)))
-    return POSITIONS * CHANNELS // channels, channels
+    return min(POSITIONS * CHANNELS // channels, max(16, next_power_of_2(HW))), channels
 
 
 def _nhwc(y: torch.Tensor) -> bool:
@@ -186,7 +187,7 @@ class _PoolChain(torch.autograd.Function):
             arg = torch.empty(n, N, H, W, C, device=y.device, dtype=torch.int32).permute(0, 1, 4, 2, 3)
         else:
             arg = torch.empty(n, N, C, H, W, device=y.device, dtype=torch.int32)
-        bp, bc = _tile(C)
+        bp, bc = _tile(C, H * W)
         cb = cdiv(C, bc)
         launcher(pool_chain_fwd_kernel, (N * cb,), y, out, arg, C, cb, H, W, *y.stride(), *out.stride(),
                  *arg.stride(), K=k, LEVELS=n, BP=bp, BC=bc, NHWC=fmt == torch.channels_last, num_warps=4)
@@ -200,7 +201,7 @@ class _PoolChain(torch.autograd.Function):
         N, C, H, W = ctx.shape
         dx = torch.empty(ctx.shape, device=g.device, dtype=g.dtype, memory_format=ctx.fmt)
         tmp = torch.empty_like(dx) if ctx.n > 1 else dx
-        bp, bc = _tile(C)
+        bp, bc = _tile(C, H * W)
         cb = cdiv(C, bc)
         rne = interpreting() and g.dtype == torch.bfloat16
         launcher(pool_chain_bwd_kernel, (N * cb,), g, arg, dx, tmp, C, cb, H, W, *g.stride(), *arg.stride(),
