@@ -47,6 +47,33 @@ def test_values_layout_and_grads_are_torchs_bits(dtype, channels_last, shape):
         assert da.stride() == want_da.stride()
 
 
+@pytest.mark.parametrize("a_dtype,b_dtype,up_dtype,kernel", [
+    (torch.float16, torch.float16, torch.float32, True),  # autocast's upsampling, cat promoting
+    (torch.bfloat16, torch.float16, torch.float32, True),
+    (torch.float32, torch.float16, None, True),  # b widened to a's float32
+    (torch.float16, torch.float32, None, False),  # the upsampled map widened: torch's path
+])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_an_upsampling_in_float32_and_a_promoting_cat_are_torchs_bits(a_dtype, b_dtype, up_dtype, kernel,
+                                                                       channels_last):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    a = torch.randn(2, 6, 3, 4, device=DEVICE).to(a_dtype).contiguous(memory_format=fmt)
+    b = torch.randn(2, 5, 6, 8, device=DEVICE).to(b_dtype).contiguous(memory_format=fmt)
+    g = torch.randn(2, 11, 6, 8, device=DEVICE).contiguous(memory_format=fmt)
+
+    def run(fn):
+        a2, b2 = a.clone().requires_grad_(), b.clone().requires_grad_()
+        out = fn(a2, b2, False, up_dtype)
+        out.backward(g)
+        return out, a2.grad, b2.grad
+
+    (out, da, db), want = run(upsample_concat), run(upsample_concat_torch)
+    assert (type(out.grad_fn).__name__ == "_UpsampleConcatBackward") == kernel
+    assert out.dtype == torch.float32 and torch.equal(out, want[0]) and out.stride() == want[0].stride()
+    assert da.dtype == a_dtype and db.dtype == b_dtype
+    assert torch.equal(da, want[1]) and torch.equal(db, want[2])
+
+
 def test_frozen_inputs_mixed_inputs_and_bad_shapes():
     a = torch.randn(2, 4, 3, 3, device=DEVICE)
     b = torch.randn(2, 5, 6, 6, device=DEVICE, requires_grad=True)

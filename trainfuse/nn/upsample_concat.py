@@ -3,7 +3,9 @@ launch forward and one backward:
 
     upsample_concat(a, b) == torch.cat([F.interpolate(a, scale_factor=2, mode="nearest"), b], 1)
 
-(``up_first=False``: ``b`` first). Every YOLOv8, 11 and 26 neck upsamples twice and concatenates
+(``up_first=False``: ``b`` first; ``up_dtype``: the upsampling's dtype, as autocast makes it
+float32, the concatenation then in float32 too as ``cat`` promotes). Every YOLO neck upsamples
+twice and concatenates
 each upsampled map with a backbone stage's. torch writes the upsampled map, then copies it and the
 other into the concatenation; backward, its upsampling backward reads a strided slice of the
 concatenation's grad. On an H200 at batch 16 and 640 px yolo11m's two upsamplings alone took about
@@ -115,11 +117,11 @@ def _layout(a: torch.Tensor, b: torch.Tensor) -> torch.memory_format:
 
 class _UpsampleConcat(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, up_first):
+    def forward(ctx, a, b, up_first, dtype):
         N, CA, H, W = a.shape
         CB = b.shape[1]
         fmt = _layout(a, b)
-        out = torch.empty(N, CA + CB, 2 * H, 2 * W, device=a.device, dtype=a.dtype, memory_format=fmt)
+        out = torch.empty(N, CA + CB, 2 * H, 2 * W, device=a.device, dtype=dtype, memory_format=fmt)
         a_at, b_at = (0, CA) if up_first else (CB, 0)
         P2 = N * 4 * H * W
         bc = _channels(max(CA, CB))
@@ -141,33 +143,38 @@ class _UpsampleConcat(torch.autograd.Function):
             launcher(up_concat_bwd_kernel, (cdiv(P, POSITIONS) * cdiv(CA, bc),), g, da, CA, H, W, P,
                      *g.stride(), *da.stride(), ctx.a_at, BP=POSITIONS, BC=bc,
                      RNE=interpreting() and g.dtype == torch.bfloat16, num_warps=4)
+        # (in the output's dtype: autograd casts it to b's, as it does after cat's backward)
         db = g.narrow(1, ctx.b_at, CB) if ctx.needs_input_grad[1] else None
-        return da, db, None
+        return da, db, None, None
 
 
 _apply = applier(_UpsampleConcat)
 
 
-def upsample_concat_torch(a: torch.Tensor, b: torch.Tensor, up_first: bool = True) -> torch.Tensor:
-    """:func:`upsample_concat` as torch runs it (autocast off for the upsampling: the output in
-    ``a``'s dtype): the reference of the tests and the path of CPUs."""
+def upsample_concat_torch(a: torch.Tensor, b: torch.Tensor, up_first: bool = True,
+                          up_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`upsample_concat` as torch runs it (the upsampling in ``up_dtype``, autocast off, then
+    ``cat``): the reference of the tests and the path of CPUs."""
     with torch.autocast(a.device.type, enabled=False):
-        up = F.interpolate(a, scale_factor=2.0, mode="nearest")
+        up = F.interpolate(a if up_dtype is None else a.to(up_dtype), scale_factor=2.0, mode="nearest")
     return torch.cat([up, b] if up_first else [b, up], 1)
 
 
-def upsample_concat(a: torch.Tensor, b: torch.Tensor, up_first: bool = True) -> torch.Tensor:
-    """``torch.cat([F.interpolate(a, scale_factor=2, mode="nearest"), b], 1)`` (``b`` first where
-    ``up_first`` is False), the upsampling in ``a``'s dtype (the module docstring): the same
-    values and grads.
+def upsample_concat(a: torch.Tensor, b: torch.Tensor, up_first: bool = True,
+                    up_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.cat([F.interpolate(a.to(up_dtype), scale_factor=2, mode="nearest"), b], 1)`` (``b``
+    first where ``up_first`` is False; the module docstring): the same values and grads.
 
     Args:
         a: ``(N, Ca, H, W)`` float16, bfloat16 or float32, contiguous or channels_last.
-        b: ``(N, Cb, 2H, 2W)`` in ``a``'s dtype, device and memory format (otherwise torch's path).
+        b: ``(N, Cb, 2H, 2W)`` on ``a``'s device.
         up_first: the upsampled map's channels first.
+        up_dtype: the upsampling's dtype (None: ``a``'s; float32: as autocast runs it).
 
     Returns:
-        ``(N, Ca + Cb, 2H, 2W)`` in ``a``'s dtype and memory format.
+        ``(N, Ca + Cb, 2H, 2W)`` in the dtype ``cat`` gives (``up_dtype`` and ``b``'s promoted) and
+        the memory format it gives. The kernels run where that dtype is ``up_dtype`` (``b``'s no
+        wider) and ``up_dtype`` is ``a``'s or float32, both maps dense; torch's path otherwise.
     """
     if a.dim() != 4 or b.dim() != 4:
         raise ValueError(f"upsample_concat: a and b must be (N, C, H, W); got shapes {tuple(a.shape)} and "
@@ -176,11 +183,13 @@ def upsample_concat(a: torch.Tensor, b: torch.Tensor, up_first: bool = True) -> 
     if b.shape[0] != N or tuple(b.shape[2:]) != (2 * H, 2 * W):
         raise ValueError(f"upsample_concat: b must be ({N}, C, {2 * H}, {2 * W}) (a's batch, twice its "
                          f"size); got {tuple(b.shape)}")
-    if (a.dtype not in (torch.float16, torch.bfloat16, torch.float32) or b.dtype != a.dtype
-            or b.device != a.device or a.numel() == 0 or b.numel() == 0 or not (_dense(a) and _dense(b))
-            or not use_triton(a.device)):
-        return upsample_concat_torch(a, b, up_first)
-    return _apply(a, b, bool(up_first))
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    dtype = a.dtype if up_dtype is None else up_dtype
+    if (a.dtype not in floats or b.dtype not in floats or dtype not in (a.dtype, torch.float32)
+            or torch.promote_types(dtype, b.dtype) != dtype or b.device != a.device or a.numel() == 0
+            or b.numel() == 0 or not (_dense(a) and _dense(b)) or not use_triton(a.device)):
+        return upsample_concat_torch(a, b, up_first, up_dtype)
+    return _apply(a, b, bool(up_first), dtype)
 
 
 __all__ = ["up_concat_bwd_kernel", "up_concat_fwd_kernel", "upsample_concat", "upsample_concat_torch"]

@@ -7,13 +7,14 @@ backward). An upsampling is changed only where the numbers stay stock's bit for 
 reads it, a ``Concat``, and one layer reads that, a block whose forward casts its input to float16
 in one convolution before anything else reads it (``Conv``, the ``C2f`` family: C3k2 and the
 like). Where two convolutions read it (the ``C3`` family's ``cv1`` and ``cv2``), stock adds their
-grads in float32 and the backward would add them in float16, a rounding apart; that upsampling,
-and any other, stays as it is.
+grads in float32 and the backward would add them in float16, a rounding apart; that upsampling
+stays in float32.
 
-Where that ``Concat`` joins the upsampled map with one other (the necks of YOLOv8, 11 and 26), the
+Where an upsampling's one reader is a ``Concat`` of it and one other map (every YOLO neck), the
 upsampling and the concatenation run as one op each way (:mod:`trainfuse.nn.upsample_concat`): the
-``Upsample`` hands its input on as it is and the ``Concat`` upsamples it into its output, the same
-numbers again.
+``Upsample`` hands its input on as it is and the ``Concat`` upsamples it into its output, in 16
+bits where the above holds, else in float32 as autocast computes it (the concatenation in float32
+then, as stock's ``cat`` promotes): the same numbers again.
 """
 
 from __future__ import annotations
@@ -79,11 +80,16 @@ def _doubles(m: nn.Module) -> bool:
 
 
 def concat_pair(model: nn.Module, up: nn.Module) -> tuple[nn.Module, int] | None:
-    """The ``Concat`` of two maps that reads ``up`` (one of :func:`exact_upsamplings`) and ``up``'s
-    place among its inputs, where the two can run as one op (a 2x nearest upsampling, the
+    """The ``Concat`` of two maps that alone reads nearest upsampling ``up`` of ``model.model``, and
+    ``up``'s place among its inputs, where the two can run as one op (a 2x nearest upsampling, the
     concatenation along channels), else None."""
-    layers = model.model
-    concat = _readings(layers, up.i)[0]
+    layers = getattr(model, "model", None)
+    if not isinstance(layers, nn.Sequential) or not all(hasattr(m, "f") for m in layers):
+        return None
+    readers = _readings(layers, up.i)
+    if len(readers) != 1 or type(readers[0]) is not Concat:
+        return None
+    concat = readers[0]
     sources = _sources(concat, concat.i)
     if len(sources) != 2 or sources.count(up.i) != 1 or getattr(concat, "d", None) != 1 or not _doubles(up):
         return None
@@ -101,39 +107,50 @@ class _Deferred(InstanceForward):
 
 class _UpsampleConcat(InstanceForward):
     """``Concat.forward`` of an upsampled map (its upsampling deferred to here) and another, as one
-    op (:func:`trainfuse.nn.upsample_concat.upsample_concat`)."""
+    op (:func:`trainfuse.nn.upsample_concat.upsample_concat`): the upsampling in its input's dtype,
+    or with ``as_autocast`` in the dtype autocast gives it (float32 while autocast is on, and the
+    concatenation in float32 with it, as ``cat`` promotes)."""
 
-    def __init__(self, block: nn.Module, up_at: int) -> None:
+    def __init__(self, block: nn.Module, up_at: int, as_autocast: bool) -> None:
         super().__init__(block)
-        self.up_at = up_at
+        self.up_at, self.as_autocast = up_at, as_autocast
 
     def __call__(self, x: list[torch.Tensor]) -> torch.Tensor:
-        return upsample_concat(x[self.up_at], x[1 - self.up_at], up_first=self.up_at == 0)
+        a = x[self.up_at]
+        wide = self.as_autocast and torch.is_autocast_enabled(a.device.type)
+        return upsample_concat(a, x[1 - self.up_at], up_first=self.up_at == 0,
+                               up_dtype=torch.float32 if wide else None)
 
 
-def install(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Module, nn.Module]], int]:
-    """Change ``model``'s :func:`exact_upsamplings`: each one that :func:`concat_pair` takes into
-    its Concat, the others in their input's dtype; returns ``(upsamplings in their input's dtype,
-    (Upsample, Concat) pairs, nearest upsamplings in all)`` for :func:`uninstall`."""
+Pair = tuple[nn.Module, nn.Module, bool]  # (Upsample, Concat, the upsampling in float32 as autocast's)
+
+
+def install(model: nn.Module) -> tuple[list[nn.Module], list[Pair], int]:
+    """Change ``model``'s nearest upsamplings: each of :func:`exact_upsamplings` into the Concat
+    :func:`concat_pair` finds for it, in its input's dtype, or alone in its input's dtype; each
+    other one with a pair into its Concat as autocast computes it (yolov5's necks, float32 under
+    autocast). Returns ``(upsamplings in their input's dtype, pairs, nearest upsamplings in all)``
+    for :func:`uninstall`."""
     found, total = exact_upsamplings(model)
+    layers = getattr(model, "model", [])
     changed, pairs = [], []
-    for m in found:
+    for m in [m for m in layers if upsample.nearest(m)]:
         pair = concat_pair(model, m)
-        if pair is not None and "forward" not in m.__dict__:  # upsampled into the Concat's output
+        if pair is not None:  # upsampled into the Concat's output
             concat, at = pair
             m.forward = _Deferred(m)
-            concat.forward = _UpsampleConcat(concat, at)
-            pairs.append((m, concat))
-        elif upsample.install(m):
+            concat.forward = _UpsampleConcat(concat, at, as_autocast=m not in found)
+            pairs.append((m, concat, m not in found))
+        elif m in found and upsample.install(m):
             changed.append(m)
     return changed, pairs, total
 
 
-def uninstall(changed: list[nn.Module], pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+def uninstall(changed: list[nn.Module], pairs: list[Pair]) -> None:
     """Undo :func:`install`: the modules' class forwards back."""
     for m in changed:
         upsample.uninstall(m)
-    for up, concat in pairs:
+    for up, concat, _ in pairs:
         for module, kind in ((up, _Deferred), (concat, _UpsampleConcat)):
             if isinstance(module.__dict__.get("forward"), kind):
                 del module.forward
@@ -147,7 +164,7 @@ class Upsampling(Change):
     def __init__(self, on: bool) -> None:
         self.on = on
         self._changed: list[nn.Module] = []
-        self._pairs: list[tuple[nn.Module, nn.Module]] = []  # (Upsample, Concat) run as one op
+        self._pairs: list[Pair] = []  # run as one op
         self._total = 0
 
     @override
@@ -163,9 +180,11 @@ class Upsampling(Change):
         if run.trainer.args.compile:
             return "compile is on (it picks its own kernels)"
         found, total = exact_upsamplings(run.model)
-        if not found:
+        layers = getattr(run.model, "model", [])
+        if not found and not any(concat_pair(run.model, m) for m in layers if upsample.nearest(m)):
             return ("the model has no nearest Upsample" if not total else
-                    f"none of its {total} nearest Upsample layers feeds one Concat read by one convolution")
+                    f"none of its {total} nearest Upsample layers feeds one Concat read by one convolution, "
+                    "or a Concat of two maps")
         return None
 
     @override
@@ -174,16 +193,21 @@ class Upsampling(Change):
 
     @override
     def rows(self, run: Run) -> list[Row]:
-        changed = len(self._changed) + len(self._pairs)
-        if not changed:
+        wide = sum(as_autocast for _, _, as_autocast in self._pairs)
+        half = len(self._changed) + len(self._pairs) - wide
+        parts = []
+        if half:
+            parts.append(f"{half} nearest Upsample layers in their input's 16 bits (autocast ran them in "
+                         "float32, and the Concat after them copied in float32): the same numbers")
+        if self._pairs:
+            as_autocast = f", {wide} of them in float32 as autocast computes them" if wide else ""
+            parts.append(f"{len(self._pairs)} upsampled straight into the Concat after them, one op each way "
+                         f"(trainfuse.nn.upsample_concat){as_autocast}")
+        if not parts:
             return []
-        left = self._total - changed
-        rest = f" ({left} other nearest Upsample layers stay float32)" if left else ""
-        joined = (f"; {len(self._pairs)} of them upsampled straight into the Concat after them, one op each "
-                  "way (trainfuse.nn.upsample_concat)" if self._pairs else "")
-        return [Row(self.kind, self.name(run), ON, f"{changed} nearest Upsample layers in their input's 16 "
-                    "bits (autocast ran them in float32, and the Concat after them copied in float32): the "
-                    f"same numbers{rest}{joined}")]
+        left = self._total - len(self._changed) - len(self._pairs)
+        rest = f" ({left} other nearest Upsample layers stay as they are)" if left else ""
+        return [Row(self.kind, self.name(run), ON, "; ".join(parts) + rest)]
 
     @override
     def restore(self, run: Run, *, failed: bool) -> None:
@@ -191,4 +215,4 @@ class Upsampling(Change):
         self._changed, self._pairs = [], []
 
 
-__all__ = ["Upsampling", "concat_pair", "exact_upsamplings", "install", "uninstall"]
+__all__ = ["Pair", "Upsampling", "concat_pair", "exact_upsamplings", "install", "uninstall"]
