@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests._helpers import cuda, cuda_kernel_names, no_host_sync
-from trainfuse.nn import bn_silu, bn_stats
+from trainfuse.nn import bn_silu, bn_stats, param_grads
 from trainfuse.nn.bn_silu import batch_norm_silu, batch_norm_silu_torch
 from trainfuse.nn.bn_stats import BNLaunch
 
@@ -218,6 +218,47 @@ def test_a_replayed_graph_gives_the_eager_bits_without_host_syncs_in_four_kernel
     names = cuda_kernel_names(lambda: step(rm.clone(), rv.clone()))
     fused = [n for n in names if "bn_" in n]
     assert len(fused) == 4, names  # stats (totalled by the last to arrive), apply; grad sums (too), dx
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_the_affine_grads_go_into_grad_where_autograd_would_put_them(monkeypatch, channels_last):
+    """Where nothing could tell (trainfuse.nn.param_grads), the grad sums' last program writes the
+    weight's and bias's grads (first backward) and adds onto them (second), with no AccumulateGrad
+    work: the bits autograd gives when a hook keeps them on its path; ``autograd.grad`` and a
+    float64 weight keep autograd's path too."""
+    modes = []
+    affine = param_grads.affine
+
+    def spy(*args):
+        got = affine(*args)
+        modes.append(got[0])
+        return got
+
+    monkeypatch.setattr(param_grads, "affine", spy)
+    x, w, b, rm, rv, dy = make((2, 24, 5, 7), torch.float16, channels_last)
+
+    def twice(hook: bool):
+        w2, b2 = w.clone().requires_grad_(), b.clone().requires_grad_()
+        if hook:
+            w2.register_hook(lambda g: g)
+        for _ in range(2):
+            batch_norm_silu(x, rm.clone(), rv.clone(), w2, b2, True, 0.03, 1e-3).backward(dy)
+        return w2.grad, b2.grad
+
+    direct = twice(hook=False)
+    assert modes == [param_grads.ASSIGN, param_grads.ADD]
+    modes.clear()
+    through_autograd = twice(hook=True)
+    assert modes == [param_grads.NONE] * 2
+    assert all(torch.equal(a, c) for a, c in zip(direct, through_autograd))
+    modes.clear()
+    w3, b3 = w.clone().requires_grad_(), b.clone().requires_grad_()
+    y = batch_norm_silu(x, rm.clone(), rv.clone(), w3, b3, True, 0.03, 1e-3)
+    gw, gb = torch.autograd.grad(y, (w3, b3), dy)
+    assert modes == [param_grads.NONE] and w3.grad is None and b3.grad is None
+    w4, b4 = w.clone().requires_grad_(), b.clone().requires_grad_()
+    batch_norm_silu(x, rm.clone(), rv.clone(), w4, b4, True, 0.03, 1e-3).backward(dy)
+    assert torch.equal(w4.grad, gw) and torch.equal(b4.grad, gb) and modes[-1] == param_grads.ASSIGN
 
 
 SPLIT_SHAPES = [(2, 6, 5, 7), (1, 4, 3, 3), (3, 70, 2, 3)]  # even channels; past a tile; batch 1

@@ -49,7 +49,7 @@ from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
 from trainfuse._runtime.launch import cdiv
 from trainfuse._runtime.reduce import last_to_arrive
-from trainfuse.nn import bn_stats
+from trainfuse.nn import bn_stats, param_grads
 from trainfuse.nn import channel_tiles as tiles
 
 
@@ -96,16 +96,17 @@ def _du_tile(x_ptr, dy_ptr, dy1_ptr, gp, gN_, gS_, rel, rel_g, q, c, cm, s, t, S
 
 @triton.jit
 def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr,
-                             sdux_ptr, cnt_ptr, dw_ptr, db_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, hN,
-                             hC, hS, SPLIT, tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr,
-                             BC: tl.constexpr, UNROLL: tl.constexpr, EVEN_S: tl.constexpr,
+                             sdux_ptr, cnt_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, C, CB, S, NSB, Q, sN, sC, sS,
+                             gN, gC, gS, hN, hC, hS, SPLIT, tiles_per_program, P, BP: tl.constexpr,
+                             BR: tl.constexpr, BC: tl.constexpr, UNROLL: tl.constexpr, EVEN_S: tl.constexpr,
                              MASKED: tl.constexpr, PART: tl.constexpr, REL32: tl.constexpr,
-                             G_SAME: tl.constexpr):
+                             G_SAME: tl.constexpr, GRAD: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel
     at ``[i, c]``; the last of channel block ``j``'s ``P`` programs to arrive adds them up in a
-    fixed order into ``dw`` and ``db``. ``dy``'s channels from ``SPLIT`` on are ``dy1``'s (C, and
-    ``dy`` again, for one part); the tiles walked as the statistics walk them. ``G_SAME``: one
-    part laid out as ``x``, read at ``x``'s offsets."""
+    fixed order into ``dw`` and ``db`` (and with ``GRAD`` into the params' grads ``gw``, ``gb``:
+    :func:`~trainfuse.nn.bn_stats.grad_finalize`). ``dy``'s channels from ``SPLIT`` on are
+    ``dy1``'s (C, and ``dy`` again, for one part); the tiles walked as the statistics walk them.
+    ``G_SAME``: one part laid out as ``x``, read at ``x``'s offsets."""
     i, j, c = tiles.program(CB, BC)
     cm = c < C
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
@@ -141,7 +142,8 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_
     tl.store(sdux_ptr + i * C + c, tl.sum(sdux, 0) * invstd, mask=cm)
     tl.debug_barrier()  # every thread's partials are stored before the release below
     if last_to_arrive(cnt_ptr + j, P):
-        bn_stats.grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, c, cm, P, C, BP, BC)
+        bn_stats.grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, c, cm, P, C, BP, BC,
+                               GRAD)
         tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
 
 
@@ -218,6 +220,11 @@ class _BatchNormSiLU(torch.autograd.Function):
     def backward(ctx, dy, dy1=None):
         launch, flags = bn_stats.launcher, bn_stats.flags
         x, weight, consts = ctx.saved_tensors
+        # the weight's and bias's grads written or added to by the kernel where nothing could tell
+        # (trainfuse.nn.param_grads), else handed to autograd
+        direct, gw, gb = (param_grads.affine(ctx, 1, torch.is_grad_enabled())
+                          if weight is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
+                          else (param_grads.NONE, None, None))
         scale, shift, mean, invstd = consts.unbind(0)
         shape = ctx.shape
         N, C, S = x.shape
@@ -230,11 +237,14 @@ class _BatchNormSiLU(torch.autograd.Function):
         P, per = bn_stats.split(N * rnsb, rcb, x.device, rc)
         partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
         sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
+        grads = (gw, gb) if direct else sums  # (unread without GRAD)
         launch(bn_silu_grad_sums_kernel, (P * rcb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
-               bn_stats.counters(x.device, rcb), *sums, C, rcb, S, rnsb, N * rnsb, *x.stride(), *dy.stride(),
-               *dy1.stride(), split, per, P, BP=bn_stats.FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
-               UNROLL=rc.unroll, num_warps=rc.num_warps, G_SAME=split >= C and dy.stride() == x.stride(),
+               bn_stats.counters(x.device, rcb), *sums, *grads, C, rcb, S, rnsb, N * rnsb, *x.stride(),
+               *dy.stride(), *dy1.stride(), split, per, P, BP=bn_stats.FINALIZE_ROWS, BR=rc.rows,
+               BC=rc.channels, UNROLL=rc.unroll, num_warps=rc.num_warps,
+               G_SAME=split >= C and dy.stride() == x.stride(), GRAD=direct,
                **flags(rc, C, S, x.stride(), dy.stride(), dy1.stride(), split=split))
+        param_grads.hand_over(ctx, 1, direct, gw, gb)
         cfg = bn_stats.config(x.stride(), C)
         cb = cdiv(C, cfg.channels)
         nsb = cdiv(S, cfg.rows)
@@ -246,8 +256,9 @@ class _BatchNormSiLU(torch.autograd.Function):
                    TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps,
                    **flags(cfg, C, S, x.stride(), dy.stride(), dy1.stride(), dx.stride(), split=split))
             dx = dx.view(shape)
-        dw = sums[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        db = sums[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        autograd = weight is not None and not direct  # else the kernel wrote them
+        dw = sums[0].to(weight.dtype) if autograd and ctx.needs_input_grad[1] else None
+        db = sums[1].to(weight.dtype) if autograd and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None, None, None
 
 

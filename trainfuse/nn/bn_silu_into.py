@@ -34,7 +34,7 @@ from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
 from trainfuse._runtime.launch import cdiv
 from trainfuse._runtime.reduce import last_to_arrive
-from trainfuse.nn import bn_silu, bn_stats
+from trainfuse.nn import bn_silu, bn_stats, param_grads
 from trainfuse.nn import channel_tiles as tiles
 from trainfuse.nn.concat import ConcatBuffer
 
@@ -103,10 +103,10 @@ def _du(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, s, t, S, NSB, sN, sS, 
 
 @triton.jit
 def into_grad_sums_kernel(x_ptr, g_ptr, e_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr, sdux_ptr,
-                          cnt_ptr, dw_ptr, db_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS, eN, eC, eS, DF,
-                          tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                          UNROLL: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, ADD: tl.constexpr,
-                          REL32: tl.constexpr):
+                          cnt_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS,
+                          eN, eC, eS, DF, tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr,
+                          BC: tl.constexpr, UNROLL: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr,
+                          ADD: tl.constexpr, REL32: tl.constexpr, GRAD: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): its tiles' sums of ``du`` and ``du xhat`` per channel,
     added up in a fixed order into ``dw`` and ``db`` by the last of channel block ``j``'s ``P``
     programs to arrive (as ``bn_silu_grad_sums_kernel``)."""
@@ -139,7 +139,8 @@ def into_grad_sums_kernel(x_ptr, g_ptr, e_ptr, scale_ptr, shift_ptr, mean_ptr, i
     tl.store(sdux_ptr + i * C + c, tl.sum(sdux, 0) * invstd, mask=cm)
     tl.debug_barrier()  # every thread's partials are stored before the release below
     if last_to_arrive(cnt_ptr + j, P):
-        bn_stats.grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, c, cm, P, C, BP, BC)
+        bn_stats.grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, c, cm, P, C, BP, BC,
+                               GRAD)
         tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
 
 
@@ -225,6 +226,9 @@ class _BatchNormSiLUInto(torch.autograd.Function):
     def backward(ctx, dout, ddense):
         launch, flags = bn_stats.launcher, bn_stats.flags
         xf, weight, consts = ctx.saved_tensors
+        direct, gw, gb = (param_grads.affine(ctx, 1, torch.is_grad_enabled())
+                          if weight is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2]
+                          else (param_grads.NONE, None, None))
         scale, shift, mean, invstd = consts.unbind(0)
         N, C, S = xf.shape
         x = xf.view(ctx.shape)
@@ -240,11 +244,13 @@ class _BatchNormSiLUInto(torch.autograd.Function):
         partials = torch.empty(2, P, C, device=xf.device, dtype=torch.float32)
         sums = torch.empty(2, C, device=xf.device, dtype=torch.float32)  # dw, db
         if ctx.training or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grads = (gw, gb) if direct else sums  # (unread without GRAD)
             launch(into_grad_sums_kernel, (P * rcb,), xf, gf, ef, scale, shift, mean, invstd, *partials,
-                   bn_stats.counters(xf.device, rcb), *sums, C, rcb, S, rnsb, N * rnsb, *xf.stride(),
+                   bn_stats.counters(xf.device, rcb), *sums, *grads, C, rcb, S, rnsb, N * rnsb, *xf.stride(),
                    *gf.stride(), *ef.stride(), df, per, P, BP=bn_stats.FINALIZE_ROWS, BR=rc.rows,
-                   BC=rc.channels, UNROLL=rc.unroll, ADD=add, num_warps=rc.num_warps,
+                   BC=rc.channels, UNROLL=rc.unroll, ADD=add, GRAD=direct, num_warps=rc.num_warps,
                    **flags(rc, C, S, xf.stride(), gf.stride(), ef.stride()))
+            param_grads.hand_over(ctx, 1, direct, gw, gb)
         need_dx, need_dr = ctx.needs_input_grad[0], ctx.residual and ctx.needs_input_grad[3]
         dx = _like(x, C) if need_dx else None
         dr = _like(x, C) if need_dr else None
@@ -258,8 +264,9 @@ class _BatchNormSiLUInto(torch.autograd.Function):
                    *drf.stride(), TRAINING=ctx.training, DX=need_dx, DR=need_dr, BR=cfg.rows, BC=cfg.channels,
                    ADD=add, num_warps=cfg.num_warps,
                    **flags(cfg, C, S, xf.stride(), gf.stride(), ef.stride(), dxf.stride(), drf.stride()))
-        dw = sums[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        db = sums[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        autograd = weight is not None and not direct  # else the kernel wrote them
+        dw = sums[0].to(weight.dtype) if autograd and ctx.needs_input_grad[1] else None
+        db = sums[1].to(weight.dtype) if autograd and ctx.needs_input_grad[2] else None
         return dx, dw, db, dr, None, None, None, None, None, None, None
 
 

@@ -171,9 +171,12 @@ def silu_du(x, dy, s, t):
 
 
 @triton.jit
-def grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, c, cm, P, C, BP: tl.constexpr, BC: tl.constexpr):
+def grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, c, cm, P, C, BP: tl.constexpr,
+                  BC: tl.constexpr, GRAD: tl.constexpr):
     """Channels ``c``: the ``P`` partial sums added in a fixed order -> ``dw = sum du xhat``,
-    ``db = sum du``."""
+    ``db = sum du``; and with ``GRAD`` (:mod:`trainfuse.nn.param_grads`) the params' grads
+    ``gw``, ``gb`` written (``ASSIGN``) or added to (``ADD``, float32, one rounding: what
+    AccumulateGrad's add gives)."""
     sdu = tl.zeros([BP, BC], tl.float32)
     sdux = tl.zeros([BP, BC], tl.float32)
     for p0 in range(0, P, BP):
@@ -186,6 +189,12 @@ def grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, c, cm, P, C, BP: tl.constex
     sdux = tl.sum(sdux, 0)
     tl.store(db_ptr + c, sdu, mask=cm)
     tl.store(dw_ptr + c, sdux, mask=cm)
+    if GRAD == 2:
+        sdu += tl.load(gb_ptr + c, mask=cm, other=0.0)
+        sdux += tl.load(gw_ptr + c, mask=cm, other=0.0)
+    if GRAD != 0:
+        tl.store(gb_ptr + c, sdu, mask=cm)
+        tl.store(gw_ptr + c, sdux, mask=cm)
 
 
 FINALIZE_ROWS = 64  # the partials the last program to arrive reads at a time
