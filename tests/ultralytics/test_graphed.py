@@ -302,7 +302,7 @@ def test_cudnn_benchmark_times_the_training_convolutions_and_gives_the_setting_b
     rows = {r.kind: r for r in timed.trainer.report}
     assert rows["convolutions"].action == "on" and "deterministic algorithms" in rows["convolutions"].detail
     assert {r.kind: r for r in plain.trainer.report}["convolutions"].detail == "cudnn_benchmark=False"
-    assert timed.trainer.graph_stats.replays >= 4
+    assert timed.trainer.graphs_reason == "" and timed.trainer.graph_stats.replays >= 1
     torch.testing.assert_close(timed_rec.losses[0], plain_rec.losses[0], rtol=1e-3, atol=1e-3)
 
 
