@@ -120,6 +120,20 @@ def test_cuda_graphs_takes_a_bool_and_its_callbacks_are_added_once(data, tmp_pat
         assert second.callbacks[event].count(callback) == 1 and second.callbacks[event][0] is callback
 
 
+def test_cudnn_benchmark_takes_a_bool_and_is_off_on_the_cpu(data, tmp_path):
+    from trainfuse.ultralytics.changes import ConvAlgorithms, Options, Run
+
+    overrides = dict(model="yolov5n.yaml", data=data, device="cpu", project=str(tmp_path), name="t",
+                     exist_ok=True, plots=False, verbose=False)
+    with pytest.raises(TypeError, match="cudnn_benchmark must be True, False or None"):
+        FusedDetectionTrainer(overrides=overrides, cudnn_benchmark="yes")
+    trainer = FusedDetectionTrainer(overrides=overrides, cudnn_benchmark=True)
+    assert trainer.cudnn_benchmark is True and FusedDetectionTrainer.cudnn_benchmark is False
+    run = Run(trainer, Options(True, True, True, True, cudnn_benchmark=True), trainer.loading)
+    assert ConvAlgorithms(True).why_off(run) == "the device is not CUDA"
+    assert ConvAlgorithms(False).why_off(run) == "cudnn_benchmark=False"
+
+
 @pytest.mark.cpu_training
 def test_cpu_run_says_why_it_is_eager_and_leaves_the_model_as_it_was(data, tmp_path):
     model = YOLO("yolov5n.yaml")
