@@ -66,6 +66,7 @@ def pool_chain_fwd_kernel(y_ptr, out_ptr, arg_ptr, C, CB, H, W, yN, yC, yH, yW, 
     cm = c < C
     PAD: tl.constexpr = K // 2
     HW = H * W
+    C64 = C + tl.zeros([], tl.int64)  # C may come as a Python int (Triton specializes a 1)
     y_img = y_ptr + n.to(tl.int64) * yN
     o_img = out_ptr + n.to(tl.int64) * oN
     for p0 in range(0, HW, BP):
@@ -77,8 +78,8 @@ def pool_chain_fwd_kernel(y_ptr, out_ptr, arg_ptr, C, CB, H, W, yN, yC, yH, yW, 
         tl.store(o_img + c[None, :] * oC + h[:, None] * oH + w[:, None] * oW, v, mask=m)
     for level in tl.static_range(1, LEVELS + 1):
         tl.debug_barrier()  # the level before is in the output, whoever of the program wrote it
-        src = o_img + ((level - 1) * C).to(tl.int64) * oC
-        dst = o_img + (level * C).to(tl.int64) * oC
+        src = o_img + (level - 1) * C64 * oC
+        dst = o_img + level * C64 * oC
         arg = arg_ptr + (level - 1) * aL + n.to(tl.int64) * aN
         for p0 in range(0, HW, BP):
             p = p0 + tl.arange(0, BP)
@@ -120,12 +121,13 @@ def pool_chain_bwd_kernel(g_ptr, arg_ptr, dx_ptr, tmp_ptr, C, CB, H, W, gN, gC, 
     cm = c < C
     PAD: tl.constexpr = K // 2
     HW = H * W
+    C64 = C + tl.zeros([], tl.int64)  # C may come as a Python int (Triton specializes a 1)
     g_img = g_ptr + n.to(tl.int64) * gN
     x_img = n.to(tl.int64) * xN
     for level in tl.static_range(LEVELS, 0, -1):
         tl.debug_barrier()  # level's total is complete
         if level == LEVELS:  # the last level's total is its slice's grad
-            top = g_img + (level * C).to(tl.int64) * gC
+            top = g_img + level * C64 * gC
             tC, tH, tW = gC, gH, gW
         elif level % 2 == 1:
             top = tmp_ptr + x_img
@@ -138,7 +140,7 @@ def pool_chain_bwd_kernel(g_ptr, arg_ptr, dx_ptr, tmp_ptr, C, CB, H, W, gN, gC, 
         else:
             out = dx_ptr + x_img
         arg = arg_ptr + (level - 1) * aL + n.to(tl.int64) * aN
-        below = g_img + ((level - 1) * C).to(tl.int64) * gC
+        below = g_img + (level - 1) * C64 * gC
         for p0 in range(0, HW, BP):
             p = p0 + tl.arange(0, BP)
             pm = p < HW

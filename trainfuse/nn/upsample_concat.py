@@ -56,14 +56,14 @@ def up_concat_fwd_kernel(a_ptr, b_ptr, out_ptr, CA, CB, H, W, P2, BA, BBLK, aN, 
     if j < BA:
         c = j * BC + tl.arange(0, BC)
         m = pm[:, None] & (c < CA)[None, :]
-        src = a_ptr + n.to(tl.int64)[:, None] * aN + c[None, :] * aC + (h2 // 2)[:, None] * aH \
-            + (w2 // 2)[:, None] * aW
-        tl.store(out + (A_AT + c)[None, :] * oC, tl.load(src, mask=m), mask=m)
+        src_a = a_ptr + n.to(tl.int64)[:, None] * aN + c[None, :] * aC + (h2 // 2)[:, None] * aH \
+            + (w2 // 2)[:, None] * aW  # a name of its own: a and b may differ in dtype
+        tl.store(out + (A_AT + c)[None, :] * oC, tl.load(src_a, mask=m), mask=m)
     else:
         c = (j - BA) * BC + tl.arange(0, BC)
         m = pm[:, None] & (c < CB)[None, :]
-        src = b_ptr + n.to(tl.int64)[:, None] * bN + c[None, :] * bC + h2[:, None] * bH + w2[:, None] * bW
-        tl.store(out + (B_AT + c)[None, :] * oC, tl.load(src, mask=m), mask=m)
+        src_b = b_ptr + n.to(tl.int64)[:, None] * bN + c[None, :] * bC + h2[:, None] * bH + w2[:, None] * bW
+        tl.store(out + (B_AT + c)[None, :] * oC, tl.load(src_b, mask=m), mask=m)
 
 
 @triton.jit
