@@ -42,6 +42,10 @@ def test_results_are_named_by_model_optimizer_fused_loss_and_gpus():
     timed = yolo.family("yolo11m.yaml", fuse_blocks=True, cudnn_benchmark=True)
     assert timed == "yolo-yolo11m-fuse-blocks-cudnn-benchmark"
     assert yolo.family("yolo11n.yaml", "MuSGD", "0,1") == "yolo-yolo11n-MuSGD-2gpus"
+    assert yolo.family("yolo11s.yaml", fuse_blocks=False) == "yolo-yolo11s-no-fuse-blocks"
+    assert yolo.family("yolov5n.yaml", batch=64) == "yolo-batch64"
+    assert yolo.family("yolo11n-cls.yaml", batch=64) == "yolo-yolo11n-cls"  # its default batch
+    assert yolo.family("yolo11n-cls.yaml", batch=16) == "yolo-yolo11n-cls-batch16"
 
 
 @pytest.mark.parametrize("task,keys", [("detect", ("metrics/mAP50(B)", "metrics/mAP50-95(B)")),
@@ -61,6 +65,11 @@ def test_each_tasks_headline_metrics(task, keys):
     ("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc_nhwc", "convolution"),
     ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<__half, float, 512, true, 1>", "batchnorm"),
     ("bn_silu_apply_kernel", "batchnorm"),
+    ("into_grad_sums_kernel", "batchnorm"),  # the BatchNorm kernels writing into a concatenation
+    ("void at::native::(anonymous namespace)::upsample_nearest2d_nhwc_out_frame<c10::Half>", "upsample/pool"),
+    ("up_concat_fwd_kernel", "upsample/pool"),
+    ("void at::native::(anonymous namespace)::max_pool_forward_nhwc<c10::Half, float>", "upsample/pool"),
+    ("pool_chain_bwd_kernel", "upsample/pool"),
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::OpaqueType<2u>, unsigned int>",
      "copy/cat"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)>",

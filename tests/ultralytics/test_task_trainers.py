@@ -207,25 +207,46 @@ def test_each_tasks_checkpoint_loads_validates_and_predicts_with_stock_yolo(runs
 
 
 @pytest.mark.cpu_training
+@pytest.mark.parametrize("concat", ["0", "1"], ids=["blocks", "concat-in-place"])
 @pytest.mark.parametrize("task", list(MODELS))
-def test_each_task_trains_with_fused_blocks_exactly_as_without_and_saves_stock_checkpoints(
-        runs, datasets, task, tmp_path):
+def test_each_task_trains_with_fused_blocks_as_without_and_saves_stock_checkpoints(
+        runs, datasets, task, concat, tmp_path, monkeypatch):
     """``fuse_blocks=True`` on every task's model (on CPU the op's torch path, what a Conv block
-    computes): the run of the fused trainer without it, bit for bit; the modules given back; the
-    checkpoint a stock ``YOLO`` loads, with the same weights as the run without the blocks'."""
+    computes): the run of the fused trainer without it, bit for bit with the concatenations kept
+    (``TRAINFUSE_FUSE_CONCAT=0``), to float32's roundings with them written in place (a branch read
+    twice has its two grads added in another order); the modules given back; the checkpoint a
+    stock ``YOLO`` loads, with the run's weights."""
+    monkeypatch.setenv("TRAINFUSE_FUSE_CONCAT", concat)
     plain, plain_losses = runs(task, True)
     trainer_cls = type(f"Blocks{STOCK_LOSS[task].__name__}", (STOCK_LOSS[task],), {"fuse_blocks": True})
     ours, losses = _train(task, datasets[task], tmp_path, trainer_cls)
     rows = {r.kind: r for r in ours.trainer.report}
     count = sum(type(m).__name__ == "Conv" for m in ours.trainer.model.modules())
     assert rows["blocks"].action == "on" and rows["blocks"].detail.startswith(f"{count} Conv blocks")
+    assert ("written into its slice of the concatenation" in rows["blocks"].detail) == (concat == "1")
     assert not any("forward" in m.__dict__ for m in ours.trainer.model.modules())  # given back
-    assert torch.equal(torch.stack(losses), torch.stack(plain_losses))
+    exact = concat == "0"
+    if exact:
+        assert torch.equal(torch.stack(losses), torch.stack(plain_losses))
+    else:
+        torch.testing.assert_close(torch.stack(losses), torch.stack(plain_losses), rtol=1e-4, atol=1e-6)
     loaded = YOLO(str(ours.trainer.last)).model.state_dict()
     reference = YOLO(str(plain.trainer.last)).model.state_dict()
     assert loaded.keys() == reference.keys()
-    for k in loaded:
-        assert torch.equal(loaded[k], reference[k]), k
+    if exact:
+        for k in loaded:
+            assert torch.equal(loaded[k], reference[k]), k
+    else:  # the float32 weights in memory (the checkpoint's float16 rounds their differences up)
+        trained, want = ours.trainer.model.state_dict(), plain.trainer.model.state_dict()
+        off = total = 0
+        for k, b in want.items():
+            a = trained[k].double()
+            gap = (a - b.double()).abs()
+            # AdamW turns a rounding in a grad near zero into up to its whole step (lr0 = 0.002)
+            assert gap.numel() == 0 or float(gap.max()) <= 0.002, k
+            off += int((gap > 1e-6 + 1e-4 * b.double().abs()).sum())
+            total += gap.numel()
+        assert off <= 1e-3 * total, f"{off} of {total} weights differ beyond float32's roundings"
 
 
 @pytest.mark.parametrize("model,expected", [

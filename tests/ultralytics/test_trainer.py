@@ -56,10 +56,11 @@ class FusedBlocksStepTrainer(FusedStepTrainer):
 
 
 class FusedConcatStepTrainer(FusedBlocksStepTrainer):
-    """FusedBlocksStepTrainer run with ``TRAINFUSE_FUSE_CONCAT=1``: the C3 blocks' concatenations
-    written in place (on CPU by torch's ops and copies into the buffer)."""
+    """FusedBlocksStepTrainer with the C3 blocks' concatenations written in place (on CPU by torch's
+    ops and copies into the buffer; the tests set ``TRAINFUSE_FUSE_CONCAT=1``, its default)."""
 
 
+NOT_CUDA_BLOCKS = "fuse_blocks defaults to on for CUDA devices only (True runs the torch reference here)"
 STEPS_IN_TWO_EPOCHS = 5  # optimizer steps of the runs below (warmup ramps accumulate from 1 to 2)
 CLIPPED = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
 GAIN = 0.1  # see the module docstring
@@ -441,7 +442,8 @@ def test_another_tasks_model_is_refused_with_its_trainer_named_before_training(d
 
 
 @pytest.mark.cpu_training
-def test_fuse_blocks_swaps_every_conv_block_and_gives_it_back(runs):
+def test_fuse_blocks_swaps_every_conv_block_and_gives_it_back(runs, monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_FUSE_CONCAT", "0")  # the blocks alone: stock's numbers bit for bit
     plain, blocks = runs(FusedStepTrainer), runs(FusedBlocksStepTrainer)
     assert blocks.losses == plain.losses
     _assert_same_state(blocks.trainer.model, plain.trainer.model)
@@ -454,8 +456,8 @@ def test_fuse_blocks_swaps_every_conv_block_and_gives_it_back(runs):
     assert not any("forward" in m.__dict__ for m in blocks.trainer.model.modules())  # given back
     upsampling = {r.kind: r for r in blocks.trainer.report}["upsample"]  # AMP is off on the CPU
     assert upsampling.action == "off" and upsampling.detail == "no AMP on CUDA: autocast casts nothing"
-    off = {r.kind: r for r in plain.trainer.report}["blocks"]
-    assert off.action == "off" and off.detail == "fuse_blocks=False"
+    off = {r.kind: r for r in plain.trainer.report}["blocks"]  # fuse_blocks=None on the CPU
+    assert off.action == "off" and off.detail == NOT_CUDA_BLOCKS
 
 
 @pytest.mark.cpu_training
@@ -504,7 +506,7 @@ def test_the_report_says_what_was_fused_and_what_stayed_stock(runs):
     assert rows["validator"].action == "on" and rows["validator"].name == "FusedDetectionValidator"
     assert rows["val workers"].action == "off" and rows["val workers"].detail.startswith("val=False")
     assert rows["device cache"].action == "off" and "on for CUDA devices only" in rows["device cache"].detail
-    assert rows["upsample"].action == "off" and rows["upsample"].detail == "fuse_blocks=False"
+    assert rows["upsample"].action == "off" and rows["upsample"].detail == NOT_CUDA_BLOCKS
     assert rows["convolutions"].action == "off" and rows["convolutions"].detail == "cudnn_benchmark=False"
     off = {r.kind: r for r in step_only.trainer.report}["loss"]
     assert off.action == "off"

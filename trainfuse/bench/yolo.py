@@ -36,6 +36,7 @@ ours on those GPUs, and ours on one GPU for the scaling (:mod:`trainfuse.bench.y
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import tempfile
@@ -61,12 +62,15 @@ def _parser():
     parser.add_argument("--fused-loss", action="store_true",
                         help="fused_loss=True, labelled as such in the workload (every task's fused trainer "
                         "trains with its fused loss by default)")
-    parser.add_argument("--fuse-blocks", action="store_true",
-                        help="fuse_blocks=True: each Conv block's BatchNorm2d and SiLU as one op (off by "
-                        "default)")
+    blocks = parser.add_mutually_exclusive_group()
+    blocks.add_argument("--fuse-blocks", action="store_true",
+                        help="fuse_blocks=True: the Conv blocks fused for any task and under DDP too (the "
+                        "default, None, fuses them for detection models on one GPU)")
+    blocks.add_argument("--no-fuse-blocks", action="store_true",
+                        help="fuse_blocks=False: ultralytics' own Conv, C2f, SPPF and neck modules")
     parser.add_argument("--fuse-concat", action="store_true",
                         help="with --fuse-blocks, TRAINFUSE_FUSE_CONCAT=1: the C2f and C3 blocks' "
-                        "concatenations written in place (opt-in)")
+                        "concatenations written in place (the default wherever the blocks are fused)")
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="cudnn_benchmark=True: cuDNN times the training step's convolution algorithms "
                         "(off by default)")
@@ -152,6 +156,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
         workload += " gpu_augment=True"
     if args.fuse_blocks:
         workload += " fuse_blocks=True"
+    if args.no_fuse_blocks:
+        workload += " fuse_blocks=False"
     if args.fuse_concat:
         workload += " TRAINFUSE_FUSE_CONCAT=1"
     if args.cudnn_benchmark:
@@ -212,9 +218,7 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
     print_table("goals", ["goal", "met"], [[k, "yes" if v else "NO"] for k, v in goals.items()])
     if args.quick:
         note(report, "--quick: 1 epoch; the quality goals need the full run")
-    name = family(args.model, args.optimizer, fused_loss=args.fused_loss, gpu_augment=args.gpu_augment,
-                  fuse_blocks=args.fuse_blocks, fuse_concat=args.fuse_concat,
-                  cudnn_benchmark=args.cudnn_benchmark)
+    name = _family(args)
     png = plot_runs(runs, out / f"{name}.png",
                     title=f"{workload}, {args.epochs} epoch(s), {report['device']}")
     print(f"plot: {png}")
@@ -294,8 +298,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     options = {"fused_loss": True} if args.fused_loss else {}
     if args.gpu_augment:
         options["gpu_augment"] = True
-    if args.fuse_blocks:
-        options["fuse_blocks"] = True
+    if args.fuse_blocks or args.no_fuse_blocks:
+        options["fuse_blocks"] = bool(args.fuse_blocks)
     if args.cudnn_benchmark:
         options["cudnn_benchmark"] = True
     if args.fuse_concat:
@@ -310,9 +314,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         runs[kind]["phase_ms"], runs[kind]["phase_launches"] = ms, launches
     _summarize(report, args, runs, ultralytics.__version__)
     report["_bench"] = "yolo"
-    save_report(report, args.out, family(args.model, args.optimizer, fused_loss=args.fused_loss,
-                                         gpu_augment=args.gpu_augment, fuse_blocks=args.fuse_blocks,
-                                         fuse_concat=args.fuse_concat, cudnn_benchmark=args.cudnn_benchmark))
+    save_report(report, args.out, _family(args))
     return report
 
 
@@ -335,19 +337,30 @@ def _dataset(args, task: str) -> str:
                                    distinct=1024 if args.photo and args.images > 1024 else None))
 
 
+def _family(args: argparse.Namespace) -> str:
+    """:func:`family` of a training run's command line."""
+    return family(args.model, args.optimizer, fused_loss=args.fused_loss, gpu_augment=args.gpu_augment,
+                  fuse_blocks=True if args.fuse_blocks else (False if args.no_fuse_blocks else None),
+                  fuse_concat=args.fuse_concat, cudnn_benchmark=args.cudnn_benchmark, batch=args.batch)
+
+
 def family(model: str, optimizer: str = "auto", devices: str = "0", fused_loss: bool = False,
-           gpu_augment: bool = False, fuse_blocks: bool = False, fuse_concat: bool = False,
-           cudnn_benchmark: bool = False) -> str:
+           gpu_augment: bool = False, fuse_blocks: bool | None = None, fuse_concat: bool = False,
+           cudnn_benchmark: bool = False, batch: int | None = None) -> str:
     """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
-    ``-<optimizer>`` appended for an optimizer other than ``auto``, ``-fused-loss`` with
-    ``--fused-loss``, ``-gpu-augment`` with ``--gpu-augment``, ``-fuse-blocks`` with
-    ``--fuse-blocks`` (``-fuse-concat`` after it with ``--fuse-concat``), ``-cudnn-benchmark``
-    with ``--cudnn-benchmark``, ``-<N>gpus`` for DDP."""
+    ``-batch<N>`` for a batch other than the task's default, ``-<optimizer>`` appended for an
+    optimizer other than ``auto``, ``-fused-loss`` with ``--fused-loss``, ``-gpu-augment`` with
+    ``--gpu-augment``, ``-fuse-blocks`` with ``--fuse-blocks`` (``-fuse-concat`` after it with
+    ``--fuse-concat``), ``-no-fuse-blocks`` with ``--no-fuse-blocks``, ``-cudnn-benchmark`` with
+    ``--cudnn-benchmark``, ``-<N>gpus`` for DDP."""
     name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
+    default_batch = 64 if Path(model).stem.endswith("-cls") else 16
+    name = name if batch in (None, default_batch) else f"{name}-batch{batch}"
     name = name if optimizer == "auto" else f"{name}-{optimizer}"
     name = f"{name}-fused-loss" if fused_loss else name
     name = f"{name}-gpu-augment" if gpu_augment else name
     name = f"{name}-fuse-blocks" if fuse_blocks else name
+    name = f"{name}-no-fuse-blocks" if fuse_blocks is False else name
     name = f"{name}-fuse-concat" if fuse_concat else name
     name = f"{name}-cudnn-benchmark" if cudnn_benchmark else name
     n = len(devices.split(","))

@@ -134,15 +134,18 @@ def device_launches(prof) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-# kinds of GPU work by kernel name, first match wins: BatchNorm (cuDNN's and the fused op), cuDNN's
-# convolutions (forward, data and weight grads: xmma/implicit-GEMM kernels), other matmuls (cuBLAS's
-# nvjet kernels too, which run cuDNN's 1x1 convolutions in channels_last), copies to the host (a
-# checkpoint's, the logged losses': not the step's, and on another stream where the trainer writes
-# checkpoints in the background), copies and concatenation, elementwise kernels (activations, adds,
-# casts), reductions; the rest (trainfuse's loss and optimizer kernels, ultralytics' own) is "other"
+# kinds of GPU work by kernel name, first match wins: BatchNorm (cuDNN's and the fused op, its
+# kernels writing into a concatenation too), upsampling and pooling (torch's, and SPPF's and the
+# neck's fused ops), cuDNN's convolutions (forward, data and weight grads: xmma/implicit-GEMM
+# kernels), other matmuls (cuBLAS's nvjet kernels too, which run cuDNN's 1x1 convolutions in
+# channels_last), copies to the host (a checkpoint's, the logged losses': not the step's, and on
+# another stream where the trainer writes checkpoints in the background), copies and concatenation,
+# elementwise kernels (activations, adds, casts), reductions; the rest (trainfuse's loss and
+# optimizer kernels, ultralytics' own) is "other"
 KERNEL_KINDS = (
     ("to host", ("memcpy dtoh",)),
-    ("batchnorm", ("batch_norm", "batchnorm", "bn_", "welford")),
+    ("batchnorm", ("batch_norm", "batchnorm", "bn_", "welford", "into_apply", "into_dx", "into_grad_sums")),
+    ("upsample/pool", ("upsample", "up_concat", "max_pool", "pool_chain")),
     ("convolution", ("conv", "cudnn", "xmma", "implicit", "dgrad", "wgrad", "fprop", "nchwtonhwc",
                      "nhwctonchw")),
     ("matmul", ("gemm", "cutlass", "cublas", "nvjet")),

@@ -15,9 +15,11 @@ pose, OBB and classification models); ``--seeds`` are ultralytics' training ``se
   its defaults (``fused_loss=True`` included);
 - ``no-graphs``, ``no-casts``, ``stock-loss``: that fused trainer with ``cuda_graphs``,
   ``fuse_casts`` or ``fused_loss`` False, to tell which change moves the mAP if one does;
-- ``fuse-blocks``: that fused trainer with ``fuse_blocks=True`` (off by default);
+- ``fuse-blocks``: that fused trainer with ``fuse_blocks=True`` (its default, None, fuses the blocks
+  of detection models on one GPU);
 - ``fuse-concat``: the same with ``TRAINFUSE_FUSE_CONCAT=1`` (the C2f and C3 blocks'
-  concatenations written in place).
+  concatenations written in place, the default wherever the blocks are fused);
+- ``no-fuse-blocks``: that fused trainer with ``fuse_blocks=False``.
 
 Measures mAP50 and mAP50-95 of each run's final validation (best.pt: of the masks for segmentation,
 of the keypoints for pose, and for those two the boxes' mAP50-95 too; top-1 and top-5 accuracy for
@@ -55,7 +57,8 @@ from trainfuse.bench._common import (
 # variant -> the fused trainer's class attributes it changes (None: ultralytics' own trainer)
 VARIANTS = {"stock": None, "trainfuse": {"fused_loss": True}, "no-graphs": {"cuda_graphs": False},
             "no-casts": {"fuse_casts": False}, "stock-loss": {"fused_loss": False},
-            "fuse-blocks": {"fuse_blocks": True}, "fuse-concat": {"fuse_blocks": True}}
+            "fuse-blocks": {"fuse_blocks": True}, "fuse-concat": {"fuse_blocks": True},
+            "no-fuse-blocks": {"fuse_blocks": False}}
 # variant -> the environment its child runs in
 VARIANT_ENV = {"fuse-concat": {"TRAINFUSE_FUSE_CONCAT": "1"}}
 DATA_SEED = 0  # every run trains and validates on the same images; --seeds only vary training

@@ -39,7 +39,8 @@ _PREFIX = colorstr("trainfuse:")
 OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks", "prefetch",
            "parallel_plots", "device_cache", "cudnn_benchmark")
 # what None, the default, means for the options that take it
-_NONE_MEANS = {"gpu_augment": "on for CUDA where images are read from disk", "device_cache": "on for CUDA"}
+_NONE_MEANS = {"gpu_augment": "on for CUDA where images are read from disk", "device_cache": "on for CUDA",
+               "fuse_blocks": "on for detection models of 5M parameters or more on one CUDA device"}
 
 
 class FusedTrainer(compat.TrainerHooks, BaseTrainer):
@@ -61,9 +62,11 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
             False keeps ultralytics' loss and fuses the optimizer phase only).
         fuse_casts: under AMP on CUDA, 16-bit weights with float32 masters (default True).
         fold_stem: on CUDA, the first convolution on the space-to-depth image (default True).
-        fuse_blocks: each ``Conv`` block's BatchNorm2d and SiLU as one op, and under AMP the neck's
-            nearest upsamplings in 16 bits where that changes no number (default False:
-            :mod:`trainfuse.nn.conv_block`, :mod:`trainfuse.nn.upsample`).
+        fuse_blocks: each ``Conv`` block's BatchNorm2d and SiLU as one op, the CSP blocks'
+            concatenations written in place, SPPF's poolings as one op, and under AMP the neck's
+            upsamplings joined to their concatenations, each giving stock's numbers: True, False, or
+            None (the default: on for detection models of 5M parameters or more, YOLO11s and up,
+            on one CUDA device; :mod:`trainfuse.ultralytics.changes.blocks`).
         prefetch: on CUDA, the training batches copied to the GPU one ahead (default True).
         parallel_plots: with ``plots=True``, the figures drawn in worker processes while the run
             goes on (default False: on an H200 a default run's final evaluation took longer with
@@ -89,7 +92,7 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
     fused_loss = True
     fuse_casts = True
     fold_stem = True
-    fuse_blocks = False
+    fuse_blocks: bool | None = None
     prefetch = True
     parallel_plots = False
     device_cache: bool | None = None

@@ -26,7 +26,7 @@ class Options:
     fuse_casts: bool
     cuda_graphs: bool
     fold_stem: bool
-    fuse_blocks: bool = False
+    fuse_blocks: bool | None = None
     device_cache: bool | None = None
     cudnn_benchmark: bool = False
 

@@ -1,6 +1,7 @@
 """ultralytics' CSP blocks without their ``torch.cat``: each branch written into its channel slice
-of the concatenation by the op that makes it (:class:`trainfuse.nn.concat.ConcatBuffer`), with
-``fuse_blocks=True`` and ``TRAINFUSE_FUSE_CONCAT=1`` (opt-in until measured on a GPU).
+of the concatenation by the op that makes it (:class:`trainfuse.nn.concat.ConcatBuffer`), wherever
+the blocks are fused (``fuse_blocks``); ``TRAINFUSE_FUSE_CONCAT=0`` keeps the concatenations
+(C2f's ``cv1`` halves still written dense).
 
 ``C2f`` (and ``C3k2``, which keeps its forward) concatenates ``cv1``'s two halves and each
 bottleneck's output; ``C3`` (and ``C3k``) its bottlenecks' output and ``cv2``'s. Where a branch
@@ -30,8 +31,9 @@ Tensor = torch.Tensor
 
 
 def enabled() -> bool:
-    """``TRAINFUSE_FUSE_CONCAT=1``: the CSP blocks' concatenations are written in place."""
-    return os.environ.get("TRAINFUSE_FUSE_CONCAT", "0") == "1"
+    """Whether the CSP blocks' concatenations are written in place: yes unless
+    ``TRAINFUSE_FUSE_CONCAT=0``."""
+    return os.environ.get("TRAINFUSE_FUSE_CONCAT", "1") != "0"
 
 
 def _fused_conv(m: nn.Module) -> bool:

@@ -1,5 +1,6 @@
 """The neck's nearest upsamplings in 16 bits under AMP on CUDA (:mod:`trainfuse.nn.upsample`), with
-``fuse_blocks=True`` (off by default until measured on a GPU); their own forward back at the end.
+``fuse_blocks`` (on where the fused blocks are: :func:`trainfuse.ultralytics.changes.blocks.why_off`);
+their own forward back at the end.
 
 Autocast runs ``nn.Upsample`` in float32; the ``Concat`` after it then copies in float32 and the
 convolutions that read it cast back (about 2 ms of yolo11m's 24 ms step on an H200, forward and
@@ -29,6 +30,7 @@ from trainfuse.clients import ON, Row
 from trainfuse.nn import upsample
 from trainfuse.nn.conv_block import InstanceForward
 from trainfuse.nn.upsample_concat import upsample_concat
+from trainfuse.ultralytics.changes import blocks
 from trainfuse.ultralytics.changes.base import Change, Run
 
 # forwards that read their input through one convolution first (autocast casts it to 16 bits once):
@@ -161,8 +163,8 @@ class Upsampling(Change):
 
     kind = "upsample"
 
-    def __init__(self, on: bool) -> None:
-        self.on = on
+    def __init__(self, setting: bool | None) -> None:
+        self.setting = setting
         self._changed: list[nn.Module] = []
         self._pairs: list[Pair] = []  # run as one op
         self._total = 0
@@ -173,8 +175,9 @@ class Upsampling(Change):
 
     @override
     def why_off(self, run: Run) -> str | None:
-        if not self.on:
-            return "fuse_blocks=False"
+        off = blocks.why_off(self.setting, run)
+        if off is not None:
+            return off
         if not getattr(run.trainer, "amp", False) or run.device.type != "cuda":
             return "no AMP on CUDA: autocast casts nothing"
         if run.trainer.args.compile:
