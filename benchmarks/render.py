@@ -41,6 +41,7 @@ _DEFAULT_RUN = ("yolov5n default train(): 20 epochs, 2048 photo-like JPEGs, 512 
                 "wall clock of train()")
 _LONG_RUN = ("yolov5n default train(): 100 epochs, 1024 photo-like JPEGs, 256 to validate each epoch: "
              "wall clock of train()")
+_BLOCKS = "batch 16 imgsz 640 fuse_blocks=True TRAINFUSE_FUSE_CONCAT=1"  # what detection gets by default
 HEADLINE = (
     ("yolo-default-run", f"{_DEFAULT_RUN}, cold caches"),
     ("yolo-default-run", f"{_DEFAULT_RUN}, warm caches"),
@@ -51,7 +52,9 @@ HEADLINE = (
     ("lightning", "gpt: training step, cuda_graphs=True"),
     ("yolo", "yolov5n.yaml batch 16 imgsz 640: training-loop iteration"),
     ("yolo-yolo26n", "yolo26n.yaml batch 16 imgsz 640: training-loop iteration"),
-    ("yolo-yolo11m-fuse-blocks", "yolo11m.yaml batch 16 imgsz 640 fuse_blocks=True: training-loop iteration"),
+    ("yolo-yolo11s-fuse-blocks-fuse-concat", f"yolo11s.yaml {_BLOCKS}: training-loop iteration"),
+    ("yolo-yolo11m-fuse-blocks-fuse-concat", f"yolo11m.yaml {_BLOCKS}: training-loop iteration"),
+    ("yolo-yolo11l-fuse-blocks-fuse-concat", f"yolo11l.yaml {_BLOCKS}: training-loop iteration"),
     ("yolo-yolo11n-seg-fused-loss",
      "yolo11n-seg.yaml batch 16 imgsz 640 fused_loss=True: training-loop iteration"),
     ("yolo-yolo11n-pose-fused-loss",
