@@ -53,7 +53,7 @@ from trainfuse.nn import bn_stats, param_grads
 from trainfuse.nn import channel_tiles as tiles
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CB", "NSB"])
 def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, CB, S, NSB, sN, sC, sS, yN, yC, yS, SPLIT, yP,
                          BR: tl.constexpr, BC: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr,
                          PART: tl.constexpr, REL32: tl.constexpr):
@@ -94,7 +94,7 @@ def _du_tile(x_ptr, dy_ptr, dy1_ptr, gp, gN_, gS_, rel, rel_g, q, c, cm, s, t, S
     return x, du
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P"])
 def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr,
                              sdux_ptr, cnt_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, C, CB, S, NSB, Q, sN, sC, sS,
                              gN, gC, gS, hN, hC, hS, SPLIT, tiles_per_program, P, BP: tl.constexpr,
@@ -147,7 +147,7 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_
         tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "CB", "NSB"])
 def bn_silu_dx_kernel(x_ptr, dy_ptr, dy1_ptr, dx_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, dw_ptr,
                       db_ptr, M, C, CB, S, NSB, sN, sC, sS, gN, gC, gS, hN, hC, hS, SPLIT, dN, dC, dS,
                       TRAINING: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, EVEN_S: tl.constexpr,

@@ -39,7 +39,7 @@ from trainfuse.nn import channel_tiles as tiles
 from trainfuse.nn.concat import ConcatBuffer
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CB", "NSB"])
 def into_apply_kernel(x_ptr, r_ptr, y_ptr, d_ptr, scale_ptr, shift_ptr, C, CB, S, NSB, sN, sC, sS, rN, rC, rS,
                       yN, yC, yS, dN, dC, dS, DF, BR: tl.constexpr, BC: tl.constexpr, EVEN_S: tl.constexpr,
                       MASKED: tl.constexpr, RESIDUAL: tl.constexpr, DENSE: tl.constexpr, REL32: tl.constexpr):
@@ -101,7 +101,7 @@ def _du(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, s, t, S, NSB, sN, sS, 
     return x, du
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P"])
 def into_grad_sums_kernel(x_ptr, g_ptr, e_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr, sdux_ptr,
                           cnt_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, C, CB, S, NSB, Q, sN, sC, sS, gN, gC, gS,
                           eN, eC, eS, DF, tiles_per_program, P, BP: tl.constexpr, BR: tl.constexpr,
@@ -144,7 +144,7 @@ def into_grad_sums_kernel(x_ptr, g_ptr, e_ptr, scale_ptr, shift_ptr, mean_ptr, i
         tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "CB", "NSB"])
 def into_dx_kernel(x_ptr, g_ptr, e_ptr, dx_ptr, dr_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, dw_ptr,
                    db_ptr, M, C, CB, S, NSB, sN, sC, sS, gN, gC, gS, eN, eC, eS, DF, dN, dC, dS, fN, fC, fS,
                    TRAINING: tl.constexpr, DX: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr,

@@ -43,7 +43,7 @@ CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's positions are 
 CHANNELS_LAST = BNLaunch(rows=32, channels=64, reduce=BNLaunch(rows=64, channels=32, unroll=2))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P", "M"])
 def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr,
                     scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr, C, CB, S, NSB, Q, sN, sC, sS,
                     tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
