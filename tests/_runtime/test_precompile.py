@@ -152,6 +152,34 @@ def test_manifests_merge_dedupe_and_ignore_bad_files(tmp_path, monkeypatch):
     assert precompile.load(tmp_path / "absent.json") == []
 
 
+def test_a_clients_optional_parts_add_their_shipped_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(precompile, "_SHIPPED", tmp_path / "shipped")
+    a = {"fn": "m:a", "args": [], "num_warps": 4, "constexprs": {}}
+    b = {"fn": "m:b", "args": [], "num_warps": 4, "constexprs": {}}
+    precompile.save(tmp_path / "shipped" / "demo.json", [a])
+    precompile.save(tmp_path / "shipped" / "demo-part.json", [a, b])
+    assert precompile.manifest("demo") == [a]
+    assert precompile.manifest("demo", also=("demo-part",)) == [a, b]  # each entry once
+    assert precompile.manifest("demo", also=("absent",)) == [a]
+
+
+def test_dry_launches_record_each_specialization_once_and_run_nothing(kernels):
+    from trainfuse._runtime.launch import dry_launches
+    from trainfuse.nn.bn_silu import batch_norm_silu
+
+    x = torch.randn(2, 16, 4, 4).contiguous(memory_format=torch.channels_last)
+    running = torch.zeros(16), torch.ones(16)
+    with dry_launches() as entries:
+        for _ in range(2):
+            batch_norm_silu(x, *running, torch.ones(16), torch.zeros(16), True, 0.1, 1e-3)
+    names = [e["fn"].rsplit(":", 1)[1] for e in entries]
+    assert names == ["bn_stats_kernel", "bn_silu_apply_kernel"]  # the second call's are the same
+    assert torch.equal(running[0], torch.zeros(16)) and torch.equal(running[1], torch.ones(16))  # not run
+    y = batch_norm_silu(x, *running, torch.ones(16), torch.zeros(16), True, 0.1, 1e-3)  # outside: runs
+    assert not torch.equal(running[0], torch.zeros(16)) and torch.isfinite(y).all()
+
+
 def test_a_cache_folder_that_cannot_be_written_starts_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINFUSE_PRECOMPILE", "1")
     monkeypatch.setattr(precompile.torch.cuda, "is_available", lambda: True)

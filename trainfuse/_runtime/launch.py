@@ -59,6 +59,23 @@ class Compiled:
         self.run(grid, 1, 1, stream, self.function, self.meta, None, None, None, *args, *self.consts)
 
 
+_dry: list[dict] | None = None  # the entries of launches inside dry_launches(), else None
+
+
+@contextlib.contextmanager
+def dry_launches():
+    """Inside the block, launches through :class:`CachedLauncher` run nothing: the manifest entry
+    of each (:func:`trainfuse._runtime.precompile.entry`) goes into the list yielded, each once. For
+    listing the specializations a step would compile without running it, on the meta device too
+    (shapes, strides and offsets, no data); not thread-safe."""
+    global _dry
+    outer, _dry = _dry, []
+    try:
+        yield _dry
+    finally:
+        _dry = outer
+
+
 class CachedLauncher:
     """``launcher(fn, grid, *args, num_warps=..., **constexprs)``: ``args`` are tensors, Python
     floats (never specialized by Triton, so any value reuses a kernel) and Python ints (keyed on
@@ -80,6 +97,11 @@ class CachedLauncher:
                  key: Any = None, stream: int | None = None, **constexprs) -> None:
         device = args[0].device
         self.last = None
+        if _dry is not None:
+            entry = precompile.entry(fn, args, num_warps, constexprs)
+            if entry is not None and entry not in _dry:
+                _dry.append(entry)
+            return
         if compat.jit_key_pending(fn):  # before anything hashes it (the key below); a caller that
             jit_keys.settle(fn, *constexprs.values())  # keys on a JIT constexpr settles it itself
         if not self._usable or device.type != "cuda" or len(grid) != 1:
@@ -355,6 +377,6 @@ def stream_workspace_fits(device: torch.device, stream: int, dtype: torch.dtype,
     return ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters
 
 
-__all__ = ["CachedLauncher", "Compiled", "DirectLaunch", "Replays", "cdiv", "drop_recording",
+__all__ = ["CachedLauncher", "Compiled", "DirectLaunch", "Replays", "cdiv", "drop_recording", "dry_launches",
            "ensure_allocator", "finish_recording", "interrupt_recording", "next_power_of_2", "recording",
            "sm_count", "start_recording", "stream_workspace", "stream_workspace_fits"]

@@ -269,10 +269,12 @@ def save(path: Path, entries: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def manifest(name: str) -> list[dict]:
-    """The entries to compile ahead for client ``name``: the shipped ones, then this machine's."""
+def manifest(name: str, also: tuple[str, ...] = ()) -> list[dict]:
+    """The entries to compile ahead for client ``name``: the shipped ones, this machine's, then
+    the shipped manifests named in ``also`` (a client's optional parts)."""
     seen: dict[str, dict] = {}
-    for e in load(_SHIPPED / f"{name}.json") + load(_user_manifest(name)):
+    shipped_also = [e for part in also for e in load(_SHIPPED / f"{part}.json")]
+    for e in load(_SHIPPED / f"{name}.json") + load(_user_manifest(name)) + shipped_also:
         seen.setdefault(json.dumps(e, sort_keys=True), e)
     return list(seen.values())
 
@@ -391,9 +393,10 @@ _WORKER = ("import os, runpy; hasattr(os, 'nice') and os.nice(10); "
            "runpy.run_module('trainfuse._runtime.precompile', run_name='__main__', alter_sys=True)")
 
 
-def ahead(name: str, workers: int | None = None) -> Ahead | None:
-    """Start compiling client ``name``'s manifest in up to ``workers`` processes (default: half
-    the CPUs, at most 8), leaving out what workers compiled into the same Triton cache before;
+def ahead(name: str, workers: int | None = None, also: tuple[str, ...] = ()) -> Ahead | None:
+    """Start compiling client ``name``'s manifest (:func:`manifest`, with the shipped ones named
+    in ``also``) in up to ``workers`` processes (default: half the CPUs, at most 8), leaving out
+    what workers compiled into the same Triton cache before;
     None where there is nothing to do (no CUDA, no manifest, all compiled before, the Triton
     interpreter, ``TRAINFUSE_PRECOMPILE=0``, no cache folder to write: a read-only home)."""
     from trainfuse._runtime.backend import interpreting
@@ -401,7 +404,7 @@ def ahead(name: str, workers: int | None = None) -> Ahead | None:
     if os.environ.get("TRAINFUSE_PRECOMPILE", "1") == "0" or interpreting() or not torch.cuda.is_available():
         return None
     try:
-        entries = manifest(name)
+        entries = manifest(name, also)
         return _start(entries, workers) if entries else None
     except (OSError, RuntimeError):  # the kernels compile in the run, as without a manifest
         return None

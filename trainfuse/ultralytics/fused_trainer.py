@@ -26,7 +26,7 @@ from ultralytics.utils.torch_utils import unwrap_model
 from trainfuse.clients import ON, SWAPPED, AppliedChanges, Report, Row
 from trainfuse.optim import FusedOptimizer
 from trainfuse.ultralytics import compat
-from trainfuse.ultralytics.changes import CALLBACKS, Options, Results, Run, changes
+from trainfuse.ultralytics.changes import CALLBACKS, Options, Results, Run, blocks, changes
 from trainfuse.ultralytics.changes.loss import takes_fused_loss
 from trainfuse.ultralytics.changes.optimizer import TorchLayoutOptimizer, fused_phase
 from trainfuse.ultralytics.checkpoint import CheckpointWriter
@@ -110,7 +110,10 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         # before ultralytics checks the dataset, which fails first
         check_task(type(self), get_cfg(cfg, overrides))
         super().__init__(cfg, overrides, *args, **kwargs)
-        self.kernels = KernelsAhead(self.device)  # compiling while ultralytics sets the run up
+        # compiling while ultralytics sets the run up
+        fused = blocks.likely_fused(options.get("fuse_blocks", self.fuse_blocks), self.args.task,
+                                    self.args.model, self.world_size)
+        self.kernels = KernelsAhead(self.device, blocks=fused)
         check_task(type(self), self.args)
         for name, value in options.items():
             setattr(self, name, value)

@@ -15,6 +15,8 @@ from ultralytics.utils import RANK
 from trainfuse._runtime import precompile
 
 MANIFEST = "ultralytics"
+# the fused blocks' kernels for the models the trainers fuse by default (trainfuse.ultralytics.block_kernels)
+BLOCKS_MANIFEST = "ultralytics-blocks"
 
 
 class KernelsAhead:
@@ -23,12 +25,14 @@ class KernelsAhead:
 
     Args:
         device: the trainer's device.
+        blocks: the fused blocks' kernels too (:data:`BLOCKS_MANIFEST`).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, blocks: bool = False) -> None:
         self._cuda = device.type == "cuda"
         self._since = len(precompile.first_launches())  # an earlier run's in this process are not ours
-        self._ahead = precompile.ahead(MANIFEST) if self._cuda and RANK in {-1, 0} else None
+        also = (BLOCKS_MANIFEST,) if blocks else ()
+        self._ahead = precompile.ahead(MANIFEST, also=also) if self._cuda and RANK in {-1, 0} else None
 
     def started(self) -> str | None:
         """A line for the log saying what is compiled ahead, or None where nothing is."""
@@ -57,4 +61,4 @@ class KernelsAhead:
             precompile.remember(MANIFEST)
 
 
-__all__ = ["MANIFEST", "KernelsAhead"]
+__all__ = ["BLOCKS_MANIFEST", "MANIFEST", "KernelsAhead"]

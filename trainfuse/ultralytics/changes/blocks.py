@@ -20,11 +20,14 @@ Each ``SPPF`` block's poolings and concatenation run as one op each way
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from typing_extensions import override
 from ultralytics.nn.modules.block import C2f
 from ultralytics.nn.modules.conv import Conv
+from ultralytics.nn.tasks import guess_model_scale
 
 from trainfuse.clients import ON, Row
 from trainfuse.nn import conv_block
@@ -53,6 +56,17 @@ def why_off(setting: bool | None, run: Run) -> str | None:
                     f"more (this one has {params / 1e6:.1f}M: its step is not bound by these kernels; True "
                     "turns it on)")
     return None
+
+
+def likely_fused(setting: bool | None, task: str, model: object, world_size: int) -> bool:
+    """Whether a run will fuse its blocks, guessed before its model is built (to compile their
+    kernels ahead): ``fuse_blocks=True``, or the default for a detection model whose name says a
+    scale above nano (``yolo11s.yaml``, ``yolov8m.pt``) on one GPU. A wrong guess costs the compile
+    workers some CPU time, or leaves the kernels to compile in the run."""
+    if setting is not None:
+        return setting
+    scale = guess_model_scale(model) if isinstance(model, (str, Path)) else ""
+    return task == "detect" and world_size <= 1 and scale in ("s", "m", "l", "x")
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
