@@ -22,7 +22,7 @@ def test_nothing_is_compiled_ahead_for_a_cpu_run():
 def test_the_log_says_what_was_compiled_before_and_what_the_workers_compile(tmp_path, monkeypatch):
     ahead = precompile.Ahead(5, 2, ["a", "b", "c"], tmp_path / "done.txt")
     ahead.processes.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]))
-    monkeypatch.setattr(warm_start.precompile, "ahead", lambda name: ahead)
+    monkeypatch.setattr(warm_start.precompile, "ahead", lambda name, also=(): ahead)
     kernels = warm_start.KernelsAhead(torch.device("cuda", 0))
     try:
         assert kernels.started() == ("5 kernel specializations: 2 compiled on an earlier run, 3 compiling in "
@@ -36,8 +36,16 @@ def test_the_log_says_what_was_compiled_before_and_what_the_workers_compile(tmp_
 
 def test_a_warm_machine_starts_no_worker_and_says_so(tmp_path, monkeypatch):
     warm = precompile.Ahead(4, 4, [], tmp_path / "d")
-    monkeypatch.setattr(warm_start.precompile, "ahead", lambda name: warm)
+    asked = []
+
+    def ahead(name, also=()):
+        asked.append((name, also))
+        return warm
+
+    monkeypatch.setattr(warm_start.precompile, "ahead", ahead)
     kernels = warm_start.KernelsAhead(torch.device("cuda", 0))
     assert kernels.started() == ("the 4 kernel specializations of this machine's runs: 4 compiled on an "
                                  "earlier run")
     assert kernels.finished() is None
+    warm_start.KernelsAhead(torch.device("cuda", 0), blocks=True)  # the fused blocks' kernels too
+    assert asked == [("ultralytics", ()), ("ultralytics", ("ultralytics-blocks",))]
