@@ -164,20 +164,21 @@ def test_a_clients_optional_parts_add_their_shipped_entries(tmp_path, monkeypatc
     assert precompile.manifest("demo", also=("absent",)) == [a]
 
 
-def test_dry_launches_record_each_specialization_once_and_run_nothing(kernels):
+def test_dry_launches_record_each_specialization_once_and_run_nothing(kernels, device):
     from trainfuse._runtime.launch import dry_launches
     from trainfuse.nn.bn_silu import batch_norm_silu
 
-    x = torch.randn(2, 16, 4, 4).contiguous(memory_format=torch.channels_last)
-    running = torch.zeros(16), torch.ones(16)
+    x = torch.randn(2, 16, 4, 4, device=device).contiguous(memory_format=torch.channels_last)
+    zeros, ones = torch.zeros(16, device=device), torch.ones(16, device=device)
+    running = zeros.clone(), ones.clone()
     with dry_launches() as entries:
         for _ in range(2):
-            batch_norm_silu(x, *running, torch.ones(16), torch.zeros(16), True, 0.1, 1e-3)
+            batch_norm_silu(x, *running, ones, zeros, True, 0.1, 1e-3)
     names = [e["fn"].rsplit(":", 1)[1] for e in entries]
     assert names == ["bn_stats_kernel", "bn_silu_apply_kernel"]  # the second call's are the same
-    assert torch.equal(running[0], torch.zeros(16)) and torch.equal(running[1], torch.ones(16))  # not run
-    y = batch_norm_silu(x, *running, torch.ones(16), torch.zeros(16), True, 0.1, 1e-3)  # outside: runs
-    assert not torch.equal(running[0], torch.zeros(16)) and torch.isfinite(y).all()
+    assert torch.equal(running[0], zeros) and torch.equal(running[1], ones)  # not run
+    y = batch_norm_silu(x, *running, ones, zeros, True, 0.1, 1e-3)  # outside: runs
+    assert not torch.equal(running[0], zeros) and torch.isfinite(y).all()
 
 
 def test_a_cache_folder_that_cannot_be_written_starts_nothing(tmp_path, monkeypatch):

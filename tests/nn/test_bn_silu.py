@@ -7,6 +7,8 @@ interpreter on CPU, with tiles shrunk so that small inputs span several programs
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -353,3 +355,21 @@ def test_whole_tiles_skip_the_masks_and_give_the_general_paths_bits(monkeypatch,
     monkeypatch.setattr(bn_stats, "flags", _forced_general(natural))
     for got, want in zip(run(), fast):
         assert torch.equal(got, want)
+
+
+def test_the_reduction_tile_from_the_environment_and_its_cap_on_partials(monkeypatch):
+    """``TRAINFUSE_BN_REDUCE`` sets channels_last's reduction tile (a bad value is refused, naming
+    the variable and the form); ``partials`` caps a channel block's reduction programs."""
+    monkeypatch.setenv("TRAINFUSE_BN_REDUCE", "128x32x4x2x8x48")
+    cfg = bn_stats._reduce_from_env(BNLaunch(rows=32, channels=64)).reduce
+    assert (cfg.rows, cfg.channels, cfg.unroll, cfg.programs_per_sm, cfg.num_warps, cfg.partials) == (
+        128, 32, 4, 2, 8, 48)
+    for bad in ("64x32x2x4", "64x32x2x4x3", "60x32x2x4x4", "64x32x0x4x4", "axbxcxdxe"):
+        monkeypatch.setenv("TRAINFUSE_BN_REDUCE", bad)
+        with pytest.raises(ValueError, match="TRAINFUSE_BN_REDUCE=.*ROWSxCHANNELS"):
+            bn_stats._reduce_from_env(BNLaunch(rows=32, channels=64))
+    cpu = torch.device("cpu")  # 4 SMs' worth of programs there
+    free = BNLaunch(rows=4, channels=8, programs_per_sm=8)
+    assert bn_stats.split(1000, 1, cpu, free) == (32, 32)
+    P, per = bn_stats.split(1000, 1, cpu, dataclasses.replace(free, partials=10))
+    assert P <= 10 and P * per >= 1000 and (P - 1) * per < 1000

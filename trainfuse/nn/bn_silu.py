@@ -16,19 +16,18 @@ and backward, from ``dy``, with ``xhat = (x - mean_c) r_c`` and
 
 (outside training the running statistics take the batch's place and ``dx = s_c du``).
 
-Forward: a program per (run of tiles, block of channels) folds its positions into a count, a mean
-and a sum of squared deviations per channel (Chan's merge of chunk statistics, no ``E[x^2] - E[x]^2``
-cancellation); the last program of each channel block to arrive (an arrival counter per block)
-merges the block's partials in a fixed order, updates the running statistics and writes ``s`` and
-``t``; a second pass writes ``y``. Backward: partial sums of ``du`` and ``du xhat`` and, by the
-last to arrive, their fixed-order total, then ``dx``, ``u`` recomputed from ``x`` both times. No
-program adds into another's output, and the totals' order does not depend on which program
-arrives last: the same inputs give the same bits in every run, eager or replayed from a CUDA
-graph. A tile's addresses are one scalar per tile plus offsets made once per program
-(:mod:`trainfuse.nn.channel_tiles`); masks only where a tile or a channel block runs past the
-tensor, and where the positions fill whole tiles the reductions take their count from the host
-instead of counting element by element: the same bits as the masked path (the tests compare the
-two).
+Forward: a program per (run of tiles, block of channels) sums ``x - k`` and its square per channel
+(``k`` the channel's first value: the sums cancel only as much as the data's spread around the mean,
+not as ``E[x^2] - E[x]^2`` would); the last program of each channel block to arrive (an arrival
+counter per block) adds the block's partials up in a fixed order, updates the running statistics and
+writes ``s`` and ``t``; a second pass writes ``y``. Backward: partial sums of ``du`` and ``du xhat``
+and, by the last to arrive, their fixed-order total, then ``dx``, ``u`` recomputed from ``x`` both
+times. No program adds into another's output, and the totals' order does not depend on which program
+arrives last: the same inputs give the same bits in every run, eager or replayed from a CUDA graph.
+A tile's addresses are one scalar per tile plus offsets made once per program
+(:mod:`trainfuse.nn.channel_tiles`); masks only where a tile or a channel block runs past the tensor
+(masked positions add 0 to the sums, whose count is the host's): the same bits as the unmasked path
+(the tests compare the two).
 
 Bytes per activation element: forward 2 reads and a write, backward 4 reads and a write, against
 torch's 3 reads and 2 writes (cuDNN's BatchNorm, then SiLU over its output) and 6 reads and 2

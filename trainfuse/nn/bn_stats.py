@@ -1,13 +1,14 @@
 """What every channel-wise BatchNorm kernel of :mod:`trainfuse.nn` shares: the launch shapes
 (:class:`BNLaunch` tiles, their constexpr flags, the reduction programs and their arrival
-counters), the statistics pass (:func:`statistics`: one launch, Chan's merge by the last program
-to arrive; the math in :mod:`trainfuse.nn.bn_silu`'s docstring), and the backward's SiLU and
+counters), the statistics pass (:func:`statistics`: one launch, the partial sums added up by the last
+program to arrive; the math in :mod:`trainfuse.nn.bn_silu`'s docstring), and the backward's SiLU and
 fixed-order sums."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -24,8 +25,9 @@ class BNLaunch:
     dimension that is contiguous in memory (a tile never crosses an image, so the compiler sees
     that contiguity); a reduction program walks ``programs_per_sm`` of the GPU's share of the
     tiles, ``unroll`` tiles' loads issued before their math. ``reduce`` is the two reduction
-    kernels' own tile where it differs from the elementwise kernels' (None: the same). Tests shrink
-    the tiles so that small inputs span several programs."""
+    kernels' own tile where it differs from the elementwise kernels' (None: the same);
+    ``partials``, where set, caps a channel block's reduction programs (their partials are what its
+    last program adds up alone). Tests shrink the tiles so that small inputs span several programs."""
 
     rows: int
     channels: int
@@ -33,6 +35,7 @@ class BNLaunch:
     programs_per_sm: int = 4
     unroll: int = 1
     reduce: BNLaunch | None = None
+    partials: int = 0
 
 
 CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's positions are contiguous
@@ -43,106 +46,127 @@ CONTIGUOUS = BNLaunch(rows=256, channels=16)  # NCHW: a channel's positions are 
 CHANNELS_LAST = BNLaunch(rows=32, channels=64, reduce=BNLaunch(rows=64, channels=32, unroll=2))
 
 
+def _reduce_from_env(layout: BNLaunch) -> BNLaunch:
+    """``TRAINFUSE_BN_REDUCE=ROWSxCHANNELSxUNROLLxPROGRAMS_PER_SMxWARPS[xPARTIALS]`` (e.g.
+    ``64x32x2x4x4``) overrides ``layout``'s reduction tile, for tuning on other GPUs."""
+    spec = os.environ.get("TRAINFUSE_BN_REDUCE", "")
+    if not spec:
+        return layout
+    want = "ROWSxCHANNELSxUNROLLxPROGRAMS_PER_SMxWARPS[xPARTIALS], e.g. 64x32x2x4x4"
+    try:
+        values = [int(v) for v in spec.lower().split("x")]
+    except ValueError:
+        raise ValueError(f"TRAINFUSE_BN_REDUCE={spec!r}: expected {want}") from None
+    if len(values) not in (5, 6) or min(values[:5]) < 1 or any(v & (v - 1) for v in (*values[:2], values[4])):
+        raise ValueError(f"TRAINFUSE_BN_REDUCE={spec!r}: expected {want} (rows, channels and warps powers "
+                         "of two, all but the partials at least 1)")
+    rows, channels, unroll, per_sm, warps, *partials = values
+    return dataclasses.replace(layout, reduce=BNLaunch(rows, channels, warps, per_sm, unroll,
+                                                       partials=partials[0] if partials else 0))
+
+
+CHANNELS_LAST = _reduce_from_env(CHANNELS_LAST)
+
+
 @triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P", "M"])
-def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr,
-                    scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr, C, CB, S, NSB, Q, sN, sC, sS,
-                    tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
-                    BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, UNROLL: tl.constexpr,
-                    EVEN_S: tl.constexpr, MASKED: tl.constexpr, REL32: tl.constexpr):
+def bn_stats_kernel(x_ptr, s1_ptr, s2_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
+                    save_mean_ptr, save_invstd_ptr, C, CB, S, NSB, Q, sN, sC, sS, tiles_per_program, P, M,
+                    momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr, BP: tl.constexpr,
+                    BR: tl.constexpr, BC: tl.constexpr, UNROLL: tl.constexpr, EVEN_S: tl.constexpr,
+                    MASKED: tl.constexpr, REL32: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
-    ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``. Each tile
-    element sums ``x - k`` and its square on its own (no reduction and no division inside the
-    loop, so the loads stream), reduced across the tile once at the end. The shift ``k`` is the
-    channel's value at the program's first position: a sample of the channel, so the sums cancel
-    only as much as the data's own spread around its mean (the summed squares minus the squared
-    sum lose ``((mean - k) / std)**2`` ulps of the variance, a few for any sample). The loop walks
-    the program's own tiles (``UNROLL`` at a time, the rest one by one); where the positions fill
-    whole tiles (``EVEN_S``) it neither masks them nor counts them one by one. The last of channel
-    block ``j``'s ``P`` programs to arrive merges their partials (:func:`_finalize`) and re-arms
-    the block's arrival counter."""
+    ``j`` -> their sums of ``x - k`` and of its square per channel at ``[i, c]``. Each tile
+    element sums on its own (no reduction and no division inside the loop, so the loads stream),
+    reduced across the tile once at the end. The shift ``k`` is the channel's first value (image 0,
+    position 0), the same in every program: a sample of the channel, so the sums cancel only as
+    much as the data's own spread around its mean (the summed squares minus the squared sum lose
+    ``((mean - k) / std)**2`` ulps of the variance, a few for any sample), and the partials are
+    plain sums, added up in one pass. The loop walks the program's own tiles (``UNROLL`` at a
+    time, the rest one by one); masked positions add 0, and the count is the host's ``M``. The
+    last of channel block ``j``'s ``P`` programs to arrive adds up their partials
+    (:func:`sum_partials`), writes the constants (:func:`_finalize`) and re-arms the block's
+    arrival counter."""
     i, j, c = tiles.program(CB, BC)
     cm = c < C
     q0 = i * tiles_per_program  # always a tile (the launch makes no program without one)
     valid = tl.minimum(tiles_per_program, Q - q0)
     rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
-    first, _ = tiles.tile_start(q0, NSB, sN, sS, BR)
-    k = tl.load(x_ptr + first + c.to(tl.int64) * sC, mask=cm, other=0.0).to(tl.float32)
+    k = tl.load(x_ptr + c.to(tl.int64) * sC, mask=cm, other=0.0).to(tl.float32)
     s1 = tl.zeros([BR, BC], tl.float32)
     s2 = tl.zeros([BR, BC], tl.float32)
-    count = tl.zeros([BR, BC], tl.float32)
     grouped = valid // UNROLL * UNROLL
     for t0 in range(0, grouped, UNROLL):
         for t1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
-            d, m = _deviations(x_ptr, q0 + t0 + t1, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
+            d = _deviations(x_ptr, q0 + t0 + t1, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
             s1 += d
             s2 += d * d
-            if not EVEN_S:
-                count += m.to(tl.float32)
     for t in range(grouped, valid):
-        d, m = _deviations(x_ptr, q0 + t, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
+        d = _deviations(x_ptr, q0 + t, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
         s1 += d
         s2 += d * d
-        if not EVEN_S:
-            count += m.to(tl.float32)
-    if EVEN_S:  # every position of every tile: the count is the host's
-        n = tl.zeros([BC], tl.float32) + (valid * BR).to(tl.float32)
-    else:
-        n = tl.sum(count, 0)
-    s1 = tl.sum(s1, 0)
-    s2 = tl.sum(s2, 0)
-    inv = 1.0 / tl.maximum(n, 1.0)
-    tl.store(mean_ptr + i * C + c, k + s1 * inv, mask=cm)
-    tl.store(m2_ptr + i * C + c, tl.maximum(s2 - s1 * s1 * inv, 0.0), mask=cm)
-    tl.store(count_ptr + i * C + c, n, mask=cm)
+    tl.store(s1_ptr + i * C + c, tl.sum(s1, 0), mask=cm)
+    tl.store(s2_ptr + i * C + c, tl.sum(s2, 0), mask=cm)
     tl.debug_barrier()  # every thread's partials are stored before the release below
     if last_to_arrive(cnt_ptr + j, P):
-        _finalize(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
-                  save_mean_ptr, save_invstd_ptr, c, cm, P, M, C, momentum, eps, HAS_W, UPDATE, BP, BC)
+        sum1, sum2 = sum_partials(s1_ptr, s2_ptr, c, cm, P, C, BP, BC)
+        _finalize(sum1, sum2, k, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr,
+                  save_invstd_ptr, c, cm, M, momentum, eps, HAS_W, UPDATE)
         tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
 
 
 @triton.jit
 def _deviations(x_ptr, q, rel, k, cm, S, NSB, sN, sS, BR: tl.constexpr, EVEN_S: tl.constexpr,
                 MASKED: tl.constexpr):
-    """Tile ``q``'s ``x - k`` (0 at positions past ``S``; another channel's masked element is
-    never stored) and its mask."""
+    """Tile ``q``'s ``x - k``, 0 at masked elements (positions past ``S``; another channel's
+    masked element is never stored)."""
     base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
     m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
     d = tiles.load_tile(x_ptr + base + rel, m, MASKED) - k[None, :]
-    if not EVEN_S:
+    if not EVEN_S:  # (a masked channel's k and x are 0)
         d = tl.where(m, d, 0.0)
-    return d, m
+    return d
 
 
 @triton.jit
-def _finalize(mean_ptr, m2_ptr, count_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
-              save_mean_ptr, save_invstd_ptr, c, cm, P, M, C, momentum, eps,
-              HAS_W: tl.constexpr, UPDATE: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr):
-    """Channels ``c``: the ``P`` partials merged in a fixed order (``BP`` rows at a time, then
-    across the rows) -> the batch's mean and 1/std, ``s`` and ``t``, and the running statistics
-    moved by ``momentum`` (``UPDATE``). Two passes over the partials (a few KB, read past the
-    SM's cache: other programs wrote them): the mean of the partial means weighted by their
-    counts, then each partial's squared deviations plus its count times its mean's squared
-    distance from that mean (Chan's merge, summed at once: plain sums, which the interpreter runs
-    as numpy where a custom ``tl.reduce`` runs element by element)."""
-    weighted = tl.zeros([BP, BC], tl.float32)
-    for p0 in range(0, P, BP):
-        p = p0 + tl.arange(0, BP)
-        m = (p < P)[:, None] & cm[None, :]
-        offsets = p[:, None] * C + c[None, :]
-        n = tl.load(count_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
-        weighted += n * tl.load(mean_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
-    mean = tl.sum(weighted, 0) / M
-    deviations = tl.zeros([BP, BC], tl.float32)
-    for p0 in range(0, P, BP):
-        p = p0 + tl.arange(0, BP)
-        m = (p < P)[:, None] & cm[None, :]
-        offsets = p[:, None] * C + c[None, :]
-        n = tl.load(count_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
-        d = tl.load(mean_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg") - mean[None, :]
-        deviations += tl.load(m2_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg") + n * d * d
-    m2 = tl.sum(deviations, 0)
-    invstd = 1.0 / tl.sqrt(m2 / M + eps)
+def _partial_rows(a_ptr, b_ptr, p, c, cm, P, C):
+    """Partials ``p`` (rows past ``P``: zeros, nothing read) of channels ``c``, from both arrays."""
+    m = (p < P)[:, None] & cm[None, :]
+    offsets = p[:, None] * C + c[None, :]
+    a = tl.load(a_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
+    b = tl.load(b_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
+    return a, b
+
+
+@triton.jit
+def sum_partials(a_ptr, b_ptr, c, cm, P, C, BP: tl.constexpr, BC: tl.constexpr):
+    """Channels ``c``: the ``P`` rows of the ``(P, C)`` float32 partials at ``a_ptr`` and
+    ``b_ptr`` added in a fixed order (``BP`` rows at a time, then across the rows; read past the
+    SM's cache: other programs wrote them). Each turn issues the next ``BP`` rows' loads before it
+    adds the current ones, so two round trips to memory overlap (the last turn's loads lie past
+    ``P``: masked, nothing read)."""
+    rows = tl.arange(0, BP)
+    acc_a = tl.zeros([BP, BC], tl.float32)
+    acc_b = tl.zeros([BP, BC], tl.float32)
+    a, b = _partial_rows(a_ptr, b_ptr, rows, c, cm, P, C)
+    for p0 in range(BP, P + BP, BP):
+        next_a, next_b = _partial_rows(a_ptr, b_ptr, p0 + rows, c, cm, P, C)
+        acc_a += a
+        acc_b += b
+        a = next_a
+        b = next_b
+    return tl.sum(acc_a, 0), tl.sum(acc_b, 0)
+
+
+@triton.jit
+def _finalize(s1, s2, k, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr,
+              save_invstd_ptr, c, cm, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr):
+    """Channels ``c``, from the ``M`` values' sums ``s1`` of ``x - k`` and ``s2`` of its square:
+    the batch's mean and 1/std, ``s`` and ``t``, and the running statistics moved by ``momentum``
+    (``UPDATE``)."""
+    inv_m = 1.0 / M.to(tl.float32)
+    mean = k + s1 * inv_m
+    m2 = tl.maximum(s2 - s1 * s1 * inv_m, 0.0)
+    invstd = 1.0 / tl.sqrt(m2 * inv_m + eps)
     if HAS_W:
         scale = tl.load(w_ptr + c, mask=cm, other=1.0).to(tl.float32) * invstd
         shift = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32) - mean * scale
@@ -173,20 +197,11 @@ def silu_du(x, dy, s, t):
 @triton.jit
 def grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, c, cm, P, C, BP: tl.constexpr,
                   BC: tl.constexpr, GRAD: tl.constexpr):
-    """Channels ``c``: the ``P`` partial sums added in a fixed order -> ``dw = sum du xhat``,
-    ``db = sum du``; and with ``GRAD`` (:mod:`trainfuse.nn.param_grads`) the params' grads
-    ``gw``, ``gb`` written (``ASSIGN``) or added to (``ADD``, float32, one rounding: what
-    AccumulateGrad's add gives)."""
-    sdu = tl.zeros([BP, BC], tl.float32)
-    sdux = tl.zeros([BP, BC], tl.float32)
-    for p0 in range(0, P, BP):
-        p = p0 + tl.arange(0, BP)
-        m = (p < P)[:, None] & cm[None, :]
-        offsets = p[:, None] * C + c[None, :]
-        sdu += tl.load(sdu_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
-        sdux += tl.load(sdux_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
-    sdu = tl.sum(sdu, 0)
-    sdux = tl.sum(sdux, 0)
+    """Channels ``c``: the ``P`` partial sums added in a fixed order (:func:`sum_partials`) ->
+    ``dw = sum du xhat``, ``db = sum du``; and with ``GRAD`` (:mod:`trainfuse.nn.param_grads`)
+    the params' grads ``gw``, ``gb`` written (``ASSIGN``) or added to (``ADD``, float32, one
+    rounding: what AccumulateGrad's add gives)."""
+    sdu, sdux = sum_partials(sdu_ptr, sdux_ptr, c, cm, P, C, BP, BC)
     tl.store(db_ptr + c, sdu, mask=cm)
     tl.store(dw_ptr + c, sdux, mask=cm)
     if GRAD == 2:
@@ -197,7 +212,7 @@ def grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, c, cm, P, C
         tl.store(gw_ptr + c, sdux, mask=cm)
 
 
-FINALIZE_ROWS = 64  # the partials the last program to arrive reads at a time
+FINALIZE_ROWS = 32  # the partials the last program to arrive reads at a time (two such reads in flight)
 launcher = CachedLauncher()  # a launch from raw addresses: an eager step pays little host time a block
 
 
@@ -217,8 +232,7 @@ def config(strides: tuple[int, int, int], C: int, reduce: bool = False) -> BNLau
     channels = min(cfg.channels, max(16, next_power_of_2(C)))
     if channels == cfg.channels:
         return cfg
-    return BNLaunch(cfg.rows * cfg.channels // channels, channels, cfg.num_warps, cfg.programs_per_sm,
-                    cfg.unroll, cfg.reduce)
+    return dataclasses.replace(cfg, rows=cfg.rows * cfg.channels // channels, channels=channels)
 
 
 def flags(cfg: BNLaunch, C: int, S: int, *strides: tuple[int, ...], split: int | None = None) -> dict:
@@ -249,8 +263,10 @@ def programs(device: torch.device) -> int:
 
 
 def split(tiles: int, channel_blocks: int, device: torch.device, cfg: BNLaunch) -> tuple[int, int]:
-    """``(P, tiles_per_program)``: the tiles split over the reduction programs."""
+    """``(P, tiles_per_program)``: the tiles split over a channel block's reduction programs."""
     want = max(1, programs(device) * cfg.programs_per_sm // channel_blocks)
+    if cfg.partials:
+        want = min(want, cfg.partials)
     per = cdiv(tiles, want)
     return cdiv(tiles, per), per
 
@@ -281,7 +297,7 @@ def statistics(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
         rc = config(x.stride(), C, reduce=True)
         rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
         P, per = split(N * rnsb, rcb, x.device, rc)
-        partials = torch.empty(3, P, C, device=x.device, dtype=torch.float32)  # mean, m2, count
+        partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)  # sums of x - k, (x - k)**2
         update = running_mean is not None
         affine = (weight, bias) if has_w else (consts, consts)  # (unread without HAS_W)
         running = (running_mean, running_var) if update else (consts, consts)  # (unread without UPDATE)
