@@ -178,6 +178,11 @@ def test_empty_batch_and_float64_take_torchs_path():
     (lambda x, w, b, rm, rv: batch_norm_silu(x, None, None, w, b, False), "training=False normalizes"),
     (lambda x, w, b, rm, rv: batch_norm_silu(x[:1, :, :1, :1], rm, rv, w, b, True),
      "expected more than 1 value per channel when training"),
+    (lambda x, w, b, rm, rv: batch_norm_silu(x, rm, rv, w, b, True, num_batches_tracked=torch.zeros(())),
+     "num_batches_tracked must be a one-element int64 tensor"),
+    (lambda x, w, b, rm, rv: bn_silu.split_batch_norm_silu(x[:, :2], rm[:2], rv[:2], w[:2], b[:2], True,
+                                                           num_batches_tracked=3),
+     "num_batches_tracked must be a one-element int64 tensor.*got int"),
 ])
 def test_bad_input_is_refused_and_leaves_the_running_statistics(call, match):
     x, w, b, rm, rv, _ = make((2, 3, 4, 4), torch.float32, False)
@@ -373,3 +378,20 @@ def test_the_reduction_tile_from_the_environment_and_its_cap_on_partials(monkeyp
     assert bn_stats.split(1000, 1, cpu, free) == (32, 32)
     P, per = bn_stats.split(1000, 1, cpu, dataclasses.replace(free, partials=10))
     assert P <= 10 and P * per >= 1000 and (P - 1) * per < 1000
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one", "halves"])
+def test_num_batches_tracked_is_counted_inside_the_op(split):
+    """A module's counter given to the op moves by 1 a call, as ``nn.BatchNorm2d.forward`` moves it,
+    with no launch of its own on the kernels' path; the statistics are the same with or without."""
+    x, w, b, rm, rv, _ = make((2, 6, 3, 5), torch.float16, channels_last=True)
+    op = bn_silu.split_batch_norm_silu if split else batch_norm_silu
+    tracked = torch.tensor(7, device=DEVICE)
+    rm2, rv2 = rm.clone(), rv.clone()
+    for _ in range(3):
+        with_count = op(x, rm, rv, w, b, True, 0.03, 1e-3, num_batches_tracked=tracked)
+        without = op(x, rm2, rv2, w, b, True, 0.03, 1e-3)
+    assert int(tracked) == 10 and tracked.dtype == torch.long
+    for got, want in zip(with_count if split else (with_count,), without if split else (without,)):
+        assert torch.equal(got, want)
+    assert torch.equal(rm, rm2) and torch.equal(rv, rv2)

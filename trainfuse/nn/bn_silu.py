@@ -16,18 +16,19 @@ and backward, from ``dy``, with ``xhat = (x - mean_c) r_c`` and
 
 (outside training the running statistics take the batch's place and ``dx = s_c du``).
 
-Forward: a program per (run of tiles, block of channels) sums ``x - k`` and its square per channel
-(``k`` the channel's first value: the sums cancel only as much as the data's spread around the mean,
-not as ``E[x^2] - E[x]^2`` would); the last program of each channel block to arrive (an arrival
-counter per block) adds the block's partials up in a fixed order, updates the running statistics and
-writes ``s`` and ``t``; a second pass writes ``y``. Backward: partial sums of ``du`` and ``du xhat``
-and, by the last to arrive, their fixed-order total, then ``dx``, ``u`` recomputed from ``x`` both
-times. No program adds into another's output, and the totals' order does not depend on which program
-arrives last: the same inputs give the same bits in every run, eager or replayed from a CUDA graph.
-A tile's addresses are one scalar per tile plus offsets made once per program
-(:mod:`trainfuse.nn.channel_tiles`); masks only where a tile or a channel block runs past the tensor
-(masked positions add 0 to the sums, whose count is the host's): the same bits as the unmasked path
-(the tests compare the two).
+Forward: a program per (run of tiles, block of channels) folds its positions into a count, a mean
+and a sum of squared deviations per channel (Chan's merge of chunk statistics, no ``E[x^2] -
+E[x]^2`` cancellation); the last program of each channel block to arrive (an arrival counter per
+block) merges the block's partials in a fixed order, updates the running statistics and writes ``s``
+and ``t``; a second pass writes ``y``. Backward: partial sums of ``du`` and ``du xhat`` and, by the
+last to arrive, their fixed-order total, then ``dx``, ``u`` recomputed from ``x`` both times. No
+program adds into another's output, and the totals' order does not depend on which program arrives
+last: the same inputs give the same bits in every run, eager or replayed from a CUDA graph. A tile's
+addresses are one scalar per tile plus offsets made once per program
+(:mod:`trainfuse.nn.channel_tiles`); masks only where a tile or a channel block runs past the
+tensor, and where the positions fill whole tiles the reductions take their count from the host
+instead of counting element by element: the same bits as the masked path (the tests compare the
+two).
 
 Bytes per activation element: forward 2 reads and a write, backward 4 reads and a write, against
 torch's 3 reads and 2 writes (cuDNN's BatchNorm, then SiLU over its output) and 6 reads and 2
@@ -190,7 +191,8 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 class _BatchNormSiLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, split=False):
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, split=False,
+                tracked=None):
         launch, flags = bn_stats.launcher, bn_stats.flags
         shape = x.shape
         x = bn_stats.flat(x)
@@ -198,7 +200,8 @@ class _BatchNormSiLU(torch.autograd.Function):
         cfg = bn_stats.config(x.stride(), C)
         cb = cdiv(C, cfg.channels)
         nsb = cdiv(S, cfg.rows)
-        consts = bn_stats.statistics(x, weight, bias, running_mean, running_var, training, momentum, eps)
+        consts = bn_stats.statistics(x, weight, bias, running_mean, running_var, training, momentum, eps,
+                                     tracked)
         scale, shift, mean, invstd = consts.unbind(0)
         ctx.save_for_backward(x, weight, consts)
         ctx.training, ctx.split, ctx.shape = training, split, shape
@@ -258,7 +261,7 @@ class _BatchNormSiLU(torch.autograd.Function):
         autograd = weight is not None and not direct  # else the kernel wrote them
         dw = sums[0].to(weight.dtype) if autograd and ctx.needs_input_grad[1] else None
         db = sums[1].to(weight.dtype) if autograd and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 _apply = applier(_BatchNormSiLU)
@@ -276,9 +279,18 @@ def batch_norm_silu_torch(x: Tensor, running_mean: Tensor | None, running_var: T
 
 
 def check(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None,
-          bias: Tensor | None, training: bool, fn: str = "batch_norm_silu") -> None:
+          bias: Tensor | None, training: bool, fn: str = "batch_norm_silu",
+          num_batches_tracked: Tensor | None = None) -> None:
     """Raise ``ValueError`` naming the argument (and ``fn``) where the arguments are not what
-    ``F.batch_norm`` takes."""
+    ``F.batch_norm`` takes (and ``num_batches_tracked`` not a one-element int64 tensor on ``x``'s
+    device)."""
+    t = num_batches_tracked
+    if t is not None and not (isinstance(t, torch.Tensor) and t.numel() == 1 and t.dtype == torch.long
+                              and t.device == x.device):
+        got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise ValueError(f"{fn}: num_batches_tracked must be a one-element int64 tensor on {x.device} (a "
+                         f"BatchNorm's counter); got {got}")
     if x.dim() < 2:
         raise ValueError(f"{fn}: x must be (N, C, ...); got shape {tuple(x.shape)}")
     C = x.shape[1]
@@ -301,7 +313,8 @@ def check(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, we
 
 def batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                     weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
-                    momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+                    momentum: float = 0.1, eps: float = 1e-5, *,
+                    num_batches_tracked: Tensor | None = None) -> Tensor:
     """``silu(F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps))``
     (the module docstring): the same arguments, the running statistics updated in place alike.
 
@@ -314,20 +327,26 @@ def batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: Tensor 
             ``momentum``), else with the running ones.
         momentum: the running statistics' step (a float, as ``nn.BatchNorm2d`` passes).
         eps: added to the variance.
+        num_batches_tracked: a BatchNorm module's counter, 1 added to it (what the module's forward
+            does before ``F.batch_norm`` in training), inside the statistics' launch.
 
     Returns:
         ``y`` in ``x``'s dtype and memory format.
     """
-    check(x, running_mean, running_var, weight, bias, training)
+    check(x, running_mean, running_var, weight, bias, training, num_batches_tracked=num_batches_tracked)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.numel() == 0 or not use_triton(
             x.device):
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
         return batch_norm_silu_torch(x, running_mean, running_var, weight, bias, training, momentum, eps)
-    return _apply(x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps))
+    return _apply(x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
+                  False, num_batches_tracked)
 
 
 def split_batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                           weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
-                          momentum: float = 0.1, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+                          momentum: float = 0.1, eps: float = 1e-5, *,
+                          num_batches_tracked: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`batch_norm_silu` of a 4-d ``x`` with an even number of channels, as its two channel
     halves (``y.chunk(2, 1)``), each a dense tensor of its own in ``x``'s memory format: what a C2f
     block's ``cv1`` hands its bottlenecks, which would otherwise copy their strided half before
@@ -335,16 +354,18 @@ def split_batch_norm_silu(x: Tensor, running_mean: Tensor | None, running_var: T
     halves' grads where they are, with no copy side by side (the kernels take the second part's
     address and strides). Where :func:`batch_norm_silu` takes torch's path, the halves are
     ``chunk``'s views."""
-    check(x, running_mean, running_var, weight, bias, training)
+    check(x, running_mean, running_var, weight, bias, training, num_batches_tracked=num_batches_tracked)
     if x.dim() != 4 or x.shape[1] % 2:
         raise ValueError(f"split_batch_norm_silu: x must be (N, C, H, W) with an even C; got shape "
                          f"{tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.numel() == 0 or not use_triton(
             x.device):
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
         return tuple(batch_norm_silu_torch(x, running_mean, running_var, weight, bias, training, momentum,
                                            eps).chunk(2, 1))
     return _apply(x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
-                  True)
+                  True, num_batches_tracked)
 
 
 __all__ = ["batch_norm_silu", "batch_norm_silu_torch", "check", "bn_silu_apply_kernel", "bn_silu_dx_kernel",

@@ -192,7 +192,7 @@ def _part(dense: bool, dense_from: int) -> int:
 class _BatchNormSiLUInto(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, running_mean, running_var, training, momentum, eps, piece,
-                dense_from):
+                dense_from, tracked=None):
         # piece: the buffer's Slice, not a tensor: the slice it holds is returned as an output of
         # this Function, whose grad is the concatenation's slice
         launch, flags = bn_stats.launcher, bn_stats.flags
@@ -204,7 +204,8 @@ class _BatchNormSiLUInto(torch.autograd.Function):
                              "slice of a contiguous or channels_last buffer)")
         of = out.view(N, C, S)
         xf = bn_stats.flat(x)
-        consts = bn_stats.statistics(xf, weight, bias, running_mean, running_var, training, momentum, eps)
+        consts = bn_stats.statistics(xf, weight, bias, running_mean, running_var, training, momentum, eps,
+                                     tracked)
         scale, shift = consts[0], consts[1]
         dense = _like(x, C - dense_from) if dense_from < C else None
         rf = bn_stats.flat(residual) if residual is not None else xf
@@ -267,7 +268,7 @@ class _BatchNormSiLUInto(torch.autograd.Function):
         autograd = weight is not None and not direct  # else the kernel wrote them
         dw = sums[0].to(weight.dtype) if autograd and ctx.needs_input_grad[1] else None
         db = sums[1].to(weight.dtype) if autograd and ctx.needs_input_grad[2] else None
-        return dx, dw, db, dr, None, None, None, None, None, None, None
+        return dx, dw, db, dr, None, None, None, None, None, None, None, None
 
 
 _apply = applier(_BatchNormSiLUInto)
@@ -277,8 +278,8 @@ Tensor = torch.Tensor
 
 def batch_norm_silu_into(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                          weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float,
-                         eps: float, buffer: ConcatBuffer, dense_from: int,
-                         residual: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                         eps: float, buffer: ConcatBuffer, dense_from: int, residual: Tensor | None = None, *,
+                         num_batches_tracked: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """``y = silu(F.batch_norm(x, ...))`` (plus ``residual``) written into ``buffer``'s next slice
     (module docstring), the running statistics updated in place as ``F.batch_norm`` does.
 
@@ -291,6 +292,7 @@ def batch_norm_silu_into(x: Tensor, running_mean: Tensor | None, running_var: Te
         dense_from: the channels from this one on are also returned as a dense tensor (``C``:
             none; ``0``: all).
         residual: a tensor shaped as ``x`` added to the SiLU's output (a bottleneck's shortcut).
+        num_batches_tracked: as :func:`~trainfuse.nn.bn_silu.batch_norm_silu`'s.
 
     Returns:
         ``(slice, dense)``: the buffer's slice holding ``y``, for :meth:`ConcatBuffer.join`, and
@@ -305,16 +307,18 @@ def batch_norm_silu_into(x: Tensor, running_mean: Tensor | None, running_var: Te
     if residual is not None and (residual.shape != x.shape or residual.device != x.device):
         raise ValueError(f"{fn}: residual must be shaped as x, {tuple(x.shape)} on {x.device}; got "
                          f"{tuple(residual.shape)} on {residual.device}")
-    bn_silu.check(x, running_mean, running_var, weight, bias, training, fn)
+    bn_silu.check(x, running_mean, running_var, weight, bias, training, fn, num_batches_tracked)
     fused = (x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel() > 0
              and use_triton(x.device) and (residual is None or residual.dtype == x.dtype))
     if not fused:
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
         y = bn_silu.batch_norm_silu_torch(x, running_mean, running_var, weight, bias, training, momentum, eps)
         if residual is not None:
             y = residual + y
         return buffer.write(y), (y[:, dense_from:] if dense_from < C else None)
     return _apply(x, weight, bias, residual, running_mean, running_var, bool(training), float(momentum),
-                  float(eps), buffer.slot(x, C), dense_from)
+                  float(eps), buffer.slot(x, C), dense_from, num_batches_tracked)
 
 
 __all__ = ["batch_norm_silu_into", "into_apply_kernel", "into_dx_kernel", "into_grad_sums_kernel"]

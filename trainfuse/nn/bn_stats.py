@@ -1,7 +1,7 @@
 """What every channel-wise BatchNorm kernel of :mod:`trainfuse.nn` shares: the launch shapes
 (:class:`BNLaunch` tiles, their constexpr flags, the reduction programs and their arrival
-counters), the statistics pass (:func:`statistics`: one launch, the partial sums added up by the last
-program to arrive; the math in :mod:`trainfuse.nn.bn_silu`'s docstring), and the backward's SiLU and
+counters), the statistics pass (:func:`statistics`: one launch, Chan's merge by the last program
+to arrive; the math in :mod:`trainfuse.nn.bn_silu`'s docstring), and the backward's SiLU and
 fixed-order sums."""
 
 from __future__ import annotations
@@ -69,62 +69,125 @@ CHANNELS_LAST = _reduce_from_env(CHANNELS_LAST)
 
 
 @triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P", "M"])
-def bn_stats_kernel(x_ptr, s1_ptr, s2_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr,
-                    save_mean_ptr, save_invstd_ptr, C, CB, S, NSB, Q, sN, sC, sS, tiles_per_program, P, M,
-                    momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr, BP: tl.constexpr,
-                    BR: tl.constexpr, BC: tl.constexpr, UNROLL: tl.constexpr, EVEN_S: tl.constexpr,
-                    MASKED: tl.constexpr, REL32: tl.constexpr):
+def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr,
+                    shift_ptr, save_mean_ptr, save_invstd_ptr, tracked_ptr, C, CB, S, NSB, Q, sN, sC, sS,
+                    tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
+                    TRACK: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                    UNROLL: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, REL32: tl.constexpr):
     """Program ``(i, j)`` (``i * CB + j``): tiles ``[i * tiles_per_program, ...)`` of channel block
-    ``j`` -> their sums of ``x - k`` and of its square per channel at ``[i, c]``. Each tile
-    element sums on its own (no reduction and no division inside the loop, so the loads stream),
-    reduced across the tile once at the end. The shift ``k`` is the channel's first value (image 0,
-    position 0), the same in every program: a sample of the channel, so the sums cancel only as
-    much as the data's own spread around its mean (the summed squares minus the squared sum lose
-    ``((mean - k) / std)**2`` ulps of the variance, a few for any sample), and the partials are
-    plain sums, added up in one pass. The loop walks the program's own tiles (``UNROLL`` at a
-    time, the rest one by one); masked positions add 0, and the count is the host's ``M``. The
-    last of channel block ``j``'s ``P`` programs to arrive adds up their partials
-    (:func:`sum_partials`), writes the constants (:func:`_finalize`) and re-arms the block's
-    arrival counter."""
+    ``j`` -> their count, mean and summed squared deviations per channel at ``[i, c]``. Each tile
+    element sums ``x - k`` and its square on its own (no reduction and no division inside the
+    loop, so the loads stream), reduced across the tile once at the end. The shift ``k`` is the
+    channel's value at the program's first position: a sample of the channel, so the sums cancel
+    only as much as the data's own spread around its mean (the summed squares minus the squared
+    sum lose ``((mean - k) / std)**2`` ulps of the variance, a few for any sample; each program its
+    own sample, so one atypical value, a padded corner of a convolution's output, spoils one
+    program's partial at most). The loop walks the program's own tiles (``UNROLL`` at a time, the
+    rest one by one); where the positions fill whole tiles (``EVEN_S``) it neither masks them nor
+    counts them one by one. The last of channel block ``j``'s ``P`` programs to arrive merges
+    their partials in one pass (:func:`merge_partials`), writes the constants (:func:`_finalize`)
+    and re-arms the block's arrival counter; block 0's also adds 1 to the module's
+    ``num_batches_tracked`` (``TRACK``)."""
     i, j, c = tiles.program(CB, BC)
     cm = c < C
     q0 = i * tiles_per_program  # always a tile (the launch makes no program without one)
     valid = tl.minimum(tiles_per_program, Q - q0)
     rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
-    k = tl.load(x_ptr + c.to(tl.int64) * sC, mask=cm, other=0.0).to(tl.float32)
+    first, _ = tiles.tile_start(q0, NSB, sN, sS, BR)
+    k = tl.load(x_ptr + first + c.to(tl.int64) * sC, mask=cm, other=0.0).to(tl.float32)
     s1 = tl.zeros([BR, BC], tl.float32)
     s2 = tl.zeros([BR, BC], tl.float32)
+    count = tl.zeros([BR, BC], tl.float32)
     grouped = valid // UNROLL * UNROLL
     for t0 in range(0, grouped, UNROLL):
         for t1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
-            d = _deviations(x_ptr, q0 + t0 + t1, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
+            d, m = _deviations(x_ptr, q0 + t0 + t1, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
             s1 += d
             s2 += d * d
+            if not EVEN_S:
+                count += m.to(tl.float32)
     for t in range(grouped, valid):
-        d = _deviations(x_ptr, q0 + t, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
+        d, m = _deviations(x_ptr, q0 + t, rel, k, cm, S, NSB, sN, sS, BR, EVEN_S, MASKED)
         s1 += d
         s2 += d * d
-    tl.store(s1_ptr + i * C + c, tl.sum(s1, 0), mask=cm)
-    tl.store(s2_ptr + i * C + c, tl.sum(s2, 0), mask=cm)
+        if not EVEN_S:
+            count += m.to(tl.float32)
+    if EVEN_S:  # every position of every tile: the count is the host's
+        n = tl.zeros([BC], tl.float32) + (valid * BR).to(tl.float32)
+    else:
+        n = tl.sum(count, 0)
+    s1 = tl.sum(s1, 0)
+    s2 = tl.sum(s2, 0)
+    inv = 1.0 / tl.maximum(n, 1.0)
+    tl.store(mean_ptr + i * C + c, k + s1 * inv, mask=cm)
+    tl.store(m2_ptr + i * C + c, tl.maximum(s2 - s1 * s1 * inv, 0.0), mask=cm)
+    tl.store(count_ptr + i * C + c, n, mask=cm)
     tl.debug_barrier()  # every thread's partials are stored before the release below
     if last_to_arrive(cnt_ptr + j, P):
-        sum1, sum2 = sum_partials(s1_ptr, s2_ptr, c, cm, P, C, BP, BC)
-        _finalize(sum1, sum2, k, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr,
+        mean, m2 = merge_partials(mean_ptr, m2_ptr, count_ptr, c, cm, P, C, BP, BC)
+        _finalize(mean, m2, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr,
                   save_invstd_ptr, c, cm, M, momentum, eps, HAS_W, UPDATE)
+        if TRACK:
+            if j == 0:
+                tl.store(tracked_ptr, tl.load(tracked_ptr) + 1)
         tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
 
 
 @triton.jit
 def _deviations(x_ptr, q, rel, k, cm, S, NSB, sN, sS, BR: tl.constexpr, EVEN_S: tl.constexpr,
                 MASKED: tl.constexpr):
-    """Tile ``q``'s ``x - k``, 0 at masked elements (positions past ``S``; another channel's
-    masked element is never stored)."""
+    """Tile ``q``'s ``x - k`` (0 at positions past ``S``; another channel's masked element is
+    never stored) and its mask."""
     base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
     m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
     d = tiles.load_tile(x_ptr + base + rel, m, MASKED) - k[None, :]
-    if not EVEN_S:  # (a masked channel's k and x are 0)
+    if not EVEN_S:
         d = tl.where(m, d, 0.0)
-    return d
+    return d, m
+
+
+@triton.jit
+def _partial_stats(mean_ptr, m2_ptr, count_ptr, p, c, cm, P, C):
+    """Partials ``p`` (rows past ``P``: zeros, nothing read) of channels ``c``: count, mean, m2."""
+    m = (p < P)[:, None] & cm[None, :]
+    offsets = p[:, None] * C + c[None, :]
+    n = tl.load(count_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
+    mu = tl.load(mean_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
+    m2 = tl.load(m2_ptr + offsets, mask=m, other=0.0, cache_modifier=".cg")
+    return n, mu, m2
+
+
+@triton.jit
+def merge_partials(mean_ptr, m2_ptr, count_ptr, c, cm, P, C, BP: tl.constexpr, BC: tl.constexpr):
+    """Channels ``c``: the ``P`` partial (count, mean, m2) rows merged in a fixed order, in one
+    pass -> the mean and the summed squared deviations of all of them. Lane ``r`` of a ``BP``-row
+    block merges rows ``r``, ``r + BP``, ... into its own running partial as it reads them (Chan's
+    pairwise merge, elementwise: no reduction inside the loop), the next rows' loads issued before
+    the current ones are merged (read past the SM's cache: other programs wrote them); then the
+    lanes' partials are merged at once (the mean of their means weighted by their counts, then
+    their squared deviations plus each count times its mean's squared distance from that mean:
+    plain sums, which the interpreter runs as numpy where a custom ``tl.reduce`` runs element by
+    element)."""
+    rows = tl.arange(0, BP)
+    n_acc = tl.zeros([BP, BC], tl.float32)
+    mean_acc = tl.zeros([BP, BC], tl.float32)
+    m2_acc = tl.zeros([BP, BC], tl.float32)
+    n, mu, m2 = _partial_stats(mean_ptr, m2_ptr, count_ptr, rows, c, cm, P, C)
+    for p0 in range(BP, P + BP, BP):
+        n_next, mu_next, m2_next = _partial_stats(mean_ptr, m2_ptr, count_ptr, p0 + rows, c, cm, P, C)
+        total = n_acc + n
+        w = n / tl.maximum(total, 1.0)  # 0 for rows past P (n = 0): nothing moves
+        delta = mu - mean_acc
+        mean_acc += delta * w
+        m2_acc += m2 + delta * delta * n_acc * w
+        n_acc = total
+        n = n_next
+        mu = mu_next
+        m2 = m2_next
+    total = tl.sum(n_acc, 0)
+    mean = tl.sum(n_acc * mean_acc, 0) / tl.maximum(total, 1.0)
+    d = mean_acc - mean[None, :]
+    return mean, tl.sum(m2_acc + n_acc * d * d, 0)
 
 
 @triton.jit
@@ -158,14 +221,11 @@ def sum_partials(a_ptr, b_ptr, c, cm, P, C, BP: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _finalize(s1, s2, k, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr,
+def _finalize(mean, m2, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr,
               save_invstd_ptr, c, cm, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr):
-    """Channels ``c``, from the ``M`` values' sums ``s1`` of ``x - k`` and ``s2`` of its square:
-    the batch's mean and 1/std, ``s`` and ``t``, and the running statistics moved by ``momentum``
-    (``UPDATE``)."""
+    """Channels ``c``, from the ``M`` values' ``mean`` and summed squared deviations ``m2``: their
+    1/std, ``s`` and ``t``, and the running statistics moved by ``momentum`` (``UPDATE``)."""
     inv_m = 1.0 / M.to(tl.float32)
-    mean = k + s1 * inv_m
-    m2 = tl.maximum(s2 - s1 * s1 * inv_m, 0.0)
     invstd = 1.0 / tl.sqrt(m2 * inv_m + eps)
     if HAS_W:
         scale = tl.load(w_ptr + c, mask=cm, other=1.0).to(tl.float32) * invstd
@@ -284,11 +344,12 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 
 def statistics(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
-               momentum: float, eps: float) -> torch.Tensor:
+               momentum: float, eps: float, tracked: torch.Tensor | None = None) -> torch.Tensor:
     """The per-channel constants of ``x`` (``(N, C, S)``, :func:`flat`) a BatchNorm applies:
     ``(4, C)`` float32 rows ``s``, ``t``, the mean and ``1/std`` (the module docstring of
     :mod:`trainfuse.nn.bn_silu`); the batch's statistics in one launch, the running ones moved by
-    ``momentum``, where ``training``, else the running statistics'."""
+    ``momentum``, where ``training``, else the running statistics'. ``tracked``: a module's
+    ``num_batches_tracked``, 1 added to it (inside the statistics' launch: no launch of its own)."""
     N, C, S = x.shape
     consts = torch.empty(4, C, device=x.device, dtype=torch.float32)  # scale, shift, mean, invstd
     scale, shift, mean, invstd = consts.unbind(0)
@@ -297,15 +358,18 @@ def statistics(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
         rc = config(x.stride(), C, reduce=True)
         rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
         P, per = split(N * rnsb, rcb, x.device, rc)
-        partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)  # sums of x - k, (x - k)**2
+        partials = torch.empty(3, P, C, device=x.device, dtype=torch.float32)  # mean, m2, count
         update = running_mean is not None
         affine = (weight, bias) if has_w else (consts, consts)  # (unread without HAS_W)
         running = (running_mean, running_var) if update else (consts, consts)  # (unread without UPDATE)
         launcher(bn_stats_kernel, (P * rcb,), x, *partials, counters(x.device, rcb), *affine, *running,
-                 scale, shift, mean, invstd, C, rcb, S, rnsb, N * rnsb, *x.stride(), per, P, N * S,
-                 momentum, eps, HAS_W=has_w, UPDATE=update, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
+                 scale, shift, mean, invstd, consts if tracked is None else tracked, C, rcb, S, rnsb,
+                 N * rnsb, *x.stride(), per, P, N * S, momentum, eps, HAS_W=has_w, UPDATE=update,
+                 TRACK=tracked is not None, BP=FINALIZE_ROWS, BR=rc.rows, BC=rc.channels,
                  UNROLL=rc.unroll, num_warps=rc.num_warps, **flags(rc, C, S, x.stride()))
     else:  # the running statistics' constants: a few (C,) operations
+        if tracked is not None:
+            tracked.add_(1)
         mean.copy_(running_mean)
         torch.rsqrt(running_var.float() + eps, out=invstd)
         scale.copy_(invstd * weight if has_w else invstd)

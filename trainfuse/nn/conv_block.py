@@ -31,17 +31,21 @@ def fusable(block: nn.Module) -> bool:
 
 
 def batch_norm_silu_module(bn: nn.BatchNorm2d, x: torch.Tensor, op=batch_norm_silu):
-    """``silu(bn(x))`` with ``bn``'s own bookkeeping, as ``nn.BatchNorm2d.forward`` does it;
-    ``op``: :func:`~trainfuse.nn.bn_silu.batch_norm_silu`, or its split form (two halves)."""
+    """``silu(bn(x))`` with ``bn``'s own bookkeeping, as ``nn.BatchNorm2d.forward`` does it (its
+    ``num_batches_tracked`` counted by ``op``); ``op``: :func:`~trainfuse.nn.bn_silu.batch_norm_silu`,
+    its split form (two halves), or an op that takes the same arguments."""
     factor = 0.0 if bn.momentum is None else bn.momentum
+    tracked = None
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
         if bn.momentum is None:  # a cumulative average: torch reads the count on the host too
+            bn.num_batches_tracked.add_(1)
             factor = 1.0 / float(bn.num_batches_tracked)
+        else:  # counted by the op (inside its statistics' launch)
+            tracked = bn.num_batches_tracked
     batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
     keep = not bn.training or bn.track_running_stats
     return op(x, bn.running_mean if keep else None, bn.running_var if keep else None, bn.weight, bn.bias,
-              batch_stats, factor, bn.eps)
+              batch_stats, factor, bn.eps, num_batches_tracked=tracked)
 
 
 def halves(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
