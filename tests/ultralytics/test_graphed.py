@@ -46,7 +46,7 @@ from trainfuse.ultralytics import (  # noqa: E402
 )
 from trainfuse.ultralytics.changes import CALLBACKS  # noqa: E402
 from trainfuse.ultralytics.changes.graphs import graph_inputs  # noqa: E402
-from trainfuse.ultralytics.graphed import GraphedLoss, replayed_loss  # noqa: E402
+from trainfuse.ultralytics.graphed import GraphedLoss, KeptGrads, replayed_loss  # noqa: E402
 from trainfuse.ultralytics.readout import RING, LossReadout  # noqa: E402
 from trainfuse.ultralytics.shapes import make_shapes_dataset  # noqa: E402
 from trainfuse.ultralytics.task_shapes import make_task_dataset  # noqa: E402
@@ -99,6 +99,45 @@ def test_graph_inputs_refuse_losses_that_sync_or_change_shape():
     assert graph_inputs(no_overlap) is None
     with pytest.raises(ValueError, match="keys must name the labels"):
         GraphedLoss(made, torch.amp.GradScaler("cpu", enabled=False), keys=())
+
+
+def test_kept_grads_fold_fresh_grads_in_as_autograd_accumulates(device):
+    """Later backwards write fresh grads and ``fold_in`` adds them to the kept ones (copies them
+    after an optimizer step; zeroes a param the backward missed), per dtype: the values autograd's
+    own accumulation leaves, on the same tensors. Given grads (DDP's) are left to autograd."""
+    g = torch.Generator().manual_seed(0)
+    half = torch.float16 if device.type == "cuda" else torch.float32  # (no float16 matmul on some CPUs)
+    params = [torch.randn(5, 3, generator=g).to(device, half).requires_grad_(),
+              torch.randn(3, generator=g).to(device).requires_grad_(),
+              torch.randn(4, 4, generator=g).to(device).t().requires_grad_(),  # a strided leaf
+              torch.randn(2, generator=g).to(device).requires_grad_()]  # reached only sometimes
+    stock = [p.detach().clone().requires_grad_() for p in params]
+
+    def backward(ps, x, reach):
+        y = (x.to(ps[0].dtype) @ ps[0]).float() * ps[1] + (x[:, :4] @ ps[2]).sum(1, keepdim=True)
+        loss = (y.square().sum() + (ps[3].sum() if reach else 0.0)) / 7
+        loss.backward()
+
+    kept = KeptGrads(params)
+    backward(params, torch.randn(6, 5, generator=g).to(device), True)  # the first call makes them
+    kept.captured()
+    ours = list(kept.grads)
+    for p, s in zip(params, stock):
+        s.grad = p.grad.clone()
+    for step, (reach, zero_first) in enumerate([(True, False), (False, False), (True, True), (False, True)]):
+        x = torch.randn(6, 5, generator=g).to(device)
+        assert kept.begin_backward() and all(p.grad is None for p in params)
+        backward(params, x, reach)
+        kept.fold_in(zero_first)
+        if zero_first:
+            for s in stock:
+                s.grad.zero_()
+        backward(stock, x, reach)
+        assert all(p.grad is k for p, k in zip(params, ours)), step
+        for p, s in zip(params, stock):
+            assert torch.equal(p.grad, s.grad), (step, p.grad, s.grad)
+    given = KeptGrads(params, [torch.zeros_like(p) for p in params])
+    assert not given.begin_backward() and all(p.grad is k for p, k in zip(params, ours))
 
 
 @pytest.fixture(scope="module")
