@@ -484,3 +484,31 @@ def test_torch_state_dict_passes_an_empty_rank_state_through():
     from trainfuse.optim.portable import torch_state_dict
 
     assert torch_state_dict({}) == {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_adams_rolled_loop_gives_the_unrolled_loops_bits(dtype, amsgrad, kernels, device, monkeypatch):
+    """``TRAINFUSE_ADAM_ROLLED``'s update (its blocks in a rolled loop, 16-bit rows' blocks
+    doubled) moves params and states to the unrolled update's bits, step after step, partial
+    last chunks included; four blocks a work item, so the 16-bit rows' doubled blocks still loop."""
+    from trainfuse.optim import adam
+
+    monkeypatch.setattr(kernels, "unroll", 4)
+
+    params = _params(SHAPES, dtype, device)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    unrolled, rolled = (trainfuse.optim.FusedAdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+                        for ps in (params, twin))
+    rolled.chunk_fn, rolled.wide16 = adam._adam_chunk_rolled, True
+    assert unrolled.chunk_fn is adam._adam_chunk and not unrolled.wide16
+    for step in range(3):
+        for p, q in zip(params, twin):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        unrolled.step()
+        rolled.step()
+        for p, q in zip(params, twin):
+            assert torch.equal(p, q), step
+            for k, v in unrolled.state[p].items():
+                assert torch.equal(v, rolled.state[q][k]), (step, k)

@@ -23,6 +23,7 @@ CPU results are identical to torch).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -44,6 +45,29 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl
                 BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
                 ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
                 WIDTH: tl.constexpr):
+    """One work item of Adam/AdamW (the chunk-function contract of ``kernels.run``), its blocks
+    unrolled."""
+    _adam_update(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT, STATE_DT, EMA_DT, MASTER, EMA,
+                 BLOCK, NB, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH, False)
+
+
+@triton.jit
+def _adam_chunk_rolled(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl.constexpr,
+                       STATE_DT: tl.constexpr, EMA_DT: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
+                       BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
+                       ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+                       WIDTH: tl.constexpr):
+    """:func:`_adam_chunk` with its blocks in a rolled loop (:data:`ROLLED`)."""
+    _adam_update(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT, STATE_DT, EMA_DT, MASTER, EMA,
+                 BLOCK, NB, MASKED, ALIGNED, HAS_SCALE, HAS_CLIP, WIDTH, True)
+
+
+@triton.jit
+def _adam_update(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl.constexpr,
+                 STATE_DT: tl.constexpr, EMA_DT: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr,
+                 BLOCK: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
+                 ALIGNED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+                 WIDTH: tl.constexpr, ROLLED: tl.constexpr):
     hp_row = mt.hparams_row(hp, row, WIDTH)
     amsgrad = tl.load(hp_row + _AMS) != 0.0
     offs = tl.arange(0, BLOCK)
@@ -89,9 +113,9 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl
     decay = tl.where(decoupled, 1.0 - lr * wd, 1.0).to(tl.float32)
     l2 = tl.where(decoupled, 0.0, wd).to(tl.float32)
 
-    for b in tl.static_range(NB):
-        o = offs + b * BLOCK
-        if b + 1 < NB:  # prefetch the next block before this one's math and stores
+    if ROLLED:  # a loop ptxas cannot hoist the later blocks' loads out of: each turn carries one
+        for b in range(NB - 1):
+            o = offs + b * BLOCK
             o_next = o + BLOCK
             p_next = mt.load(w_ptr, o_next, n, MASKED)
             g_next = mt.load(g_ptr, o_next, n, MASKED)
@@ -99,25 +123,64 @@ def _adam_chunk(row, r, hp, arrivals, start, n, scale, clip, ema_w, PARAM_DT: tl
             v_next = mt.load(v_ptr, o_next, n, MASKED)
             vmax_next = mt.load_if(vmax_ptr, o_next, n, amsgrad, MASKED)
             e_next = mt.load_opt(e_ptr, o_next, n, EMA, MASKED)
-        g = mt.grad_in(g_ptr, o, n, g, scale, clip, maximize, HAS_SCALE, HAS_CLIP, MASKED)
-        g = tl.where(l2 != 0.0, g + l2 * p, g)
-        p = p * decay
-        m = mt.lerp(m, g, w1)
-        v = v * b2 + w2 * (g * g)
-        vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
-        mt.store_if(vmax_ptr, o, n, vmax, amsgrad, MASKED)
-        if FAST:
-            denom = tl.fdiv(tl.sqrt(tl.where(amsgrad, vmax, v)), bc2_sqrt) + eps
-            p = p - step_size * tl.fdiv(m, denom)
-        else:
-            denom = tl.div_rn(tl.sqrt_rn(tl.where(amsgrad, vmax, v)), bc2_sqrt) + eps
-            p = p - step_size * tl.div_rn(m, denom)
-        mt.store_weight(w_ptr, p_ptr, o, n, p, MASTER, MASKED)
-        mt.ema_fold(e_ptr, o, n, e, p, ema_w, STATE_DT, EMA, MASKED)
-        mt.store(m_ptr, o, n, m, MASKED)
-        mt.store(v_ptr, o, n, v, MASKED)
-        if b + 1 < NB:
+            _adam_block(w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, e_ptr,
+                        o, n, p, g, m, v, vmax, e,
+                        scale, clip, maximize, l2, decay, w1, w2, b2, eps, step_size, bc2_sqrt, amsgrad,
+                        ema_w, STATE_DT, MASTER, EMA, FAST, MASKED, HAS_SCALE, HAS_CLIP)
             p, g, m, v, vmax, e = p_next, g_next, m_next, v_next, vmax_next, e_next
+        _adam_block(w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, e_ptr,
+                    offs + (NB - 1) * BLOCK, n, p, g, m, v, vmax, e,
+                    scale, clip, maximize, l2, decay, w1, w2, b2, eps, step_size, bc2_sqrt, amsgrad,
+                    ema_w, STATE_DT, MASTER, EMA, FAST, MASKED, HAS_SCALE, HAS_CLIP)
+    else:
+        for b in tl.static_range(NB):
+            o = offs + b * BLOCK
+            if b + 1 < NB:  # prefetch the next block before this one's math and stores
+                o_next = o + BLOCK
+                p_next = mt.load(w_ptr, o_next, n, MASKED)
+                g_next = mt.load(g_ptr, o_next, n, MASKED)
+                m_next = mt.load(m_ptr, o_next, n, MASKED)
+                v_next = mt.load(v_ptr, o_next, n, MASKED)
+                vmax_next = mt.load_if(vmax_ptr, o_next, n, amsgrad, MASKED)
+                e_next = mt.load_opt(e_ptr, o_next, n, EMA, MASKED)
+            _adam_block(w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, e_ptr,
+                        o, n, p, g, m, v, vmax, e,
+                        scale, clip, maximize, l2, decay, w1, w2, b2, eps, step_size, bc2_sqrt, amsgrad,
+                        ema_w, STATE_DT, MASTER, EMA, FAST, MASKED, HAS_SCALE, HAS_CLIP)
+            if b + 1 < NB:
+                p, g, m, v, vmax, e = p_next, g_next, m_next, v_next, vmax_next, e_next
+
+
+@triton.jit
+def _adam_block(w_ptr, p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, e_ptr, o, n, p, g, m, v, vmax, e, scale, clip,
+                maximize, l2, decay, w1, w2, b2, eps, step_size, bc2_sqrt, amsgrad, ema_w,
+                STATE_DT: tl.constexpr, MASTER: tl.constexpr, EMA: tl.constexpr, FAST: tl.constexpr,
+                MASKED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr):
+    """One block's update from its loaded values, and its stores."""
+    g = mt.grad_in(g_ptr, o, n, g, scale, clip, maximize, HAS_SCALE, HAS_CLIP, MASKED)
+    g = tl.where(l2 != 0.0, g + l2 * p, g)
+    p = p * decay
+    m = mt.lerp(m, g, w1)
+    v = v * b2 + w2 * (g * g)
+    vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
+    mt.store_if(vmax_ptr, o, n, vmax, amsgrad, MASKED)
+    if FAST:
+        denom = tl.fdiv(tl.sqrt(tl.where(amsgrad, vmax, v)), bc2_sqrt) + eps
+        p = p - step_size * tl.fdiv(m, denom)
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(tl.where(amsgrad, vmax, v)), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+    mt.store_weight(w_ptr, p_ptr, o, n, p, MASTER, MASKED)
+    mt.ema_fold(e_ptr, o, n, e, p, ema_w, STATE_DT, EMA, MASKED)
+    mt.store(m_ptr, o, n, m, MASKED)
+    mt.store(v_ptr, o, n, v, MASKED)
+
+
+# TRAINFUSE_ADAM_ROLLED=1 (opt-in, for tuning): the update's blocks in a rolled loop with 16-bit rows'
+# blocks doubled (16-byte accesses). Compiled for sm_90, bf16 AdamW at 512 x 8 x 4 holds 144
+# registers that way, against 240 with the blocks unrolled and doubled (no spill either way) and
+# 92 unrolled at single width (8-byte accesses); not yet timed on a GPU
+ROLLED = os.environ.get("TRAINFUSE_ADAM_ROLLED", "0") == "1"
 
 
 class FusedAdam(FusedOptimizer):
@@ -156,14 +219,15 @@ class FusedAdam(FusedOptimizer):
         >>> opt.step()
     """
 
-    chunk_fn = _adam_chunk
+    chunk_fn = _adam_chunk_rolled if ROLLED else _adam_chunk
     # every value a step reads can live in device memory (lr, betas... in the hyperparameter table,
     # step counters on the device): a step captured in a CUDA graph replays. Not the constructor's
     # ``capturable``, torch's per-group request, which the kernels do not need
     capturable = True
     # 16-bit blocks stay single width: with five operands prefetched, doubled blocks made bf16
-    # GPT-2 AdamW 1.36 ms instead of 0.90 on the H100 (register pressure)
-    wide16 = False
+    # GPT-2 AdamW 1.36 ms instead of 0.90 on the H100 (register pressure); the rolled loop's are
+    # doubled (ROLLED)
+    wide16 = ROLLED
 
     def __init__(
         self,
