@@ -74,6 +74,9 @@ def _parser():
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="cudnn_benchmark=True: cuDNN times the training step's convolution algorithms "
                         "(off by default)")
+    parser.add_argument("--raw-images", action="store_true",
+                        help="ours with raw_images=True: the model takes the uint8 batch, its first "
+                             "convolution making its input in one kernel")
     parser.add_argument("--gpu-augment", action="store_true",
                         help="gpu_augment=True: the training pixels augmented on the GPU even with the "
                         "bench's cache='ram' (segment, pose and OBB data too, which ask for it)")
@@ -154,6 +157,8 @@ def _summarize(report: dict, args, runs: dict[str, dict], version: str) -> None:
         workload += " fused_loss=True"
     if args.gpu_augment:
         workload += " gpu_augment=True"
+    if args.raw_images:
+        workload += " raw_images=True"
     if args.fuse_blocks:
         workload += " fuse_blocks=True"
     if args.no_fuse_blocks:
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     options = {"fused_loss": True} if args.fused_loss else {}
     if args.gpu_augment:
         options["gpu_augment"] = True
+    if args.raw_images:
+        options["raw_images"] = True
     if args.fuse_blocks or args.no_fuse_blocks:
         options["fuse_blocks"] = bool(args.fuse_blocks)
     if args.cudnn_benchmark:
@@ -340,25 +347,27 @@ def _dataset(args, task: str) -> str:
 def _family(args: argparse.Namespace) -> str:
     """:func:`family` of a training run's command line."""
     return family(args.model, args.optimizer, fused_loss=args.fused_loss, gpu_augment=args.gpu_augment,
+                  raw_images=args.raw_images,
                   fuse_blocks=True if args.fuse_blocks else (False if args.no_fuse_blocks else None),
                   fuse_concat=args.fuse_concat, cudnn_benchmark=args.cudnn_benchmark, batch=args.batch)
 
 
 def family(model: str, optimizer: str = "auto", devices: str = "0", fused_loss: bool = False,
-           gpu_augment: bool = False, fuse_blocks: bool | None = None, fuse_concat: bool = False,
-           cudnn_benchmark: bool = False, batch: int | None = None) -> str:
+           gpu_augment: bool = False, raw_images: bool = False, fuse_blocks: bool | None = None,
+           fuse_concat: bool = False, cudnn_benchmark: bool = False, batch: int | None = None) -> str:
     """The results' name: ``yolo`` for the default yolov5n, ``yolo-<model stem>`` for another,
     ``-batch<N>`` for a batch other than the task's default, ``-<optimizer>`` appended for an
     optimizer other than ``auto``, ``-fused-loss`` with ``--fused-loss``, ``-gpu-augment`` with
-    ``--gpu-augment``, ``-fuse-blocks`` with ``--fuse-blocks`` (``-fuse-concat`` after it with
-    ``--fuse-concat``), ``-no-fuse-blocks`` with ``--no-fuse-blocks``, ``-cudnn-benchmark`` with
-    ``--cudnn-benchmark``, ``-<N>gpus`` for DDP."""
+    ``--gpu-augment``, ``-raw-images`` with ``--raw-images``, ``-fuse-blocks`` with ``--fuse-blocks``
+    (``-fuse-concat`` after it with ``--fuse-concat``), ``-no-fuse-blocks`` with
+    ``--no-fuse-blocks``, ``-cudnn-benchmark`` with ``--cudnn-benchmark``, ``-<N>gpus`` for DDP."""
     name = "yolo" if model == "yolov5n.yaml" else f"yolo-{Path(model).stem}"
     default_batch = 64 if Path(model).stem.endswith("-cls") else 16
     name = name if batch in (None, default_batch) else f"{name}-batch{batch}"
     name = name if optimizer == "auto" else f"{name}-{optimizer}"
     name = f"{name}-fused-loss" if fused_loss else name
     name = f"{name}-gpu-augment" if gpu_augment else name
+    name = f"{name}-raw-images" if raw_images else name
     name = f"{name}-fuse-blocks" if fuse_blocks else name
     name = f"{name}-no-fuse-blocks" if fuse_blocks is False else name
     name = f"{name}-fuse-concat" if fuse_concat else name

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainfuse.nn import image_input
+
 CHANNEL_MULTIPLE = 8  # what tensor-core convolutions want of the input channels
 
 
@@ -78,12 +80,17 @@ def space_to_depth(x: torch.Tensor, channels: int) -> torch.Tensor:
 def folded_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   padding: int) -> torch.Tensor:
     """``conv2d(x, weight, bias, stride=2, padding=padding)`` for even H and W, computed on the
-    space-to-depth input (module docstring)."""
+    space-to-depth input (module docstring). uint8 images are taken as ``x / 255`` in the dtype the
+    convolution computes in, folded as they are converted (:func:`~trainfuse.nn.image_input.
+    image_input`)."""
     channels = -(-x.shape[1] * 4 // CHANNEL_MULTIPLE) * CHANNEL_MULTIPLE
     w, pad = _folded_weight(weight, padding, channels)
     h_out = (x.shape[2] + 2 * padding - weight.shape[2]) // 2 + 1
     w_out = (x.shape[3] + 2 * padding - weight.shape[3]) // 2 + 1
-    s = space_to_depth(x, channels)
+    if x.dtype == torch.uint8:
+        s = image_input.image_input(x, image_input.compute_dtype(weight, x.device), fold=2, channels=channels)
+    else:
+        s = space_to_depth(x, channels)
     half = w.shape[2]
     bottom = h_out - s.shape[2] - pad + half - 1  # what the output size needs below and right
     right = w_out - s.shape[3] - pad + half - 1
@@ -102,7 +109,7 @@ class _FoldedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.conv
         if x.dim() != 4 or x.shape[2] % 2 or x.shape[3] % 2:
-            return nn.Conv2d.forward(conv, x)
+            return nn.Conv2d.forward(conv, image_input.as_conv_input(conv, x) if x.dim() == 4 else x)
         return folded_conv2d(x, conv.weight, conv.bias, conv.padding[0])
 
     def __deepcopy__(self, memo: dict) -> types.MethodType:
@@ -127,4 +134,9 @@ def uninstall(conv: nn.Module) -> None:
         del conv.forward
 
 
-__all__ = ["folded_conv2d", "foldable", "install", "space_to_depth", "uninstall"]
+def installed(conv: nn.Module) -> bool:
+    """Whether :func:`install` has put its forward on ``conv`` (which takes uint8 images too)."""
+    return isinstance(conv.__dict__.get("forward"), _FoldedForward)
+
+
+__all__ = ["folded_conv2d", "foldable", "install", "installed", "space_to_depth", "uninstall"]

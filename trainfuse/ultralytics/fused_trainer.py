@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
+import torch
 from typing_extensions import override
 from ultralytics.cfg import get_cfg
 from ultralytics.engine.trainer import BaseTrainer
@@ -27,6 +28,7 @@ from trainfuse.clients import ON, SWAPPED, AppliedChanges, Report, Row
 from trainfuse.optim import FusedOptimizer
 from trainfuse.ultralytics import compat
 from trainfuse.ultralytics.changes import CALLBACKS, Options, Results, Run, blocks, changes
+from trainfuse.ultralytics.changes.image_input import device_batch
 from trainfuse.ultralytics.changes.loss import takes_fused_loss
 from trainfuse.ultralytics.changes.optimizer import TorchLayoutOptimizer, fused_phase
 from trainfuse.ultralytics.checkpoint import CheckpointWriter
@@ -37,7 +39,7 @@ from trainfuse.ultralytics.warm_start import KernelsAhead
 
 _PREFIX = colorstr("trainfuse:")
 OPTIONS = ("cuda_graphs", "gpu_augment", "fused_loss", "fuse_casts", "fold_stem", "fuse_blocks", "prefetch",
-           "parallel_plots", "device_cache", "cudnn_benchmark")
+           "parallel_plots", "device_cache", "cudnn_benchmark", "raw_images")
 # what None, the default, means for the options that take it
 _NONE_MEANS = {"gpu_augment": "on for CUDA where images are read from disk", "device_cache": "on for CUDA",
                "fuse_blocks": "on for detection models of 5M parameters or more on one CUDA device"}
@@ -77,6 +79,9 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         cudnn_benchmark: on CUDA, cuDNN times the training step's convolution algorithms once per
             shape (``torch.backends.cudnn.benchmark`` during the training epochs, the user's setting
             for validation; default False: :mod:`trainfuse.ultralytics.changes.conv_algorithms`).
+        raw_images: the training batches reach the model as uint8 images, which its first
+            convolution turns into its input (``x / 255`` in its dtype and layout) in one kernel,
+            stock's values (default False: :mod:`trainfuse.ultralytics.changes.image_input`).
 
     Attributes:
         report: what the trainer changed and what it left stock, with why (rows of
@@ -97,6 +102,7 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
     parallel_plots = False
     device_cache: bool | None = None
     cudnn_benchmark = False
+    raw_images = False
 
     def __init__(self, cfg=DEFAULT_CFG, overrides: dict | None = None, *args, **kwargs):
         options = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
@@ -198,7 +204,8 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
         if line := self.kernels.started():
             LOGGER.info(f"{_PREFIX} {line}")
         self._run = Run(self, Options(self.fused_loss, self.fuse_casts, self.cuda_graphs, self.fold_stem,
-                                      self.fuse_blocks, self.device_cache, self.cudnn_benchmark),
+                                      self.fuse_blocks, self.device_cache, self.cudnn_benchmark,
+                                      self.raw_images),
                         self.loading)
         self._applied.apply(changes(self._run.options), self._run)
 
@@ -333,7 +340,19 @@ class FusedTrainer(compat.TrainerHooks, BaseTrainer):
 
     @override
     def preprocess_batch(self, batch: dict) -> dict:
-        return super().preprocess_batch(self.loading.prepare(batch, self.device, self._pads_labels()))
+        """ultralytics' preprocessing, or where the model takes uint8 images (``raw_images``) its
+        moves to the device only."""
+        batch = self.loading.prepare(batch, self.device, self._pads_labels())
+        if self._run is not None and self._run.uint8_images and batch["img"].dtype == torch.uint8:
+            return device_batch(batch, self.device)
+        return super().preprocess_batch(batch)
+
+    @override
+    def plot_training_samples(self, batch: dict, ni: int) -> None:
+        img = batch.get("img")
+        if isinstance(img, torch.Tensor) and img.dtype == torch.uint8:
+            batch = {**batch, "img": img.float() / 255}  # as ultralytics' preprocessing has them
+        return super().plot_training_samples(batch, ni)
 
     def _pads_labels(self) -> bool:
         """Whether the training batches carry padded labels (a fused loss trains)."""

@@ -29,6 +29,7 @@ class Options:
     fuse_blocks: bool | None = None
     device_cache: bool | None = None
     cudnn_benchmark: bool = False
+    raw_images: bool = False
 
 
 @dataclasses.dataclass
@@ -51,6 +52,7 @@ class Run:
         loading: its training batches' loading (what it decided at the dataset's build).
         reloading: the changes are undone around a checkpoint load (NaN recovery) and made again
             after it, rather than for good.
+        uint8_images: the training batches reach the model as uint8 images (the images change).
         flat: under DDP with graphs, the grads as views of one flat buffer (the DDP change).
         graphed: the step's forward, loss and backward from CUDA graphs (the graphs change).
         phase: the optimizer phase replayed from graphs (the phase change).
@@ -61,6 +63,7 @@ class Run:
     options: Options
     loading: BatchLoading
     reloading: bool = False
+    uint8_images: bool = False
     flat: FlatGrads | None = None
     graphed: GraphedLoss | None = None
     phase: GraphedOptimizerStep | None = None
