@@ -26,24 +26,28 @@ import triton.language as tl
 from torch import nn
 
 from trainfuse._runtime.backend import use_triton
-from trainfuse._runtime.launch import CachedLauncher, cdiv, next_power_of_2
+from trainfuse._runtime.launch import CachedLauncher, cdiv
 from trainfuse.nn.conv_block import InstanceForward
 
 launcher = CachedLauncher()
-TILE = 2048  # elements (positions x channels) of a program's tile: 16 a thread at 4 warps
+BLOCK = 2048  # output elements of a program: 16 a thread at 4 warps
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernel's; float64 takes torch's path
 _tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 @triton.jit
-def image_input_kernel(x_ptr, lut_ptr, out_ptr, P, HO, WO, xN, xC, xH, xW, oN, oC, oH, oW,
-                       C: tl.constexpr, S: tl.constexpr, CO: tl.constexpr, BP: tl.constexpr,
-                       BC: tl.constexpr):
-    """Program ``i``: output positions ``[i * BP, (i + 1) * BP)`` of the ``P = N * HO * WO``, all
-    ``CO`` channels. Output channel ``k = (c * S + dy) * S + dx`` of position ``(n, h, w)`` is
-    ``lut[x[n, c, h * S + dy, w * S + dx]]``; channels from ``C * S * S`` on are 0 (``lut[0]``)."""
-    p = tl.program_id(0) * BP + tl.arange(0, BP)
-    k = tl.arange(0, BC)
+def image_input_kernel(x_ptr, lut_ptr, out_ptr, E, HO, WO, xN, xC, xH, xW, oN, oC, oH, oW,
+                       C: tl.constexpr, S: tl.constexpr, CO: tl.constexpr, BLOCK: tl.constexpr,
+                       FLAT: tl.constexpr):
+    """Program ``i``: output elements ``[i * BLOCK, (i + 1) * BLOCK)`` of the ``E = N * HO * WO *
+    CO``, numbered position by position, channels innermost (channels_last's order). Channel ``k =
+    (c * S + dy) * S + dx`` of position ``(n, h, w)`` is ``lut[x[n, c, h * S + dy, w * S + dx]]``;
+    channels from ``C * S * S`` on are 0 (``lut[0]``). ``FLAT``: the output is dense channels_last,
+    element ``e`` at offset ``e`` (contiguous stores); else at its strides."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = e < E
+    p = e // CO
+    k = e - p * CO
     HWO = HO * WO
     n = p // HWO
     r = p - n * HWO
@@ -53,13 +57,13 @@ def image_input_kernel(x_ptr, lut_ptr, out_ptr, P, HO, WO, xN, xC, xH, xW, oN, o
     c = k // SS
     dy = (k // S) % S
     dx = k % S
-    pm = p < P
-    src = (x_ptr + n.to(tl.int64)[:, None] * xN + c[None, :] * xC + (h[:, None] * S + dy[None, :]) * xH
-           + (w[:, None] * S + dx[None, :]) * xW)
-    v = tl.load(src, mask=pm[:, None] & (k < C * SS)[None, :], other=0)
+    src = x_ptr + n.to(tl.int64) * xN + c * xC + (h * S + dy) * xH + (w * S + dx) * xW
+    v = tl.load(src, mask=m & (k < C * SS), other=0)
     value = tl.load(lut_ptr + v.to(tl.int32))  # every index is in the table; padding reads lut[0] = 0
-    dst = out_ptr + n.to(tl.int64)[:, None] * oN + k[None, :] * oC + h[:, None] * oH + w[:, None] * oW
-    tl.store(dst, value, mask=pm[:, None] & (k < CO)[None, :])
+    if FLAT:
+        tl.store(out_ptr + e, value, mask=m)
+    else:
+        tl.store(out_ptr + n.to(tl.int64) * oN + k * oC + h * oH + w * oW, value, mask=m)
 
 
 def table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -126,15 +130,14 @@ def image_input(x: torch.Tensor, dtype: torch.dtype, fold: int = 1, channels: in
         raise ValueError(f"image_input: memory_format must be torch.channels_last or "
                          f"torch.contiguous_format; got {memory_format!r}")
     N, C, H, W = x.shape
-    if dtype not in DTYPES or x.numel() == 0 or not use_triton(x.device):
-        return image_input_torch(x, dtype, fold, channels, memory_format)
     HO, WO = H // fold, W // fold
+    E = N * HO * WO * channels
+    if dtype not in DTYPES or x.numel() == 0 or E >= 2**31 or not use_triton(x.device):
+        return image_input_torch(x, dtype, fold, channels, memory_format)
     out = torch.empty((N, channels, HO, WO), device=x.device, dtype=dtype, memory_format=memory_format)
-    bc = next_power_of_2(channels)
-    bp = max(16, TILE // bc)
-    P = N * HO * WO
-    launcher(image_input_kernel, (cdiv(P, bp),), x, table(x.device, dtype), out, P, HO, WO, *x.stride(),
-             *out.stride(), C=C, S=fold, CO=channels, BP=bp, BC=bc, num_warps=4)
+    flat = out.is_contiguous(memory_format=torch.channels_last)
+    launcher(image_input_kernel, (cdiv(E, BLOCK),), x, table(x.device, dtype), out, E, HO, WO, *x.stride(),
+             *out.stride(), C=C, S=fold, CO=channels, BLOCK=BLOCK, FLAT=flat, num_warps=4)
     return out
 
 
