@@ -103,3 +103,16 @@ def test_an_unsynced_timer_times_the_host_and_reads_no_loss():
     assert summary["iterations"] == 3 and np.isnan(summary["images_per_s"])  # host times give no rate
     with pytest.raises(LookupError, match="the loss was read"):  # the synced timer reads it
         LoopTimer().on_train_batch_end(trainer)
+
+
+def test_the_last_epochs_iteration_is_its_wall_time_over_its_iterations():
+    """What an unsynced run compares: the last epoch's time (the GPU waited for at its ends) over
+    its own iterations, not the first epoch's (captures, compiles) nor the run's."""
+    from trainfuse.bench.yolo_harness import LoopTimer
+
+    timer = LoopTimer(sync=False)
+    timer.epoch_s = [9.0, 1.2]
+    timer.epoch_of = [0] * 5 + [1] * 4
+    timer.starts = timer.ends = [float(i) for i in range(9)]
+    assert timer.summary(batch=8, warmup=0)["last_epoch_iter_ms"] == pytest.approx(1.2e3 / 4)
+    assert np.isnan(LoopTimer().summary(batch=8)["last_epoch_iter_ms"])  # no epoch timed

@@ -100,8 +100,9 @@ class LoopTimer:
 
         Returns:
             ``iterations``, ``iter_ms``, ``data_wait_ms``, ``epoch_s`` (median training time of
-            an epoch, validation excluded) and ``images_per_s`` (batch over loop time plus wait;
-            NaN unsynced).
+            an epoch, validation excluded), ``images_per_s`` (batch over loop time plus wait;
+            NaN unsynced) and ``last_epoch_iter_ms`` (the last epoch's time over its iterations:
+            the GPU waited for at its ends only, so unsynced it is what the run's clock shows).
         """
         keep = [i for i in range(warmup, len(self.ends)) if i not in self.skip]
         if not keep:
@@ -113,9 +114,12 @@ class LoopTimer:
         wait = statistics.median(waits) if waits else 0.0
         # unsynced, an iteration's time is its host time: no rate follows from it
         rate = batch * 1e3 / (it + wait) if self.sync else float("nan")
+        last = self.epoch_of[-1] if self.epoch_of else None
+        in_last = sum(1 for e in self.epoch_of if e == last)
+        last_ms = self.epoch_s[-1] * 1e3 / in_last if self.epoch_s and in_last else float("nan")
         return {"iterations": len(self.ends), "iter_ms": it, "data_wait_ms": wait,
                 "epoch_s": statistics.median(self.epoch_s) if self.epoch_s else float("nan"),
-                "images_per_s": rate}
+                "images_per_s": rate, "last_epoch_iter_ms": last_ms}
 
     def steady_images_per_s(self, batch: int) -> float:
         """Images per second after the first epoch, the epoch ends included: from the end of the
