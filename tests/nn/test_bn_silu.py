@@ -336,7 +336,9 @@ def _forced_general(flags):
 def test_whole_tiles_skip_the_masks_and_give_the_general_paths_bits(monkeypatch, split, channels_last, dtype):
     """Positions that fill whole tiles and channels whole blocks (split at a multiple of the block)
     take the unmasked kernels, with 32-bit tile offsets, counting positions on the host: the same
-    bits as the masked, 64-bit, channel-by-channel paths, forward and backward."""
+    bits as the masked, 64-bit, channel-by-channel paths, forward and backward (the two-launch
+    forward: test_bn_persist.py checks the one-launch one against it)."""
+    monkeypatch.delenv("TRAINFUSE_BN_PERSIST", raising=False)
     shape = (2, 32, 4, 4) if DEVICE.type == "cpu" else (2, 128, 16, 16)  # whole tiles either way
     x, w, b, rm, rv, dy = make(shape, dtype, channels_last)
     chosen = []

@@ -49,7 +49,7 @@ from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
 from trainfuse._runtime.launch import cdiv
 from trainfuse._runtime.reduce import last_to_arrive
-from trainfuse.nn import bn_stats, param_grads
+from trainfuse.nn import bn_persist, bn_stats, param_grads
 from trainfuse.nn import channel_tiles as tiles
 
 
@@ -200,11 +200,23 @@ class _BatchNormSiLU(torch.autograd.Function):
         cfg = bn_stats.config(x.stride(), C)
         cb = cdiv(C, cfg.channels)
         nsb = cdiv(S, cfg.rows)
+        ctx.training, ctx.split, ctx.shape = training, split, shape
+        if training and bn_persist.enabled():  # statistics and y in one launch, where it fits
+            if split:
+                y0, y1, part = _halves(x.view(shape))
+                out, ys, at = y0, bn_stats.flat(y0).stride(), C // 2
+            else:
+                out = torch.empty_like(x)
+                ys, at, part = out.stride(), C, 0
+            consts = bn_persist.forward(x, out, ys, at, part, weight, bias, running_mean, running_var,
+                                        momentum, eps, tracked)
+            if consts is not None:
+                ctx.save_for_backward(x, weight, consts)
+                return (y0, y1) if split else out.view(shape)
         consts = bn_stats.statistics(x, weight, bias, running_mean, running_var, training, momentum, eps,
                                      tracked)
         scale, shift, mean, invstd = consts.unbind(0)
         ctx.save_for_backward(x, weight, consts)
-        ctx.training, ctx.split, ctx.shape = training, split, shape
         if split:  # two outputs, each dense: C2f's halves (split_batch_norm_silu)
             y0, y1, part = _halves(x.view(shape))
             ys = bn_stats.flat(y0).stride()

@@ -91,6 +91,20 @@ def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, r
     and re-arms the block's arrival counter; block 0's also adds 1 to the module's
     ``num_batches_tracked`` (``TRACK``)."""
     i, j, c = tiles.program(CB, BC)
+    stats_program(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr,
+                  shift_ptr, save_mean_ptr, save_invstd_ptr, tracked_ptr, i, j, c, C, S, NSB, Q, sN, sC, sS,
+                  tiles_per_program, P, M, momentum, eps, HAS_W, UPDATE, TRACK, BP, BR, BC, UNROLL, EVEN_S,
+                  MASKED, REL32)
+
+
+@triton.jit
+def stats_program(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr,
+                  shift_ptr, save_mean_ptr, save_invstd_ptr, tracked_ptr, i, j, c, C, S, NSB, Q, sN, sC, sS,
+                  tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
+                  TRACK: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                  UNROLL: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, REL32: tl.constexpr):
+    """Program ``(i, j)``'s part of :func:`bn_stats_kernel` (its partials; the merge and the
+    constants where it arrives last); returns whether it arrived last."""
     cm = c < C
     q0 = i * tiles_per_program  # always a tile (the launch makes no program without one)
     valid = tl.minimum(tiles_per_program, Q - q0)
@@ -125,7 +139,8 @@ def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, r
     tl.store(m2_ptr + i * C + c, tl.maximum(s2 - s1 * s1 * inv, 0.0), mask=cm)
     tl.store(count_ptr + i * C + c, n, mask=cm)
     tl.debug_barrier()  # every thread's partials are stored before the release below
-    if last_to_arrive(cnt_ptr + j, P):
+    last = last_to_arrive(cnt_ptr + j, P)
+    if last:
         mean, m2 = merge_partials(mean_ptr, m2_ptr, count_ptr, c, cm, P, C, BP, BC)
         _finalize(mean, m2, w_ptr, b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr,
                   save_invstd_ptr, c, cm, M, momentum, eps, HAS_W, UPDATE)
@@ -133,6 +148,7 @@ def bn_stats_kernel(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, r
             if j == 0:
                 tl.store(tracked_ptr, tl.load(tracked_ptr) + 1)
         tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
+    return last
 
 
 @triton.jit
@@ -333,15 +349,16 @@ def split(tiles: int, channel_blocks: int, device: torch.device, cfg: BNLaunch) 
     return cdiv(tiles, per), per
 
 
-COUNTERS = 256  # arrival counters asked for at least (4,096 channels in blocks of 16)
+COUNTERS = 256  # arrival counters of a channel block each (4,096 channels in blocks of 16)
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
     """``n`` arrival counters at zero, the current stream's (kernels on a stream run in order, and
-    the last program of each channel block re-arms its counter). At least :data:`COUNTERS`, so
-    that the stream's set is made once, not grown layer by layer (a CUDA graph keeps the
-    addresses it was captured with)."""
-    return stream_workspace(device, None, torch.float32, 0, max(n, COUNTERS))[1]
+    the last program of each channel block re-arms its counter). At least three times
+    :data:`COUNTERS` (the first third the blocks' arrival counters, the rest the one-launch
+    forward's flags: :mod:`trainfuse.nn.bn_persist`), so that the stream's set is made once, not
+    grown layer by layer (a CUDA graph keeps the addresses it was captured with)."""
+    return stream_workspace(device, None, torch.float32, 0, max(n, 3 * COUNTERS))[1]
 
 
 def statistics(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -381,4 +398,4 @@ def statistics(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 __all__ = ["BNLaunch", "CHANNELS_LAST", "CONTIGUOUS", "COUNTERS", "FINALIZE_ROWS", "bn_stats_kernel",
            "config", "counters", "flags", "flat", "grad_finalize", "launcher", "programs", "silu_du", "split",
-           "statistics"]
+           "statistics", "stats_program"]

@@ -1,0 +1,134 @@
+"""trainfuse.nn.bn_persist (``TRAINFUSE_BN_PERSIST=1``): BatchNorm + SiLU's training forward in one
+launch against the two-launch forward, bit for bit (outputs, running statistics, the batch count,
+and the backward that reads the constants it saved), one output and C2f's halves, affine or not,
+with and without running statistics, both layouts, odd sizes, every dtype; the fallback where the
+flags would not fit; how many programs fit on an SM. On CPU the interpreter runs the kernel as two
+launches (statistics, then apply); on a GPU the one-launch kernel with its flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._helpers import cuda, cuda_kernel_names
+from trainfuse.nn import bn_persist, bn_silu, bn_stats
+from trainfuse.nn.bn_stats import BNLaunch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (N, C, H, W): odd sizes, channels past a block, batch 1, an even C for the halves
+SHAPES = [(2, 6, 5, 7), (1, 10, 4, 9), (3, 70, 2, 3), (2, 32, 4, 4)]
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(kernels, monkeypatch):
+    """The kernels (the interpreter on CPU) with test_bn_silu.py's small tiles: several programs
+    a channel block, each of several tiles, so that a program applies the tiles it read."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(bn_stats, "CONTIGUOUS", BNLaunch(rows=8, channels=4, programs_per_sm=1))
+        reduce = BNLaunch(rows=2, channels=16, programs_per_sm=1, unroll=3)
+        monkeypatch.setattr(bn_stats, "CHANNELS_LAST",
+                            BNLaunch(rows=4, channels=8, programs_per_sm=1, reduce=reduce))
+        monkeypatch.setattr(bn_stats, "FINALIZE_ROWS", 2)
+
+
+def _make(shape, dtype, channels_last, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = shape[1]
+    x = (torch.randn(shape, generator=g) * 3 + 1.5).to(DEVICE, dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w, b = (torch.rand(C, generator=g) + 0.5).to(DEVICE), (torch.randn(C, generator=g) * 0.5).to(DEVICE)
+    rm, rv = torch.randn(C, generator=g).to(DEVICE), (torch.rand(C, generator=g) + 0.5).to(DEVICE)
+    dy = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    return x, w, b, rm, rv, dy
+
+
+def _run(monkeypatch, persist, x, w, b, rm, rv, dy, split, running, tracked):
+    """Forward and backward of the op with the one-launch forward on or off: outputs, grads,
+    running statistics and the batch count."""
+    monkeypatch.setenv("TRAINFUSE_BN_PERSIST", "1" if persist else "0")
+    xg = x.clone().requires_grad_()
+    wg = w.clone().requires_grad_() if w is not None else None
+    bg = b.clone().requires_grad_() if b is not None else None
+    rm_, rv_ = (rm.clone(), rv.clone()) if running else (None, None)
+    count = torch.zeros(1, dtype=torch.long, device=DEVICE) if tracked else None
+    if split:
+        outs = bn_silu.split_batch_norm_silu(xg, rm_, rv_, wg, bg, True, 0.03, 1e-3,
+                                             num_batches_tracked=count)
+        torch.autograd.backward(outs, dy.chunk(2, 1))
+    else:
+        outs = (bn_silu.batch_norm_silu(xg, rm_, rv_, wg, bg, True, 0.03, 1e-3, num_batches_tracked=count),)
+        outs[0].backward(dy)
+    grads = [t.grad for t in (xg, wg, bg) if t is not None]
+    return [o.detach() for o in outs] + grads + [t for t in (rm_, rv_, count) if t is not None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("split", [False, True], ids=["one", "halves"])
+def test_one_launch_gives_the_two_launch_forwards_bits(monkeypatch, shape, channels_last, dtype, split):
+    if split and shape[1] % 2:
+        pytest.skip("the halves need an even C")
+    x, w, b, rm, rv, dy = _make(shape, dtype, channels_last)
+    kept = x.clone()
+    want = _run(monkeypatch, False, x, w, b, rm, rv, dy, split, True, True)
+    got = _run(monkeypatch, True, x, w, b, rm, rv, dy, split, True, True)
+    assert len(got) == len(want)
+    for g, e in zip(got, want):
+        assert g.dtype == e.dtype and g.stride() == e.stride() and torch.equal(g, e)
+    assert torch.equal(x, kept)
+
+
+@pytest.mark.parametrize("affine,running,tracked",
+                         [(False, True, False), (True, False, False), (False, False, True)],
+                         ids=["no-affine", "no-running", "count-only"])
+def test_without_affine_running_statistics_or_with_the_count_only(monkeypatch, affine, running, tracked):
+    x, w, b, rm, rv, dy = _make((2, 6, 5, 7), torch.float16, True)
+    if not affine:
+        w = b = None
+    want = _run(monkeypatch, False, x, w, b, rm, rv, dy, False, running, tracked)
+    got = _run(monkeypatch, True, x, w, b, rm, rv, dy, False, running, tracked)
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+
+
+def test_more_channel_blocks_than_flags_take_the_two_launch_forward(monkeypatch):
+    """Past :data:`~trainfuse.nn.bn_stats.COUNTERS` channel blocks the flags would lie on the
+    arrival counters: the forward says so (None) and the op runs its two launches."""
+    C = bn_stats.COUNTERS * bn_stats.CONTIGUOUS.channels + 2
+    x, w, b, rm, rv, dy = _make((2, C, 1, 2), torch.float32, False)
+    flat = bn_stats.flat(x)
+    y = torch.empty_like(flat)
+    made = bn_persist.forward(flat, y, y.stride(), C, 0, w, b, rm.clone(), rv.clone(), 0.1, 1e-5, None)
+    assert made is None
+    want = _run(monkeypatch, False, x, w, b, rm, rv, dy, False, True, False)
+    got = _run(monkeypatch, True, x, w, b, rm, rv, dy, False, True, False)
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("regs,shared,warps,per_sm", [(96, 0, 4, 5), (128, 0, 4, 4), (130, 0, 4, 3),
+                                                      (40, 0, 4, 12), (32, 0, 8, 8), (64, 100_000, 4, 2)])
+def test_programs_resident_at_once(monkeypatch, regs, shared, warps, per_sm):
+    """Registers in 256-a-warp steps, threads, shared memory (1 KB reserved a program) and the
+    32-program cap, on an H100-like SM (65,536 registers, 2,048 threads, 228 KB)."""
+    monkeypatch.setattr(bn_persist, "_sm_limits", lambda index: (132, 65536, 2048, 233472))
+    assert bn_persist.resident(regs, shared, warps, 0) == per_sm * 132
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(16, 64, 40, 40), (16, 512, 20, 20), (3, 70, 9, 7)], ids=str)
+def test_on_a_gpu_one_kernel_runs_the_forward(monkeypatch, shape):
+    """The default tiles: one launch where its programs fit, the two-launch forward's bits."""
+    monkeypatch.setattr(bn_stats, "CHANNELS_LAST", bn_stats._reduce_from_env(
+        BNLaunch(rows=32, channels=64, reduce=BNLaunch(rows=64, channels=32, unroll=2))))
+    x, w, b, rm, rv, dy = _make(shape, torch.float16, True)
+    want = _run(monkeypatch, False, x, w, b, rm, rv, dy, False, True, True)
+    got = _run(monkeypatch, True, x, w, b, rm, rv, dy, False, True, True)
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+    names = cuda_kernel_names(lambda: bn_silu.batch_norm_silu(x, rm.clone(), rv.clone(), w, b, True))
+    assert any("bn_stats_apply_kernel" in n for n in names)
+    assert not any("bn_silu_apply_kernel" in n or n.startswith("bn_stats_kernel") for n in names)
