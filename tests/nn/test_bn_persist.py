@@ -1,9 +1,10 @@
-"""trainfuse.nn.bn_persist (``TRAINFUSE_BN_PERSIST=1``): BatchNorm + SiLU's training forward in one
-launch against the two-launch forward, bit for bit (outputs, running statistics, the batch count,
-and the backward that reads the constants it saved), one output and C2f's halves, affine or not,
-with and without running statistics, both layouts, odd sizes, every dtype; the fallback where the
-flags would not fit; how many programs fit on an SM. On CPU the interpreter runs the kernel as two
-launches (statistics, then apply); on a GPU the one-launch kernel with its flag."""
+"""trainfuse.nn.bn_persist (``TRAINFUSE_BN_PERSIST=1``): BatchNorm + SiLU's training forward and
+backward in one launch each against the two-launch op, bit for bit (outputs, running statistics,
+the batch count, dx and the params' grads), one output and C2f's halves (their grads in two
+parts), affine or not, with and without running statistics, both layouts, odd sizes, every dtype;
+the fallback where the flags would not fit; how many programs fit on an SM. On CPU the
+interpreter runs each kernel as two launches (the reduction, then the elementwise pass); on a GPU
+the one-launch kernels with their flags."""
 
 from __future__ import annotations
 
@@ -115,13 +116,13 @@ def test_programs_resident_at_once(monkeypatch, regs, shared, warps, per_sm):
     """Registers in 256-a-warp steps, threads, shared memory (1 KB reserved a program) and the
     32-program cap, on an H100-like SM (65,536 registers, 2,048 threads, 228 KB)."""
     monkeypatch.setattr(bn_persist, "_sm_limits", lambda index: (132, 65536, 2048, 233472))
-    assert bn_persist.resident(regs, shared, warps, 0) == per_sm * 132
+    assert bn_persist.resident(regs, shared, warps, 0) == per_sm
 
 
 @cuda
 @pytest.mark.parametrize("shape", [(16, 64, 40, 40), (16, 512, 20, 20), (3, 70, 9, 7)], ids=str)
-def test_on_a_gpu_one_kernel_runs_the_forward(monkeypatch, shape):
-    """The default tiles: one launch where its programs fit, the two-launch forward's bits."""
+def test_on_a_gpu_one_kernel_runs_each_way(monkeypatch, shape):
+    """The default tiles: one launch each way where its programs fit, the two-launch op's bits."""
     monkeypatch.setattr(bn_stats, "CHANNELS_LAST", bn_stats._reduce_from_env(
         BNLaunch(rows=32, channels=64, reduce=BNLaunch(rows=64, channels=32, unroll=2))))
     x, w, b, rm, rv, dy = _make(shape, torch.float16, True)
@@ -129,6 +130,11 @@ def test_on_a_gpu_one_kernel_runs_the_forward(monkeypatch, shape):
     got = _run(monkeypatch, True, x, w, b, rm, rv, dy, False, True, True)
     for g, e in zip(got, want):
         assert torch.equal(g, e)
-    names = cuda_kernel_names(lambda: bn_silu.batch_norm_silu(x, rm.clone(), rv.clone(), w, b, True))
-    assert any("bn_stats_apply_kernel" in n for n in names)
-    assert not any("bn_silu_apply_kernel" in n or n.startswith("bn_stats_kernel") for n in names)
+    def step():
+        xg = x.clone().requires_grad_()
+        bn_silu.batch_norm_silu(xg, rm.clone(), rv.clone(), w, b, True).backward(dy)
+
+    names = cuda_kernel_names(step)
+    assert any("bn_stats_apply_kernel" in n for n in names) and any("bn_grad_dx_kernel" in n for n in names)
+    assert not any(n.startswith(("bn_silu_apply_kernel", "bn_stats_kernel", "bn_silu_grad_sums_kernel",
+                                 "bn_silu_dx_kernel")) for n in names)

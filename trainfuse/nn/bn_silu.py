@@ -48,8 +48,7 @@ import triton.language as tl
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
 from trainfuse._runtime.launch import cdiv
-from trainfuse._runtime.reduce import last_to_arrive
-from trainfuse.nn import bn_persist, bn_stats, param_grads
+from trainfuse.nn import bn_grad_sums, bn_persist, bn_stats, param_grads
 from trainfuse.nn import channel_tiles as tiles
 
 
@@ -74,26 +73,6 @@ def bn_silu_apply_kernel(x_ptr, y_ptr, scale_ptr, shift_ptr, C, CB, S, NSB, sN, 
     tiles.store_tile(out, y, m, MASKED)
 
 
-@triton.jit
-def _du_tile(x_ptr, dy_ptr, dy1_ptr, gp, gN_, gS_, rel, rel_g, q, c, cm, s, t, S, NSB, sN, sS, gN, gC, gS,
-             hN, hC, hS, SPLIT, BR: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr,
-             PART: tl.constexpr):
-    """Tile ``q``'s ``x`` and ``du`` (0 where masked): ``dy`` at ``gp`` (strides ``gN_, gS_``,
-    offsets ``rel_g``) for a block in one part, else split by channel."""
-    base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
-    m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
-    x = tiles.load_tile(x_ptr + base + rel, m, MASKED)
-    if PART == 2:
-        grads = tiles.split_addresses(dy_ptr, dy1_ptr, q, c, NSB, gN, gC, gS, hN, hC, hS, SPLIT, BR)
-    else:
-        gbase, _ = tiles.tile_start(q, NSB, gN_, gS_, BR)
-        grads = gp + gbase + rel_g
-    du = bn_stats.silu_du(x, tiles.load_tile(grads, m, MASKED), s, t)
-    if MASKED:
-        du = tl.where(m, du, 0.0)
-    return x, du
-
-
 @triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P"])
 def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr,
                              sdux_ptr, cnt_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, C, CB, S, NSB, Q, sN, sC, sS,
@@ -106,45 +85,13 @@ def bn_silu_grad_sums_kernel(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_
     fixed order into ``dw`` and ``db`` (and with ``GRAD`` into the params' grads ``gw``, ``gb``:
     :func:`~trainfuse.nn.bn_stats.grad_finalize`). ``dy``'s channels from ``SPLIT`` on are
     ``dy1``'s (C, and ``dy`` again, for one part); the tiles walked as the statistics walk them.
-    ``G_SAME``: one part laid out as ``x``, read at ``x``'s offsets."""
+    ``G_SAME``: one part laid out as ``x``, read at ``x``'s offsets
+    (:func:`~trainfuse.nn.bn_grad_sums.grad_sums_program`)."""
     i, j, c = tiles.program(CB, BC)
-    cm = c < C
-    s = tl.load(scale_ptr + c, mask=cm, other=0.0)
-    t = tl.load(shift_ptr + c, mask=cm, other=0.0)
-    mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
-    invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
-    q0 = i * tiles_per_program
-    valid = tl.minimum(tiles_per_program, Q - q0)
-    rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
-    if PART == 1:
-        gp, gN_, gC_, gS_, cg = tiles.block_part(j, c, SPLIT, dy_ptr, dy1_ptr, gN, gC, gS, hN, hC, hS, BC)
-    else:  # (PART 2 reads its addresses tile by tile)
-        gp, gN_, gC_, gS_, cg = dy_ptr, gN, gC, gS, c
-    if G_SAME:  # dy laid out as x: the same offsets (fewer registers held across the loop)
-        rel_g = rel
-    else:
-        rel_g = tiles.tile_offsets(cg, gC_, gS_, BR, REL32)
-    sdu = tl.zeros([BR, BC], tl.float32)
-    sdux = tl.zeros([BR, BC], tl.float32)
-    grouped = valid // UNROLL * UNROLL
-    for k0 in range(0, grouped, UNROLL):
-        for k1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
-            x, du = _du_tile(x_ptr, dy_ptr, dy1_ptr, gp, gN_, gS_, rel, rel_g, q0 + k0 + k1, c, cm, s, t, S,
-                             NSB, sN, sS, gN, gC, gS, hN, hC, hS, SPLIT, BR, EVEN_S, MASKED, PART)
-            sdu += du
-            sdux += du * (x - mean[None, :])
-    for k in range(grouped, valid):
-        x, du = _du_tile(x_ptr, dy_ptr, dy1_ptr, gp, gN_, gS_, rel, rel_g, q0 + k, c, cm, s, t, S, NSB, sN,
-                         sS, gN, gC, gS, hN, hC, hS, SPLIT, BR, EVEN_S, MASKED, PART)
-        sdu += du
-        sdux += du * (x - mean[None, :])
-    tl.store(sdu_ptr + i * C + c, tl.sum(sdu, 0), mask=cm)
-    tl.store(sdux_ptr + i * C + c, tl.sum(sdux, 0) * invstd, mask=cm)
-    tl.debug_barrier()  # every thread's partials are stored before the release below
-    if last_to_arrive(cnt_ptr + j, P):
-        bn_stats.grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, c, cm, P, C, BP, BC,
-                               GRAD)
-        tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
+    bn_grad_sums.grad_sums_program(x_ptr, dy_ptr, dy1_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr,
+                                   sdu_ptr, sdux_ptr, cnt_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, i, j, c, C, S,
+                                   NSB, Q, sN, sC, sS, gN, gC, gS, hN, hC, hS, SPLIT, tiles_per_program, P,
+                                   BP, BR, BC, UNROLL, EVEN_S, MASKED, PART, REL32, G_SAME, GRAD)
 
 
 @triton.jit(do_not_specialize=["M", "CB", "NSB"])
@@ -246,29 +193,33 @@ class _BatchNormSiLU(torch.autograd.Function):
         # materializes it); one part: the second is the first, from channel C on (none)
         dy = bn_stats.flat(dy)
         dy1, split = (bn_stats.flat(dy1), C // 2) if ctx.split else (dy, C)
-        rc = bn_stats.config(x.stride(), C, reduce=True)
-        rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
-        P, per = bn_stats.split(N * rnsb, rcb, x.device, rc)
-        partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
         sums = torch.empty(2, C, device=x.device, dtype=torch.float32)  # dw, db
         grads = (gw, gb) if direct else sums  # (unread without GRAD)
-        launch(bn_silu_grad_sums_kernel, (P * rcb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
-               bn_stats.counters(x.device, rcb), *sums, *grads, C, rcb, S, rnsb, N * rnsb, *x.stride(),
-               *dy.stride(), *dy1.stride(), split, per, P, BP=bn_stats.FINALIZE_ROWS, BR=rc.rows,
-               BC=rc.channels, UNROLL=rc.unroll, num_warps=rc.num_warps,
-               G_SAME=split >= C and dy.stride() == x.stride(), GRAD=direct,
-               **flags(rc, C, S, x.stride(), dy.stride(), dy1.stride(), split=split))
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        # the sums and dx in one launch where it fits (TRAINFUSE_BN_PERSIST=1)
+        persisted = (dx is not None and ctx.training and bn_persist.enabled()
+                     and bn_persist.backward(x, dy, dy1, split, dx, consts, sums, grads, direct))
+        if not persisted:
+            rc = bn_stats.config(x.stride(), C, reduce=True)
+            rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
+            P, per = bn_stats.split(N * rnsb, rcb, x.device, rc)
+            partials = torch.empty(2, P, C, device=x.device, dtype=torch.float32)
+            launch(bn_silu_grad_sums_kernel, (P * rcb,), x, dy, dy1, scale, shift, mean, invstd, *partials,
+                   bn_stats.counters(x.device, rcb), *sums, *grads, C, rcb, S, rnsb, N * rnsb, *x.stride(),
+                   *dy.stride(), *dy1.stride(), split, per, P, BP=bn_stats.FINALIZE_ROWS, BR=rc.rows,
+                   BC=rc.channels, UNROLL=rc.unroll, num_warps=rc.num_warps,
+                   G_SAME=split >= C and dy.stride() == x.stride(), GRAD=direct,
+                   **flags(rc, C, S, x.stride(), dy.stride(), dy1.stride(), split=split))
         param_grads.hand_over(ctx, 1, direct, gw, gb)
-        cfg = bn_stats.config(x.stride(), C)
-        cb = cdiv(C, cfg.channels)
-        nsb = cdiv(S, cfg.rows)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.empty_like(x)
+        if dx is not None and not persisted:
+            cfg = bn_stats.config(x.stride(), C)
+            cb = cdiv(C, cfg.channels)
+            nsb = cdiv(S, cfg.rows)
             launch(bn_silu_dx_kernel, (N * nsb * cb,), x, dy, dy1, dx, scale, shift, mean, invstd, *sums,
                    N * S, C, cb, S, nsb, *x.stride(), *dy.stride(), *dy1.stride(), split, *dx.stride(),
                    TRAINING=ctx.training, BR=cfg.rows, BC=cfg.channels, num_warps=cfg.num_warps,
                    **flags(cfg, C, S, x.stride(), dy.stride(), dy1.stride(), dx.stride(), split=split))
+        if dx is not None:
             dx = dx.view(shape)
         autograd = weight is not None and not direct  # else the kernel wrote them
         dw = sums[0].to(weight.dtype) if autograd and ctx.needs_input_grad[1] else None
