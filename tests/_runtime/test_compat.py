@@ -388,3 +388,29 @@ def test_unspecialized_args_read_the_decorator_compiled_and_interpreted(given):
     for kind in (JITFunction, InterpretedFunction):
         assert compat.unspecialized_args(kind(_kernel_source, do_not_specialize=given)) == {"n"}, kind
         assert compat.unspecialized_args(kind(_kernel_source)) == frozenset(), kind
+
+
+def test_compiled_kernels_fill_their_register_count_as_their_module_loads():
+    """``compiled_resources`` calls ``CompiledKernel._init_handles``, which sets ``n_regs`` from
+    the driver's module load (the one-launch BatchNorm sizes its grid by it)."""
+    import inspect
+
+    from triton.compiler.compiler import CompiledKernel
+
+    assert callable(getattr(CompiledKernel, "_init_handles", None))
+    assert "self.n_regs" in inspect.getsource(CompiledKernel._init_handles)
+
+    class Old:  # a compiled kernel without the call answers None
+        pass
+
+    assert compat.compiled_resources(Old()) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="loads a module onto a GPU")
+def test_compiled_resources_of_a_kernel_on_the_gpu():
+    import triton
+
+    kernel = triton.jit(_kernel_source)
+    x = torch.zeros(16, device="cuda")
+    regs, shared = compat.compiled_resources(kernel.warmup(x, 16, 16, BLOCK=16, grid=(1,)))
+    assert 0 < regs <= 255 and shared >= 0

@@ -220,6 +220,20 @@ def jit_key_pending(value: Any) -> bool:
     return isinstance(value, _JIT_FUNCTION) and value.hash is None
 
 
+def compiled_resources(kernel: Any) -> tuple[int, int] | None:
+    """A compiled Triton kernel's registers per thread and shared memory bytes per program, its
+    module loaded onto the current device first (``CompiledKernel._init_handles`` fills
+    ``n_regs`` as it loads: no public call does); None where this Triton's compiled kernel has
+    neither."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is None:
+        return None
+    init()
+    regs = getattr(kernel, "n_regs", None)
+    shared = getattr(getattr(kernel, "metadata", None), "shared", None)
+    return None if regs is None or shared is None else (int(regs), int(shared))
+
+
 def unspecialized_args(fn: Any) -> frozenset[str]:
     """The names of ``@triton.jit`` function ``fn``'s arguments given in its ``do_not_specialize``
     (Triton keys such an int on its width alone). A compiled function lists them in ``params``;
@@ -232,8 +246,8 @@ def unspecialized_args(fn: Any) -> frozenset[str]:
 
 
 __all__ = ["GRAD_SCALER_STATE", "NormBase", "STEP_PATCH_METHOD", "STEP_SUPPORTS_AMP_SCALING",
-           "addmm_activation", "compiled_original", "current_device_index", "current_raw_stream",
-           "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
+           "addmm_activation", "compiled_original", "compiled_resources", "current_device_index",
+           "current_raw_stream", "end_allocate_to_pool", "function_c_apply", "functorch_transforms_active",
            "global_step_post_hooks", "global_step_pre_hooks", "has_step_hooks", "inner_schedulers",
            "jit_key_pending", "local_tensor", "mark_step_for_schedulers", "module_hooks", "parameters_of",
            "profiler_enabled", "record_step_call", "run_optimizer_step_code", "scalar_dtype",

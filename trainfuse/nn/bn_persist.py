@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trainfuse._runtime import compat
 from trainfuse._runtime.backend import interpreting
 from trainfuse._runtime.launch import cdiv
 from trainfuse.nn import bn_grad_sums, bn_stats
@@ -184,14 +185,9 @@ def per_sm(kernel, args: tuple, constexprs: dict, num_warps: int, device: torch.
     key = (kernel, device.index, num_warps, tuple(sorted(constexprs.items())),
            tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args))
     if key not in _capacity:
-        try:
-            compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs)
-            compiled._init_handles()
-            fits = resident(int(compiled.n_regs), int(compiled.metadata.shared), num_warps,
-                            device.index if device.index is not None else torch.cuda.current_device())
-        except (AttributeError, TypeError):  # another Triton's compiled-kernel API
-            fits = None
-        _capacity[key] = fits
+        used = compat.compiled_resources(kernel.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        _capacity[key] = None if used is None else resident(*used, num_warps, index)
     return _capacity[key]
 
 
