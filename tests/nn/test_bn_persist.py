@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests._helpers import cuda, cuda_kernel_names
+from tests.nn.test_concat import Parts, ours, run
 from trainfuse.nn import bn_persist, bn_silu, bn_stats
 from trainfuse.nn.bn_stats import BNLaunch
 
@@ -80,6 +81,27 @@ def test_one_launch_gives_the_two_launch_forwards_bits(monkeypatch, shape, chann
     for g, e in zip(got, want):
         assert g.dtype == e.dtype and g.stride() == e.stride() and torch.equal(g, e)
     assert torch.equal(x, kept)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_the_concatenations_writer_forward_in_one_launch(monkeypatch, dtype, channels_last):
+    """``batch_norm_silu_into`` (test_concat.py's three parts: a dense half, a shortcut, none) with
+    its statistics and writes in one launch: the two-launch op's bits, values and grads."""
+    parts = Parts(2, 5, 3, 7, dtype, channels_last, affine=True)
+    monkeypatch.setenv("TRAINFUSE_BN_PERSIST", "0")
+    out, d1, d2, xs, bns = run(ours, parts, True)
+    monkeypatch.setenv("TRAINFUSE_BN_PERSIST", "1")
+    launched, launch = [], bn_persist.launch
+    monkeypatch.setattr(bn_persist, "launch",
+                        lambda kernel, *a: launched.append(kernel.fn.__name__) or launch(kernel, *a))
+    out_, d1_, d2_, xs_, bns_ = run(ours, parts, True)
+    assert launched.count("into_stats_apply_kernel") == 3 and "bn_stats_apply_kernel" not in launched
+    for a, b in zip((out_, d1_, d2_, *(x.grad for x in xs_)), (out, d1, d2, *(x.grad for x in xs))):
+        assert torch.equal(a, b)
+    for a, b in zip(bns_, bns):  # weight and bias grads, then the running statistics
+        assert torch.equal(a[0].grad, b[0].grad) and torch.equal(a[1].grad, b[1].grad)
+        assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
 
 
 @pytest.mark.parametrize("affine,running,tracked",

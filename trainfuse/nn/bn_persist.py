@@ -66,7 +66,7 @@ def bn_stats_apply_kernel(x_ptr, y_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, fl
                                       M, momentum, eps, HAS_W, UPDATE, TRACK, BP, BR, BC, UNROLL, EVEN_S,
                                       MASKED, REL32)
         if BARRIER:
-            _wait_for_block(flag_ptr, j, last)
+            wait_for_block(flag_ptr, j, last)
     if APPLY:
         # read past the SM's cache: the block's last program wrote them in this launch
         s = tl.load(scale_ptr + c, mask=cm, other=0.0, cache_modifier=".cg")
@@ -84,7 +84,7 @@ def bn_stats_apply_kernel(x_ptr, y_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, fl
                                        PART, REL32)
             tiles.store_tile(out, u * tl.sigmoid(u), m, MASKED)
         if BARRIER:
-            _leave_block(flag_ptr, j, CB, P)
+            leave_block(flag_ptr, j, CB, P)
 
 
 @triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P", "M", "SPLIT"])
@@ -107,7 +107,7 @@ def bn_grad_dx_kernel(x_ptr, dy_ptr, dy1_ptr, dx_ptr, scale_ptr, shift_ptr, mean
                                               hS, SPLIT, tiles_per_program, P, BP, BR, BC, UNROLL, EVEN_S,
                                               MASKED, PART, REL32, G_SAME, GRAD)
         if BARRIER:
-            _wait_for_block(flag_ptr, j, last)
+            wait_for_block(flag_ptr, j, last)
     if DX:
         s = tl.load(scale_ptr + c, mask=cm, other=0.0)
         t = tl.load(shift_ptr + c, mask=cm, other=0.0)
@@ -131,11 +131,11 @@ def bn_grad_dx_kernel(x_ptr, dy_ptr, dy1_ptr, dx_ptr, scale_ptr, shift_ptr, mean
             du = du - db[None, :] / M - xhat * (dw[None, :] / M)
             tiles.store_tile(dx_ptr + base + rel, du * s[None, :], m, MASKED)
         if BARRIER:
-            _leave_block(flag_ptr, j, CB, P)
+            leave_block(flag_ptr, j, CB, P)
 
 
 @triton.jit
-def _wait_for_block(flag_ptr, j, last):
+def wait_for_block(flag_ptr, j, last):
     """The block's last program (``last``: its totals written) releases ``flag[j]``; the others
     wait for it."""
     if last:
@@ -147,7 +147,7 @@ def _wait_for_block(flag_ptr, j, last):
 
 
 @triton.jit
-def _leave_block(flag_ptr, j, CB, P):
+def leave_block(flag_ptr, j, CB, P):
     """Count this program out of block ``j``; the last of its ``P`` re-arms the flag and the count."""
     if tl.atomic_add(flag_ptr + CB + j, 1, sem="relaxed") == P - 1:  # every program is past the flag
         tl.store(flag_ptr + j, 0)
@@ -288,4 +288,4 @@ def backward(x: torch.Tensor, dy: torch.Tensor, dy1: torch.Tensor, split: int, d
 
 
 __all__ = ["backward", "bn_grad_dx_kernel", "bn_stats_apply_kernel", "enabled", "flags", "forward", "launch",
-           "per_sm", "resident"]
+           "leave_block", "per_sm", "resident", "wait_for_block"]

@@ -34,7 +34,7 @@ from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
 from trainfuse._runtime.launch import cdiv
 from trainfuse._runtime.reduce import last_to_arrive
-from trainfuse.nn import bn_silu, bn_stats, param_grads
+from trainfuse.nn import bn_persist, bn_silu, bn_stats, param_grads
 from trainfuse.nn import channel_tiles as tiles
 from trainfuse.nn.concat import ConcatBuffer
 
@@ -48,11 +48,56 @@ def into_apply_kernel(x_ptr, r_ptr, y_ptr, d_ptr, scale_ptr, shift_ptr, C, CB, S
     0 (``DENSE``: 0 none, 1 every channel, 2 from ``DF`` on)."""
     q, j, c = tiles.program(CB, BC)
     cm = c < C
+    s = tl.load(scale_ptr + c, mask=cm, other=0.0)
+    t = tl.load(shift_ptr + c, mask=cm, other=0.0)
+    apply_tile(x_ptr, r_ptr, y_ptr, d_ptr, s, t, q, c, cm, S, NSB, sN, sC, sS, rN, rC, rS, yN, yC, yS, dN, dC,
+               dS, DF, BR, EVEN_S, MASKED, RESIDUAL, DENSE, REL32)
+
+
+@triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P", "M", "DF"])
+def into_stats_apply_kernel(x_ptr, r_ptr, y_ptr, d_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, flag_ptr, w_ptr,
+                            b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr,
+                            tracked_ptr, C, CB, S, NSB, Q, sN, sC, sS, rN, rC, rS, yN, yC, yS, dN, dC, dS, DF,
+                            tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
+                            TRACK: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                            UNROLL: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr,
+                            REL32: tl.constexpr, RESIDUAL: tl.constexpr, DENSE: tl.constexpr,
+                            STATS: tl.constexpr, APPLY: tl.constexpr, BARRIER: tl.constexpr):
+    """The statistics and :func:`into_apply_kernel`'s writes in one launch
+    (``TRAINFUSE_BN_PERSIST=1``, :mod:`trainfuse.nn.bn_persist`): program ``(i, j)`` (``i * CB +
+    j``) folds its tiles into the statistics' partials (``STATS``), waits for its block's constants
+    (``BARRIER``) and writes its tiles (``APPLY``)."""
+    i, j, c = tiles.program(CB, BC)
+    cm = c < C
+    if STATS:
+        last = bn_stats.stats_program(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr,
+                                      rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr,
+                                      tracked_ptr, i, j, c, C, S, NSB, Q, sN, sC, sS, tiles_per_program, P,
+                                      M, momentum, eps, HAS_W, UPDATE, TRACK, BP, BR, BC, UNROLL, EVEN_S,
+                                      MASKED, REL32)
+        if BARRIER:
+            bn_persist.wait_for_block(flag_ptr, j, last)
+    if APPLY:
+        # read past the SM's cache: the block's last program wrote them in this launch
+        s = tl.load(scale_ptr + c, mask=cm, other=0.0, cache_modifier=".cg")
+        t = tl.load(shift_ptr + c, mask=cm, other=0.0, cache_modifier=".cg")
+        q0 = i * tiles_per_program
+        for k in range(tl.minimum(tiles_per_program, Q - q0)):
+            apply_tile(x_ptr, r_ptr, y_ptr, d_ptr, s, t, q0 + k, c, cm, S, NSB, sN, sC, sS, rN, rC, rS, yN,
+                       yC, yS, dN, dC, dS, DF, BR, EVEN_S, MASKED, RESIDUAL, DENSE, REL32)
+        if BARRIER:
+            bn_persist.leave_block(flag_ptr, j, CB, P)
+
+
+@triton.jit
+def apply_tile(x_ptr, r_ptr, y_ptr, d_ptr, s, t, q, c, cm, S, NSB, sN, sC, sS, rN, rC, rS, yN, yC, yS, dN, dC,
+               dS, DF, BR: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, RESIDUAL: tl.constexpr,
+               DENSE: tl.constexpr, REL32: tl.constexpr):
+    """Tile ``q``'s ``y`` from the constants ``s``, ``t`` of channels ``c``, written as
+    :func:`into_apply_kernel` describes."""
     base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
     m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
     x = tiles.load_tile(x_ptr + base + tiles.tile_offsets(c, sC, sS, BR, REL32), m, MASKED)
-    s = tl.load(scale_ptr + c, mask=cm, other=0.0)
-    t = tl.load(shift_ptr + c, mask=cm, other=0.0)
     u = x * s[None, :] + t[None, :]
     y = u * tl.sigmoid(u)
     if RESIDUAL:  # the block's value as stored, then the shortcut added: r + silu(bn(x))
@@ -184,6 +229,38 @@ def _like(x: torch.Tensor, channels: int) -> torch.Tensor:
     return torch.empty((N, channels, H, W), device=x.device, dtype=x.dtype, memory_format=fmt)
 
 
+def _persist_forward(xf: torch.Tensor, writes: tuple, weight, bias, running_mean, running_var,
+                     momentum: float, eps: float, tracked) -> torch.Tensor | None:
+    """The training forward in one launch (:mod:`trainfuse.nn.bn_persist`): the ``(4, C)``
+    constants, or None, nothing done, where its programs would not all fit on the GPU at once.
+    ``writes``: the residual, slice and dense tensor (``(N, C, S)`` views), ``dense_from``, and
+    the kernel's ``RESIDUAL`` and ``DENSE``."""
+    rf, of, df, dense_from, residual, dense = writes
+    N, C, S = xf.shape
+    rc = bn_stats.config(xf.stride(), C, reduce=True)
+    rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
+    if rcb > bn_stats.COUNTERS:  # the flags would lie on the arrival counters
+        return None
+    consts = torch.empty(4, C, device=xf.device, dtype=torch.float32)
+    has_w, update = weight is not None, running_mean is not None
+    affine = (weight, bias) if has_w else (consts, consts)
+    running = (running_mean, running_var) if update else (consts, consts)
+
+    def args_for(P: int, per: int) -> tuple:
+        partials = torch.empty(3, P, C, device=xf.device, dtype=torch.float32)  # mean, m2, count
+        return (xf, rf, of, df, *partials, bn_stats.counters(xf.device, rcb), bn_persist.flags(xf.device),
+                *affine, *running, *consts.unbind(0), consts if tracked is None else tracked, C, rcb, S, rnsb,
+                N * rnsb, *xf.stride(), *rf.stride(), *of.stride(), *df.stride(), dense_from, per, P, N * S,
+                momentum, eps)
+
+    constexprs = dict(HAS_W=has_w, UPDATE=update, TRACK=tracked is not None, BP=bn_stats.FINALIZE_ROWS,
+                      BR=rc.rows, BC=rc.channels, UNROLL=rc.unroll, RESIDUAL=residual, DENSE=dense,
+                      **bn_stats.flags(rc, C, S, xf.stride(), rf.stride(), of.stride(), df.stride()))
+    launched = bn_persist.launch(into_stats_apply_kernel, rc, N * rnsb, rcb, args_for, constexprs, xf.device,
+                                 ("STATS", "APPLY"))
+    return consts if launched else None
+
+
 def _part(dense: bool, dense_from: int) -> int:
     """The kernels' ``DENSE`` / ``ADD``: 0 no dense tensor, 1 all channels, 2 from ``dense_from``."""
     return 0 if not dense else 1 if dense_from == 0 else 2
@@ -204,19 +281,25 @@ class _BatchNormSiLUInto(torch.autograd.Function):
                              "slice of a contiguous or channels_last buffer)")
         of = out.view(N, C, S)
         xf = bn_stats.flat(x)
-        consts = bn_stats.statistics(xf, weight, bias, running_mean, running_var, training, momentum, eps,
-                                     tracked)
-        scale, shift = consts[0], consts[1]
         dense = _like(x, C - dense_from) if dense_from < C else None
         rf = bn_stats.flat(residual) if residual is not None else xf
         df = bn_stats.flat(dense) if dense is not None else xf
-        cfg = bn_stats.config(xf.stride(), C)
-        cb, nsb = cdiv(C, cfg.channels), cdiv(S, cfg.rows)
-        launch(into_apply_kernel, (N * nsb * cb,), xf, rf, of, df, scale, shift, C, cb, S, nsb, *xf.stride(),
-               *rf.stride(), *of.stride(), *df.stride(), dense_from, BR=cfg.rows, BC=cfg.channels,
-               RESIDUAL=residual is not None, DENSE=_part(dense is not None, dense_from),
-               num_warps=cfg.num_warps,
-               **flags(cfg, C, S, xf.stride(), rf.stride(), of.stride(), df.stride()))
+        writes = (rf, of, df, dense_from, residual is not None, _part(dense is not None, dense_from))
+        consts = None
+        if training and bn_persist.enabled():  # the statistics and the writes in one launch, where it fits
+            consts = _persist_forward(xf, writes, weight, bias, running_mean, running_var, momentum, eps,
+                                      tracked)
+        if consts is None:
+            consts = bn_stats.statistics(xf, weight, bias, running_mean, running_var, training, momentum, eps,
+                                         tracked)
+            scale, shift = consts[0], consts[1]
+            cfg = bn_stats.config(xf.stride(), C)
+            cb, nsb = cdiv(C, cfg.channels), cdiv(S, cfg.rows)
+            launch(into_apply_kernel, (N * nsb * cb,), xf, rf, of, df, scale, shift, C, cb, S, nsb,
+                   *xf.stride(), *rf.stride(), *of.stride(), *df.stride(), dense_from, BR=cfg.rows,
+                   BC=cfg.channels, RESIDUAL=residual is not None, DENSE=_part(dense is not None, dense_from),
+                   num_warps=cfg.num_warps,
+                   **flags(cfg, C, S, xf.stride(), rf.stride(), of.stride(), df.stride()))
         ctx.save_for_backward(xf, weight, consts)
         ctx.training, ctx.shape, ctx.dense_from = training, x.shape, dense_from
         ctx.residual = residual is not None
@@ -321,4 +404,5 @@ def batch_norm_silu_into(x: Tensor, running_mean: Tensor | None, running_var: Te
                   float(eps), buffer.slot(x, C), dense_from, num_batches_tracked)
 
 
-__all__ = ["batch_norm_silu_into", "into_apply_kernel", "into_dx_kernel", "into_grad_sums_kernel"]
+__all__ = ["apply_tile", "batch_norm_silu_into", "into_apply_kernel", "into_dx_kernel",
+           "into_grad_sums_kernel", "into_stats_apply_kernel"]
