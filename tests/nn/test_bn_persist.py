@@ -85,9 +85,10 @@ def test_one_launch_gives_the_two_launch_forwards_bits(monkeypatch, shape, chann
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_the_concatenations_writer_forward_in_one_launch(monkeypatch, dtype, channels_last):
+def test_the_concatenations_writer_in_one_launch_each_way(monkeypatch, dtype, channels_last):
     """``batch_norm_silu_into`` (test_concat.py's three parts: a dense half, a shortcut, none) with
-    its statistics and writes in one launch: the two-launch op's bits, values and grads."""
+    its statistics and writes in one launch, and its sums and grads (the slice's and the dense
+    tensor's grads added, the shortcut's grad) in another: the two-launch op's bits."""
     parts = Parts(2, 5, 3, 7, dtype, channels_last, affine=True)
     monkeypatch.setenv("TRAINFUSE_BN_PERSIST", "0")
     out, d1, d2, xs, bns = run(ours, parts, True)
@@ -96,7 +97,8 @@ def test_the_concatenations_writer_forward_in_one_launch(monkeypatch, dtype, cha
     monkeypatch.setattr(bn_persist, "launch",
                         lambda kernel, *a: launched.append(kernel.fn.__name__) or launch(kernel, *a))
     out_, d1_, d2_, xs_, bns_ = run(ours, parts, True)
-    assert launched.count("into_stats_apply_kernel") == 3 and "bn_stats_apply_kernel" not in launched
+    assert launched.count("into_stats_apply_kernel") == launched.count("into_grad_dx_kernel") == 3
+    assert not {"bn_stats_apply_kernel", "bn_grad_dx_kernel"} & set(launched)
     for a, b in zip((out_, d1_, d2_, *(x.grad for x in xs_)), (out, d1, d2, *(x.grad for x in xs))):
         assert torch.equal(a, b)
     for a, b in zip(bns_, bns):  # weight and bias grads, then the running statistics

@@ -11,10 +11,9 @@ as the statistics kernel), the last of a channel block merges them and writes th
 releases a flag the block's other programs spin on; every program then writes ``y`` for its own
 tiles, read again while they are in cache.
 
-A program spins only for programs of its own launch, so the launch never has more programs than
-the GPU holds at once (:func:`resident`: the compiled kernel's registers and shared memory against
-an SM's; fewer programs a channel block where an SM holds fewer than the launch asks for), else
-the two-launch forward runs. Under the Triton interpreter, which
+A program spins only for programs of its own launch, so the launch is made only where the GPU
+holds all of its programs at once (:func:`resident`: the compiled kernel's registers and shared
+memory against an SM's), else the two-launch forward runs. Under the Triton interpreter, which
 runs programs one after another, the same kernel runs as two launches, statistics then apply
 (``BARRIER`` off), so CI checks everything but the flag. The same bits as the two-launch forward:
 the same partials, merge and constants, and ``y`` elementwise from them.
@@ -22,7 +21,6 @@ the same partials, merge and constants, and ``y`` elementwise from them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -202,10 +200,11 @@ def launch(kernel, cfg: bn_stats.BNLaunch, tiles: int, rcb: int, args_for, const
     """Launch ``kernel`` over ``tiles`` tiles of each of ``rcb`` channel blocks, with
     ``args_for(P, per)`` its arguments for ``P`` programs a block of ``per`` tiles each
     (:func:`~trainfuse.nn.bn_stats.split`): under the interpreter as two launches (``phases``'
-    first constexpr on, then the second); on a GPU once with ``BARRIER``, with no more programs
-    than the GPU holds at once (fewer programs a block where an SM holds fewer of the compiled
-    kernel than ``cfg`` asks for). False, nothing launched, where the compiled kernel says nothing
-    of its registers."""
+    first constexpr on, then the second); on a GPU once with ``BARRIER`` where the GPU holds all
+    of its programs at once. False, nothing launched, where it would not (an SM holds fewer of
+    the compiled kernel than ``cfg``'s programs per SM: fewer programs would read the map slower
+    than the two launches; or more channel blocks than that), or where the compiled kernel says
+    nothing of its registers."""
     first, second = phases
     P, per = bn_stats.split(tiles, rcb, device, cfg)
     if interpreting():  # programs run one after another: the two phases as two launches
@@ -218,13 +217,8 @@ def launch(kernel, cfg: bn_stats.BNLaunch, tiles: int, rcb: int, args_for, const
     constexprs = {**constexprs, first: True, second: True, "BARRIER": True}
     args = args_for(P, per)
     fits = per_sm(kernel, args, constexprs, cfg.num_warps, device)
-    if not fits:
+    if not fits or fits < cfg.programs_per_sm or P * rcb > fits * bn_stats.programs(device):
         return False
-    if P * rcb > fits * bn_stats.programs(device):
-        P, per = bn_stats.split(tiles, rcb, device, dataclasses.replace(cfg, programs_per_sm=fits))
-        if P * rcb > fits * bn_stats.programs(device):  # more channel blocks than the GPU holds programs
-            return False
-        args = args_for(P, per)
     bn_stats.launcher(kernel, (P * rcb,), *args, **constexprs, num_warps=cfg.num_warps)
     return True
 

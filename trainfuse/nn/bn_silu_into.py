@@ -33,8 +33,7 @@ import triton.language as tl
 from trainfuse._runtime.backend import use_triton
 from trainfuse._runtime.function import applier
 from trainfuse._runtime.launch import cdiv
-from trainfuse._runtime.reduce import last_to_arrive
-from trainfuse.nn import bn_persist, bn_silu, bn_stats, param_grads
+from trainfuse.nn import bn_into_persist, bn_into_tiles, bn_persist, bn_silu, bn_stats, param_grads
 from trainfuse.nn import channel_tiles as tiles
 from trainfuse.nn.concat import ConcatBuffer
 
@@ -50,100 +49,8 @@ def into_apply_kernel(x_ptr, r_ptr, y_ptr, d_ptr, scale_ptr, shift_ptr, C, CB, S
     cm = c < C
     s = tl.load(scale_ptr + c, mask=cm, other=0.0)
     t = tl.load(shift_ptr + c, mask=cm, other=0.0)
-    apply_tile(x_ptr, r_ptr, y_ptr, d_ptr, s, t, q, c, cm, S, NSB, sN, sC, sS, rN, rC, rS, yN, yC, yS, dN, dC,
-               dS, DF, BR, EVEN_S, MASKED, RESIDUAL, DENSE, REL32)
-
-
-@triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P", "M", "DF"])
-def into_stats_apply_kernel(x_ptr, r_ptr, y_ptr, d_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, flag_ptr, w_ptr,
-                            b_ptr, rmean_ptr, rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr,
-                            tracked_ptr, C, CB, S, NSB, Q, sN, sC, sS, rN, rC, rS, yN, yC, yS, dN, dC, dS, DF,
-                            tiles_per_program, P, M, momentum, eps, HAS_W: tl.constexpr, UPDATE: tl.constexpr,
-                            TRACK: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                            UNROLL: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr,
-                            REL32: tl.constexpr, RESIDUAL: tl.constexpr, DENSE: tl.constexpr,
-                            STATS: tl.constexpr, APPLY: tl.constexpr, BARRIER: tl.constexpr):
-    """The statistics and :func:`into_apply_kernel`'s writes in one launch
-    (``TRAINFUSE_BN_PERSIST=1``, :mod:`trainfuse.nn.bn_persist`): program ``(i, j)`` (``i * CB +
-    j``) folds its tiles into the statistics' partials (``STATS``), waits for its block's constants
-    (``BARRIER``) and writes its tiles (``APPLY``)."""
-    i, j, c = tiles.program(CB, BC)
-    cm = c < C
-    if STATS:
-        last = bn_stats.stats_program(x_ptr, mean_ptr, m2_ptr, count_ptr, cnt_ptr, w_ptr, b_ptr, rmean_ptr,
-                                      rvar_ptr, scale_ptr, shift_ptr, save_mean_ptr, save_invstd_ptr,
-                                      tracked_ptr, i, j, c, C, S, NSB, Q, sN, sC, sS, tiles_per_program, P,
-                                      M, momentum, eps, HAS_W, UPDATE, TRACK, BP, BR, BC, UNROLL, EVEN_S,
-                                      MASKED, REL32)
-        if BARRIER:
-            bn_persist.wait_for_block(flag_ptr, j, last)
-    if APPLY:
-        # read past the SM's cache: the block's last program wrote them in this launch
-        s = tl.load(scale_ptr + c, mask=cm, other=0.0, cache_modifier=".cg")
-        t = tl.load(shift_ptr + c, mask=cm, other=0.0, cache_modifier=".cg")
-        q0 = i * tiles_per_program
-        for k in range(tl.minimum(tiles_per_program, Q - q0)):
-            apply_tile(x_ptr, r_ptr, y_ptr, d_ptr, s, t, q0 + k, c, cm, S, NSB, sN, sC, sS, rN, rC, rS, yN,
-                       yC, yS, dN, dC, dS, DF, BR, EVEN_S, MASKED, RESIDUAL, DENSE, REL32)
-        if BARRIER:
-            bn_persist.leave_block(flag_ptr, j, CB, P)
-
-
-@triton.jit
-def apply_tile(x_ptr, r_ptr, y_ptr, d_ptr, s, t, q, c, cm, S, NSB, sN, sC, sS, rN, rC, rS, yN, yC, yS, dN, dC,
-               dS, DF, BR: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, RESIDUAL: tl.constexpr,
-               DENSE: tl.constexpr, REL32: tl.constexpr):
-    """Tile ``q``'s ``y`` from the constants ``s``, ``t`` of channels ``c``, written as
-    :func:`into_apply_kernel` describes."""
-    base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
-    m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
-    x = tiles.load_tile(x_ptr + base + tiles.tile_offsets(c, sC, sS, BR, REL32), m, MASKED)
-    u = x * s[None, :] + t[None, :]
-    y = u * tl.sigmoid(u)
-    if RESIDUAL:  # the block's value as stored, then the shortcut added: r + silu(bn(x))
-        rbase, _ = tiles.tile_start(q, NSB, rN, rS, BR)
-        r = tiles.load_tile(r_ptr + rbase + tiles.tile_offsets(c, rC, rS, BR, REL32), m, MASKED)
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + r
-    ybase, _ = tiles.tile_start(q, NSB, yN, yS, BR)
-    tiles.store_tile(y_ptr + ybase + tiles.tile_offsets(c, yC, yS, BR, REL32), y, m, MASKED)
-    if DENSE != 0:
-        dbase, _ = tiles.tile_start(q, NSB, dN, dS, BR)
-        ptrs = d_ptr + dbase + tiles.tile_offsets(c - DF, dC, dS, BR, REL32)
-        if DENSE == 1:  # every channel (DF = 0): the slice's mask, none for whole tiles
-            tiles.store_tile(ptrs, y, m, MASKED)
-        else:
-            tl.store(ptrs, y.to(d_ptr.dtype.element_ty), mask=m & (c >= DF)[None, :])
-
-
-@triton.jit
-def _grads(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, S, NSB, sN, sS, gN, gS, eN, eS, DF,
-           BR: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, ADD: tl.constexpr):
-    """Tile ``q``'s ``x``, its grad ``g`` (the slice's, plus the dense tensor's, ``ADD`` as the
-    forward's ``DENSE``; float32) and its mask."""
-    base, s0 = tiles.tile_start(q, NSB, sN, sS, BR)
-    m = tiles.tile_mask(s0, S, cm, BR, EVEN_S)
-    x = tiles.load_tile(x_ptr + base + rel, m, MASKED)
-    gbase, _ = tiles.tile_start(q, NSB, gN, gS, BR)
-    g = tiles.load_tile(g_ptr + gbase + rel_g, m, MASKED)
-    if ADD == 1:  # every channel (DF = 0)
-        ebase, _ = tiles.tile_start(q, NSB, eN, eS, BR)
-        g += tiles.load_tile(e_ptr + ebase + rel_e, m, MASKED)
-    elif ADD == 2:
-        ebase, _ = tiles.tile_start(q, NSB, eN, eS, BR)
-        g += tl.load(e_ptr + ebase + rel_e, mask=m & (c >= DF)[None, :], other=0.0).to(tl.float32)
-    return x, g, m
-
-
-@triton.jit
-def _du(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, s, t, S, NSB, sN, sS, gN, gS, eN, eS, DF,
-        BR: tl.constexpr, EVEN_S: tl.constexpr, MASKED: tl.constexpr, ADD: tl.constexpr):
-    """Tile ``q``'s ``x`` and ``du = g silu'(u)`` (0 where masked)."""
-    x, g, m = _grads(x_ptr, g_ptr, e_ptr, q, c, cm, rel, rel_g, rel_e, S, NSB, sN, sS, gN, gS, eN, eS, DF, BR,
-                     EVEN_S, MASKED, ADD)
-    du = bn_stats.silu_du(x, g, s, t)
-    if MASKED:
-        du = tl.where(m, du, 0.0)
-    return x, du
+    bn_into_tiles.apply_tile(x_ptr, r_ptr, y_ptr, d_ptr, s, t, q, c, cm, S, NSB, sN, sC, sS, rN, rC, rS, yN,
+                             yC, yS, dN, dC, dS, DF, BR, EVEN_S, MASKED, RESIDUAL, DENSE, REL32)
 
 
 @triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P"])
@@ -156,37 +63,10 @@ def into_grad_sums_kernel(x_ptr, g_ptr, e_ptr, scale_ptr, shift_ptr, mean_ptr, i
     added up in a fixed order into ``dw`` and ``db`` by the last of channel block ``j``'s ``P``
     programs to arrive (as ``bn_silu_grad_sums_kernel``)."""
     i, j, c = tiles.program(CB, BC)
-    cm = c < C
-    s = tl.load(scale_ptr + c, mask=cm, other=0.0)
-    t = tl.load(shift_ptr + c, mask=cm, other=0.0)
-    mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
-    invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
-    q0 = i * tiles_per_program
-    valid = tl.minimum(tiles_per_program, Q - q0)
-    rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
-    rel_g = tiles.tile_offsets(c, gC, gS, BR, REL32)
-    rel_e = tiles.tile_offsets(c - DF, eC, eS, BR, REL32)
-    sdu = tl.zeros([BR, BC], tl.float32)
-    sdux = tl.zeros([BR, BC], tl.float32)
-    grouped = valid // UNROLL * UNROLL
-    for k0 in range(0, grouped, UNROLL):
-        for k1 in tl.static_range(UNROLL):  # UNROLL tiles' loads in flight at once
-            x, du = _du(x_ptr, g_ptr, e_ptr, q0 + k0 + k1, c, cm, rel, rel_g, rel_e, s, t, S, NSB, sN, sS, gN,
-                        gS, eN, eS, DF, BR, EVEN_S, MASKED, ADD)
-            sdu += du
-            sdux += du * (x - mean[None, :])
-    for k in range(grouped, valid):
-        x, du = _du(x_ptr, g_ptr, e_ptr, q0 + k, c, cm, rel, rel_g, rel_e, s, t, S, NSB, sN, sS, gN, gS, eN,
-                    eS, DF, BR, EVEN_S, MASKED, ADD)
-        sdu += du
-        sdux += du * (x - mean[None, :])
-    tl.store(sdu_ptr + i * C + c, tl.sum(sdu, 0), mask=cm)
-    tl.store(sdux_ptr + i * C + c, tl.sum(sdux, 0) * invstd, mask=cm)
-    tl.debug_barrier()  # every thread's partials are stored before the release below
-    if last_to_arrive(cnt_ptr + j, P):
-        bn_stats.grad_finalize(sdu_ptr, sdux_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, c, cm, P, C, BP, BC,
-                               GRAD)
-        tl.store(cnt_ptr + j, 0)  # re-armed for the next launch on this stream
+    bn_into_tiles.sums_program(x_ptr, g_ptr, e_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, sdu_ptr,
+                               sdux_ptr, cnt_ptr, dw_ptr, db_ptr, gw_ptr, gb_ptr, i, j, c, C, S, NSB, Q,
+                               sN, sC, sS, gN, gC, gS, eN, eC, eS, DF, tiles_per_program, P, BP, BR, BC,
+                               UNROLL, EVEN_S, MASKED, ADD, REL32, GRAD)
 
 
 @triton.jit(do_not_specialize=["M", "CB", "NSB"])
@@ -199,27 +79,20 @@ def into_dx_kernel(x_ptr, g_ptr, e_ptr, dx_ptr, dr_ptr, scale_ptr, shift_ptr, me
     grad ``dr = g`` (``DR``), over tile ``q`` of channel block ``j`` (program ``q * CB + j``)."""
     q, j, c = tiles.program(CB, BC)
     cm = c < C
-    rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
-    x, g, m = _grads(x_ptr, g_ptr, e_ptr, q, c, cm, rel, tiles.tile_offsets(c, gC, gS, BR, REL32),
-                     tiles.tile_offsets(c - DF, eC, eS, BR, REL32), S, NSB, sN, sS, gN, gS, eN, eS, DF, BR,
-                     EVEN_S, MASKED, ADD)
-    if DR:
-        fbase, _ = tiles.tile_start(q, NSB, fN, fS, BR)
-        tiles.store_tile(dr_ptr + fbase + tiles.tile_offsets(c, fC, fS, BR, REL32), g, m, MASKED)
+    zero = tl.zeros([BC], tl.float32)
+    s, t, mean, invstd, dw, db = zero, zero, zero, zero, zero, zero  # read where DX (and TRAINING) needs them
     if DX:
         s = tl.load(scale_ptr + c, mask=cm, other=0.0)
         t = tl.load(shift_ptr + c, mask=cm, other=0.0)
-        du = bn_stats.silu_du(x, g, s, t)
         if TRAINING:
             mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
             invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
             dw = tl.load(dw_ptr + c, mask=cm, other=0.0)
             db = tl.load(db_ptr + c, mask=cm, other=0.0)
-            xhat = (x - mean[None, :]) * invstd[None, :]
-            du = du - db[None, :] / M - xhat * (dw[None, :] / M)
-        dbase, _ = tiles.tile_start(q, NSB, dN, dS, BR)
-        dx = du * s[None, :]
-        tiles.store_tile(dx_ptr + dbase + tiles.tile_offsets(c, dC, dS, BR, REL32), dx, m, MASKED)
+    rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
+    bn_into_tiles.dx_tile(x_ptr, g_ptr, e_ptr, dx_ptr, dr_ptr, q, c, cm, rel, s, t, mean, invstd, dw, db,
+                          M, S, NSB, sN, sS, gN, gC, gS, eN, eC, eS, DF, dN, dC, dS, fN, fC, fS, TRAINING, DX,
+                          DR, BR, EVEN_S, MASKED, ADD, REL32)
 
 
 def _like(x: torch.Tensor, channels: int) -> torch.Tensor:
@@ -227,38 +100,6 @@ def _like(x: torch.Tensor, channels: int) -> torch.Tensor:
     N, _, H, W = x.shape
     fmt = torch.channels_last if x.stride(1) == 1 and x.shape[1] > 1 else torch.contiguous_format
     return torch.empty((N, channels, H, W), device=x.device, dtype=x.dtype, memory_format=fmt)
-
-
-def _persist_forward(xf: torch.Tensor, writes: tuple, weight, bias, running_mean, running_var,
-                     momentum: float, eps: float, tracked) -> torch.Tensor | None:
-    """The training forward in one launch (:mod:`trainfuse.nn.bn_persist`): the ``(4, C)``
-    constants, or None, nothing done, where its programs would not all fit on the GPU at once.
-    ``writes``: the residual, slice and dense tensor (``(N, C, S)`` views), ``dense_from``, and
-    the kernel's ``RESIDUAL`` and ``DENSE``."""
-    rf, of, df, dense_from, residual, dense = writes
-    N, C, S = xf.shape
-    rc = bn_stats.config(xf.stride(), C, reduce=True)
-    rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
-    if rcb > bn_stats.COUNTERS:  # the flags would lie on the arrival counters
-        return None
-    consts = torch.empty(4, C, device=xf.device, dtype=torch.float32)
-    has_w, update = weight is not None, running_mean is not None
-    affine = (weight, bias) if has_w else (consts, consts)
-    running = (running_mean, running_var) if update else (consts, consts)
-
-    def args_for(P: int, per: int) -> tuple:
-        partials = torch.empty(3, P, C, device=xf.device, dtype=torch.float32)  # mean, m2, count
-        return (xf, rf, of, df, *partials, bn_stats.counters(xf.device, rcb), bn_persist.flags(xf.device),
-                *affine, *running, *consts.unbind(0), consts if tracked is None else tracked, C, rcb, S, rnsb,
-                N * rnsb, *xf.stride(), *rf.stride(), *of.stride(), *df.stride(), dense_from, per, P, N * S,
-                momentum, eps)
-
-    constexprs = dict(HAS_W=has_w, UPDATE=update, TRACK=tracked is not None, BP=bn_stats.FINALIZE_ROWS,
-                      BR=rc.rows, BC=rc.channels, UNROLL=rc.unroll, RESIDUAL=residual, DENSE=dense,
-                      **bn_stats.flags(rc, C, S, xf.stride(), rf.stride(), of.stride(), df.stride()))
-    launched = bn_persist.launch(into_stats_apply_kernel, rc, N * rnsb, rcb, args_for, constexprs, xf.device,
-                                 ("STATS", "APPLY"))
-    return consts if launched else None
 
 
 def _part(dense: bool, dense_from: int) -> int:
@@ -287,8 +128,8 @@ class _BatchNormSiLUInto(torch.autograd.Function):
         writes = (rf, of, df, dense_from, residual is not None, _part(dense is not None, dense_from))
         consts = None
         if training and bn_persist.enabled():  # the statistics and the writes in one launch, where it fits
-            consts = _persist_forward(xf, writes, weight, bias, running_mean, running_var, momentum, eps,
-                                      tracked)
+            consts = bn_into_persist.forward(xf, writes, weight, bias, running_mean, running_var, momentum,
+                                             eps, tracked)
         if consts is None:
             consts = bn_stats.statistics(xf, weight, bias, running_mean, running_var, training, momentum, eps,
                                          tracked)
@@ -322,25 +163,31 @@ class _BatchNormSiLUInto(torch.autograd.Function):
         ef = bn_stats.flat(ddense) if ddense is not None else gf
         df = ctx.dense_from
         add = _part(ddense is not None, df)
-        rc = bn_stats.config(xf.stride(), C, reduce=True)
-        rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
-        P, per = bn_stats.split(N * rnsb, rcb, xf.device, rc)
-        partials = torch.empty(2, P, C, device=xf.device, dtype=torch.float32)
         sums = torch.empty(2, C, device=xf.device, dtype=torch.float32)  # dw, db
-        if ctx.training or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            grads = (gw, gb) if direct else sums  # (unread without GRAD)
+        grads = (gw, gb) if direct else sums  # (unread without GRAD)
+        need_dx, need_dr = ctx.needs_input_grad[0], ctx.residual and ctx.needs_input_grad[3]
+        dx = _like(x, C) if need_dx else None
+        dr = _like(x, C) if need_dr else None
+        dxf = bn_stats.flat(dx) if need_dx else xf
+        drf = bn_stats.flat(dr) if need_dr else xf
+        # the sums and the grads in one launch where it fits (TRAINFUSE_BN_PERSIST=1)
+        persisted = (ctx.training and (need_dx or need_dr) and bn_persist.enabled()
+                     and bn_into_persist.backward(xf, gf, ef, df, add, dxf, drf, (need_dx, need_dr), consts,
+                                                  sums, grads, direct))
+        if persisted:
+            param_grads.hand_over(ctx, 1, direct, gw, gb)
+        elif ctx.training or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            rc = bn_stats.config(xf.stride(), C, reduce=True)
+            rcb, rnsb = cdiv(C, rc.channels), cdiv(S, rc.rows)
+            P, per = bn_stats.split(N * rnsb, rcb, xf.device, rc)
+            partials = torch.empty(2, P, C, device=xf.device, dtype=torch.float32)
             launch(into_grad_sums_kernel, (P * rcb,), xf, gf, ef, scale, shift, mean, invstd, *partials,
                    bn_stats.counters(xf.device, rcb), *sums, *grads, C, rcb, S, rnsb, N * rnsb, *xf.stride(),
                    *gf.stride(), *ef.stride(), df, per, P, BP=bn_stats.FINALIZE_ROWS, BR=rc.rows,
                    BC=rc.channels, UNROLL=rc.unroll, ADD=add, GRAD=direct, num_warps=rc.num_warps,
                    **flags(rc, C, S, xf.stride(), gf.stride(), ef.stride()))
             param_grads.hand_over(ctx, 1, direct, gw, gb)
-        need_dx, need_dr = ctx.needs_input_grad[0], ctx.residual and ctx.needs_input_grad[3]
-        dx = _like(x, C) if need_dx else None
-        dr = _like(x, C) if need_dr else None
-        if need_dx or need_dr:
-            dxf = bn_stats.flat(dx) if need_dx else xf
-            drf = bn_stats.flat(dr) if need_dr else xf
+        if (need_dx or need_dr) and not persisted:
             cfg = bn_stats.config(xf.stride(), C)
             cb, nsb = cdiv(C, cfg.channels), cdiv(S, cfg.rows)
             launch(into_dx_kernel, (N * nsb * cb,), xf, gf, ef, dxf, drf, scale, shift, mean, invstd, *sums,
@@ -404,5 +251,4 @@ def batch_norm_silu_into(x: Tensor, running_mean: Tensor | None, running_var: Te
                   float(eps), buffer.slot(x, C), dense_from, num_batches_tracked)
 
 
-__all__ = ["apply_tile", "batch_norm_silu_into", "into_apply_kernel", "into_dx_kernel",
-           "into_grad_sums_kernel", "into_stats_apply_kernel"]
+__all__ = ["batch_norm_silu_into", "into_apply_kernel", "into_dx_kernel", "into_grad_sums_kernel"]
