@@ -162,3 +162,15 @@ def test_on_a_gpu_one_kernel_runs_each_way(monkeypatch, shape):
     assert any("bn_stats_apply_kernel" in n for n in names) and any("bn_grad_dx_kernel" in n for n in names)
     assert not any(n.startswith(("bn_silu_apply_kernel", "bn_stats_kernel", "bn_silu_grad_sums_kernel",
                                  "bn_silu_dx_kernel")) for n in names)
+
+
+def test_off_unless_asked_and_in_a_process_group_of_several_ranks(monkeypatch):
+    monkeypatch.delenv("TRAINFUSE_BN_PERSIST", raising=False)
+    assert not bn_persist.enabled()
+    monkeypatch.setenv("TRAINFUSE_BN_PERSIST", "1")
+    assert bn_persist.enabled()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert not bn_persist.enabled()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert bn_persist.enabled()

@@ -36,8 +36,13 @@ from trainfuse.nn import channel_tiles as tiles
 
 
 def enabled() -> bool:
-    """Whether ``TRAINFUSE_BN_PERSIST=1`` asks for the one-launch forward."""
-    return os.environ.get("TRAINFUSE_BN_PERSIST", "0") == "1"
+    """Whether ``TRAINFUSE_BN_PERSIST=1`` asks for the one-launch kernels, outside a process group
+    of several ranks (a collective holding SMs while it waits for another rank could keep a
+    waiting program off the GPU)."""
+    if os.environ.get("TRAINFUSE_BN_PERSIST", "0") != "1":
+        return False
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 @triton.jit(do_not_specialize=["CB", "NSB", "Q", "tiles_per_program", "P", "M", "SPLIT", "yP"])
