@@ -68,9 +68,10 @@ def segment_data(tmp_path_factory) -> str:
     return str(make_task_dataset(root, "segment", n_train=8, n_val=4, imgsz=64, max_objects=3))
 
 
-def _train(data: str, project: Path, trainer, model_name: str = "yolov5n.yaml", **train_args):
-    """A 2-epoch run (4 iterations); its model, losses, the dtypes its first convolution received
-    in training mode and the ``input`` row of its report."""
+def _train(data: str, project: Path, trainer, model_name: str = "yolov5n.yaml", epochs: int = 2,
+           **train_args):
+    """A run of ``epochs`` epochs (2 iterations each); its model, losses, the dtypes its first
+    convolution received in training mode and the ``input`` row of its report."""
     model = YOLO(model_name)
     losses: list[float] = []
     seen: list[torch.dtype] = []
@@ -82,7 +83,7 @@ def _train(data: str, project: Path, trainer, model_name: str = "yolov5n.yaml", 
     model.add_callback("on_train_start", watch)
     model.add_callback("on_train_batch_end", lambda t: losses.append(float(t.loss.detach())))
     name = f"{getattr(trainer, 'func', trainer).__name__}-{len(list(project.iterdir()))}"
-    model.train(data=data, epochs=2, imgsz=64, batch=4, workers=0, device="cpu", plots=False, val=False,
+    model.train(data=data, epochs=epochs, imgsz=64, batch=4, workers=0, device="cpu", plots=False, val=False,
                 seed=0, deterministic=True, verbose=False, optimizer="SGD", box=0.75, cls=0.05, dfl=0.15,
                 project=str(project), name=name, exist_ok=True, trainer=trainer, **train_args)
     row = next(r for r in model.trainer.report if r.kind == "input")
@@ -91,15 +92,15 @@ def _train(data: str, project: Path, trainer, model_name: str = "yolov5n.yaml", 
 
 @pytest.mark.parametrize("task", ["detect", "segment"])
 def test_the_model_takes_uint8_images_and_trains_as_with_float_ones(data, segment_data, tmp_path, task):
-    trainer, model, where = ((StepTrainer, "yolov5n.yaml", data) if task == "detect"
-                             else (SegmentTrainer, "yolov8n-seg.yaml", segment_data))
-    raw, raw_losses, raw_seen, row = _train(where, tmp_path, trainer, model)
+    trainer, model, where, epochs = ((StepTrainer, "yolov5n.yaml", data, 2) if task == "detect"
+                                     else (SegmentTrainer, "yolov8n-seg.yaml", segment_data, 1))
+    raw, raw_losses, raw_seen, row = _train(where, tmp_path, trainer, model, epochs)
     assert row.action == ON and "uint8" in row.detail
-    assert raw_seen == [torch.uint8] * 4
+    assert raw_seen == [torch.uint8] * 2 * epochs
     floats = functools.partial(trainer, raw_images=False)
-    ref, ref_losses, ref_seen, ref_row = _train(where, tmp_path, floats, model)
+    ref, ref_losses, ref_seen, ref_row = _train(where, tmp_path, floats, model, epochs)
     assert ref_row.action == OFF and ref_row.detail == "raw_images=False"
-    assert ref_seen == [torch.float32] * 4
+    assert ref_seen == [torch.float32] * 2 * epochs
     assert raw_losses == ref_losses
     ours, theirs = raw.trainer.model.state_dict(), ref.trainer.model.state_dict()
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
@@ -113,9 +114,9 @@ def test_the_model_takes_uint8_images_and_trains_as_with_float_ones(data, segmen
 def test_stays_off_where_float_images_are_read(data, tmp_path, case, reason):
     multi = case == "multi_scale"
     trainer, args = (StepTrainer, {"multi_scale": 0.5}) if multi else (OwnPreprocessTrainer, {})
-    _, losses, seen, row = _train(data, tmp_path, trainer, **args)
+    _, losses, seen, row = _train(data, tmp_path, trainer, epochs=1, **args)
     assert row.action == SKIPPED and row.detail.startswith(reason)
-    assert torch.float32 in seen and torch.uint8 not in seen and len(losses) == 4
+    assert torch.float32 in seen and torch.uint8 not in seen and len(losses) == 2
 
 
 def test_preprocess_owner_is_the_first_class_outside_trainfuse():
