@@ -185,8 +185,10 @@ _capacity: dict[tuple, int | None] = {}
 def per_sm(kernel, args: tuple, constexprs: dict, num_warps: int, device: torch.device) -> int | None:
     """How many programs of this specialization of ``kernel`` one SM of ``device`` holds at once
     (compiled without a launch), or None where the compiled kernel says nothing of its registers."""
+    # what Triton specializes on: tensors' dtypes and 16-byte alignment, ints equal to 1 or divisible by 16
     key = (kernel, device.index, num_warps, tuple(sorted(constexprs.items())),
-           tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args))
+           tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else (a == 1, a % 16 == 0) if isinstance(a, int) else type(a) for a in args))
     if key not in _capacity:
         used = compat.compiled_resources(kernel.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs))
         index = device.index if device.index is not None else torch.cuda.current_device()
