@@ -66,14 +66,18 @@ def _run(monkeypatch, persist, x, w, b, rm, rv, dy, split, running, tracked):
     return [o.detach() for o in outs] + grads + [t for t in (rm_, rv_, count) if t is not None]
 
 
-# every shape and layout in float16; the other dtypes on one shape
-CASES = ([(shape, channels_last, torch.float16) for shape in SHAPES for channels_last in (False, True)]
-         + [((2, 6, 5, 7), True, dtype) for dtype in (torch.float32, torch.bfloat16)])
+# (shape, channels_last, dtype, split): one output for every shape and layout in float16, the
+# halves for a block-aligned and an unaligned split, the other dtypes on one shape
+LAYOUTS = (False, True)
+CASES = ([(shape, cl, torch.float16, False) for shape in SHAPES for cl in LAYOUTS]
+         + [(shape, cl, torch.float16, True) for shape in ((2, 6, 5, 7), (2, 32, 4, 4)) for cl in LAYOUTS]
+         + [((2, 6, 5, 7), True, dtype, split) for dtype in (torch.float32, torch.bfloat16)
+            for split in (False, True)])
 
 
-@pytest.mark.parametrize("shape,channels_last,dtype", CASES,
-                         ids=[f"{s}-{'nhwc' if cl else 'nchw'}-{str(d)[6:]}" for s, cl, d in CASES])
-@pytest.mark.parametrize("split", [False, True], ids=["one", "halves"])
+@pytest.mark.parametrize("shape,channels_last,dtype,split", CASES,
+                         ids=[f"{s}-{'nhwc' if cl else 'nchw'}-{str(d)[6:]}-{'halves' if sp else 'one'}"
+                              for s, cl, d, sp in CASES])
 def test_one_launch_gives_the_two_launch_forwards_bits(monkeypatch, shape, channels_last, dtype, split):
     x, w, b, rm, rv, dy = _make(shape, dtype, channels_last)
     kept = x.clone()
@@ -85,8 +89,9 @@ def test_one_launch_gives_the_two_launch_forwards_bits(monkeypatch, shape, chann
     assert torch.equal(x, kept)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype,channels_last", [(torch.float16, False), (torch.float16, True),
+                                                 (torch.bfloat16, True)], ids=["float16-nchw", "float16-nhwc",
+                                                                               "bfloat16-nhwc"])
 def test_the_concatenations_writer_in_one_launch_each_way(monkeypatch, dtype, channels_last):
     """``batch_norm_silu_into`` (test_concat.py's three parts: a dense half, a shortcut, none) with
     its statistics and writes in one launch, and its sums and grads (the slice's and the dense
