@@ -79,20 +79,28 @@ def into_dx_kernel(x_ptr, g_ptr, e_ptr, dx_ptr, dr_ptr, scale_ptr, shift_ptr, me
     grad ``dr = g`` (``DR``), over tile ``q`` of channel block ``j`` (program ``q * CB + j``)."""
     q, j, c = tiles.program(CB, BC)
     cm = c < C
-    zero = tl.zeros([BC], tl.float32)
-    s, t, mean, invstd, dw, db = zero, zero, zero, zero, zero, zero  # read where DX (and TRAINING) needs them
-    if DX:
+    rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
+    x, g, m = bn_into_tiles.grads_tile(x_ptr, g_ptr, e_ptr, q, c, cm, rel,
+                                       tiles.tile_offsets(c, gC, gS, BR, REL32),
+                                       tiles.tile_offsets(c - DF, eC, eS, BR, REL32), S, NSB, sN, sS, gN, gS,
+                                       eN, eS, DF, BR, EVEN_S, MASKED, ADD)
+    if DR:
+        fbase, _ = tiles.tile_start(q, NSB, fN, fS, BR)
+        tiles.store_tile(dr_ptr + fbase + tiles.tile_offsets(c, fC, fS, BR, REL32), g, m, MASKED)
+    if DX:  # (bn_into_tiles.dx_tile's math, the constants read after the tile: fewer registers)
         s = tl.load(scale_ptr + c, mask=cm, other=0.0)
         t = tl.load(shift_ptr + c, mask=cm, other=0.0)
+        du = bn_stats.silu_du(x, g, s, t)
         if TRAINING:
             mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
             invstd = tl.load(invstd_ptr + c, mask=cm, other=0.0)
             dw = tl.load(dw_ptr + c, mask=cm, other=0.0)
             db = tl.load(db_ptr + c, mask=cm, other=0.0)
-    rel = tiles.tile_offsets(c, sC, sS, BR, REL32)
-    bn_into_tiles.dx_tile(x_ptr, g_ptr, e_ptr, dx_ptr, dr_ptr, q, c, cm, rel, s, t, mean, invstd, dw, db,
-                          M, S, NSB, sN, sS, gN, gC, gS, eN, eC, eS, DF, dN, dC, dS, fN, fC, fS, TRAINING, DX,
-                          DR, BR, EVEN_S, MASKED, ADD, REL32)
+            xhat = (x - mean[None, :]) * invstd[None, :]
+            du = du - db[None, :] / M - xhat * (dw[None, :] / M)
+        dbase, _ = tiles.tile_start(q, NSB, dN, dS, BR)
+        dx = du * s[None, :]
+        tiles.store_tile(dx_ptr + dbase + tiles.tile_offsets(c, dC, dS, BR, REL32), dx, m, MASKED)
 
 
 def _like(x: torch.Tensor, channels: int) -> torch.Tensor:
