@@ -413,4 +413,4 @@ def test_compiled_resources_of_a_kernel_on_the_gpu():
     kernel = triton.jit(_kernel_source)
     x = torch.zeros(16, device="cuda")
     regs, shared = compat.compiled_resources(kernel.warmup(x, 16, 16, BLOCK=16, grid=(1,)))
-    assert 0 < regs <= 255 and shared >= 0
+    assert isinstance(regs, int) and 0 <= regs <= 255 and shared >= 0  # an empty kernel may hold none
