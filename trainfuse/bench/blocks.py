@@ -7,7 +7,8 @@ YOLOv5n's stages at batch 16 and 640 px, float16, contiguous and channels_last. 
 bytes (forward 2 reads and a write, backward 4 reads and a write of the activation) over the
 measured copy bandwidth. Each fused call is also profiled by kernel (statistics, apply,
 grad sums, dx: GPU µs of each, and its share of its own floor: the statistics read the activation
-once, apply and the grad sums move it twice, dx three times), which shows what a small layer pays
+once, apply and the grad sums move it twice, dx three times; with ``TRAINFUSE_BN_PERSIST=1`` the
+one-launch forward and backward instead, three and five times), which shows what a small layer pays
 beside its bytes (the launch, the reductions' last program adding up the partials). Then a C2f
 bottleneck's tail on the same sizes in channels_last: BatchNorm, SiLU and the shortcut's add
 concatenated after another branch, its output read by the next bottleneck too, as torch's ops and
@@ -57,9 +58,11 @@ from trainfuse.nn.upsample_concat import upsample_concat, upsample_concat_torch
 # (channels, side): YOLO11m's stages at 640 px (64 at 320 to 512 at 20) and YOLOv5n's first
 LAYERS = [(64, 320), (128, 160), (256, 80), (512, 40), (512, 20), (16, 320)]
 ACCESSES = 8  # activation reads and writes of the fused forward (3) and backward (5)
-# the fused op's kernels and the activation reads and writes of each
+# the fused op's kernels and the activation reads and writes of each; with TRAINFUSE_BN_PERSIST=1
+# the one-launch forward and backward (trainfuse.nn.bn_persist) take the place of the first two and
+# the last two (their second read from cache where the map fits)
 KERNELS = {"bn_stats_kernel": 1, "bn_silu_apply_kernel": 2, "bn_silu_grad_sums_kernel": 2,
-           "bn_silu_dx_kernel": 3}
+           "bn_silu_dx_kernel": 3, "bn_stats_apply_kernel": 3, "bn_grad_dx_kernel": 5}
 
 
 def _torch_step(bn: nn.BatchNorm2d, x: torch.Tensor, dy: torch.Tensor):
@@ -313,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     print_table("BatchNorm2d + SiLU forward + backward, GPU ms per call replayed from a CUDA graph",
                 ["activation", "layout", "torch", "fused", "speedup", "fused % of floor"], rows)
     print_table("the fused op's kernels, GPU µs per call (% of each kernel's floor)",
-                ["activation", "layout", "statistics", "apply", "grad sums", "dx"], kernel_rows)
+                ["activation", "layout", "statistics", "apply", "grad sums", "dx", "one-launch forward",
+                 "one-launch backward"], kernel_rows)
     _concat_layers(report, args.batch)
     _pool_layers(report, args.batch)
     _neck_joins(report, args.batch)
