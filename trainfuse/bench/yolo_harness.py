@@ -138,23 +138,24 @@ def device_launches(prof) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-# kinds of GPU work by kernel name, first match wins: BatchNorm (cuDNN's and the fused op, its
-# kernels writing into a concatenation too), upsampling and pooling (torch's, and SPPF's and the
-# neck's fused ops), cuDNN's convolutions (forward, data and weight grads: xmma/implicit-GEMM
-# kernels), other matmuls (cuBLAS's nvjet kernels too, which run cuDNN's 1x1 convolutions in
-# channels_last), copies to the host (a checkpoint's, the logged losses': not the step's, and on
-# another stream where the trainer writes checkpoints in the background), copies and concatenation,
-# elementwise kernels (activations, adds, casts), reductions; the rest (trainfuse's loss and
-# optimizer kernels, ultralytics' own) is "other"
+# kinds of GPU work by kernel name, first match wins: BatchNorm (cuDNN's and the fused op, its kernels writing
+# into a concatenation and its one-launch kernels too), upsampling and pooling (torch's, and SPPF's and the
+# neck's fused ops), cuDNN's convolutions (forward, data and weight grads: xmma/implicit-GEMM kernels), other
+# matmuls (cuBLAS's nvjet kernels too, which run cuDNN's 1x1 convolutions in channels_last), copies to the
+# host (a checkpoint's, the logged losses': not the step's, and on another stream where the trainer writes
+# checkpoints in the background), copies and concatenation, elementwise kernels (activations, adds, casts, the
+# uint8 batch made the stem's input), reductions; the rest (trainfuse's loss and optimizer kernels,
+# ultralytics' own) is "other"
 KERNEL_KINDS = (
     ("to host", ("memcpy dtoh",)),
-    ("batchnorm", ("batch_norm", "batchnorm", "bn_", "welford", "into_apply", "into_dx", "into_grad_sums")),
+    ("batchnorm", ("batch_norm", "batchnorm", "bn_", "welford", "into_apply", "into_dx", "into_grad_sums",
+                   "into_stats_apply", "into_grad_dx")),
     ("upsample/pool", ("upsample", "up_concat", "max_pool", "pool_chain")),
     ("convolution", ("conv", "cudnn", "xmma", "implicit", "dgrad", "wgrad", "fprop", "nchwtonhwc",
                      "nhwctonchw")),
     ("matmul", ("gemm", "cutlass", "cublas", "nvjet")),
     ("copy/cat", ("copy", "catarray", "concat", "memcpy", "memset", "fill")),
-    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "image_input")),
     ("reduction", ("reduce",)),
 )
 
